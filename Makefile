@@ -1,0 +1,65 @@
+# Two commands do everything on a fresh machine:
+#   make run    set up, then run the main job
+#   make test   set up, then run the whole test suite
+# Set-up is idempotent: a stamp file records a finished install and is redone when pyproject.toml changes.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvgate-installed
+# torch first, pinned: 2.13.0 resolves to the CPU build on disk; anything unpinned pulls several GB of CUDA.
+TORCH_SPEC := torch==2.13.0
+# Debian packages the tests need, as "command:package" pairs; installed only when the command is missing.
+SYSTEM_DEPS := redis-server:redis-server
+PYTEST_ARGS ?=
+
+.PHONY: run test setup system-deps proto clean help
+
+help:
+	@echo "make run     set up .venv and the system packages, then run kvgate's main job"
+	@echo "make test    set up, then run the whole pytest suite (PYTEST_ARGS='-k foo' to narrow)"
+	@echo "make proto   regenerate the gRPC stubs in kvgate/v1 from proto/"
+	@echo "make clean   remove .venv and caches"
+
+setup: $(STAMP) system-deps
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[engine,test]'
+	@touch $(STAMP)
+
+system-deps:
+	@missing=""; \
+	for pair in $(SYSTEM_DEPS); do \
+	  cmd=$${pair%%:*}; pkg=$${pair##*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  sudo=""; [ "$$(id -u)" -ne 0 ] && sudo="sudo"; \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+# Until the whole stack lands (`kvgate up`), the main job validates the demo registry and prints its plan.
+run: setup
+	$(VENV)/bin/kvgate registry validate examples/registry
+	$(VENV)/bin/kvgate registry plan examples/registry
+
+# pytest exits 5 when it collected nothing: that is a broken set-up, not a pass.
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; the set-up is broken" >&2; exit 1; fi; \
+	exit $$rc
+
+proto: $(STAMP)
+	$(PY) -m kvgate.protogen
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,65 @@
+"""DESIGN.md's folder boundaries, checked on the source: who may import whom.
+
+| folder | may import (of ours) |
+| registry/ | nothing |
+| engine/ | registry, kvgate.v1 |
+| router/ | registry, kvgate.v1, kvgate.state, kvgate.clock |
+| autoscaler/ | registry, providers, kvgate.state, kvgate.clock |
+| providers/ | registry |
+| kvgate/ leaves (everything but cli.py and stack.py) | registry |
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OURS = ("registry", "engine", "router", "autoscaler", "providers", "kvgate")
+LEAVES = ("kvgate.clock", "kvgate.state", "kvgate.v1")
+ALLOWED = {
+    "registry": {"registry"},
+    "engine": {"engine", "registry", "kvgate.v1", "kvgate.clock"},
+    "router": {"router", "registry", "kvgate.v1", "kvgate.state", "kvgate.clock"},
+    "autoscaler": {"autoscaler", "registry", "providers", "kvgate.state", "kvgate.clock"},
+    "providers": {"providers", "registry", "kvgate.clock"},
+    "kvgate-leaf": {"registry", *LEAVES},
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {name for name in found if name.split(".")[0] in OURS}
+
+
+def allowed(name: str, rules: set[str]) -> bool:
+    return any(name == rule or name.startswith(rule + ".") for rule in rules)
+
+
+def source_files() -> list[tuple[str, Path]]:
+    files = []
+    for folder in ("registry", "engine", "router", "autoscaler", "providers"):
+        files += [(folder, p) for p in sorted((REPO / folder).rglob("*.py"))]
+    for path in sorted((REPO / "kvgate").rglob("*.py")):
+        relative = path.relative_to(REPO / "kvgate")
+        if relative.parts[0] not in ("cli.py", "stack.py", "protogen.py"):
+            files.append(("kvgate-leaf", path))
+    return files
+
+
+@pytest.mark.parametrize("folder,path", source_files(), ids=lambda v: str(v.relative_to(REPO)) if isinstance(v, Path) else v)
+def test_imports_respect_the_folder_boundaries(folder: str, path: Path) -> None:
+    bad = sorted(name for name in imports_of(path) if not allowed(name, ALLOWED[folder]))
+    assert bad == [], f"{path.relative_to(REPO)} ({folder}) may not import {bad}; see DESIGN.md 'Folders'"
+
+
+def test_kvgate_package_init_imports_nothing() -> None:
+    tree = ast.parse((REPO / "kvgate" / "__init__.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
