@@ -1,0 +1,37 @@
+"""The `kvgate` command: one entry point whose subcommands wrap each part's `python -m` entry."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from registry import cli as registry_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate",
+        description="kvgate: a cache-aware, multi-cloud inference router and autoscaler for LLM fleets.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    registry = commands.add_parser(
+        "registry", help="validate, diff (plan) and export the schema of a registry",
+        description="Config-as-code tooling for a registry of Model, Adapter, Pool and Tenant documents.")
+    registry_cli.configure(registry)
+    registry.set_defaults(run=registry_cli.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `kvgate registry schema | head`: the reader left; not an error of ours
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

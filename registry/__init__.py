@@ -1,0 +1,14 @@
+"""kvgate's config-as-code registry: Model, Adapter, Pool and Tenant documents in YAML.
+
+`load_registry(dir)` returns an immutable, versioned `Snapshot` or raises `RegistryInvalid` listing
+every problem with file and line. `plan` diffs two snapshots; `RegistryWatcher` hot-reloads.
+"""
+
+from registry.loader import load_registry
+from registry.plan import Plan, plan
+from registry.problems import Problem, RegistryInvalid
+from registry.snapshot import Resolved, Snapshot, UnknownName
+from registry.watch import RegistryWatcher
+
+__all__ = ["Plan", "Problem", "RegistryInvalid", "RegistryWatcher", "Resolved", "Snapshot", "UnknownName",
+           "load_registry", "plan"]

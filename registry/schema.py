@@ -1,0 +1,401 @@
+"""The registry's document kinds: `Model`, `Adapter`, `Pool` and `Tenant`.
+
+Each is a Kubernetes-style document (`apiVersion: kvgate/v1`, `kind`, `metadata.name`, `spec`).
+Everything here is frozen and forbids unknown fields, so a typo is an error, not a silently ignored
+setting. Checks that need only one document live here as validators; checks across documents (does
+the adapter's base model exist?) live in `registry.checks`.
+
+Units are in the names: `_s` seconds, `_ms` milliseconds, `_gib` GiB, `_bytes` bytes (which also
+accept "512MiB"-style strings), `_usd_per_hour` US dollars per hour.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
+
+API_VERSION = "kvgate/v1"
+# A GPU kind naming "no accelerator": CPU-only nodes (the local demo pool) offer it with 0 GPUs.
+CPU_KIND = "cpu"
+BUILTIN_MODELS = ("tiny-llama", "smollm2-135m")
+
+_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class FieldProblem(ValueError):
+    """A validator's complaint about one field of the model it validates, so errors point at that key."""
+
+    def __init__(self, field: str | tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.path: tuple[str, ...] = (field,) if isinstance(field, str) else field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class Metadata(_Strict):
+    name: str = Field(description="Unique per kind; lower-case letters, digits, '-' and '.', at most 63 characters "
+                      "(a DNS label, so it can name Kubernetes objects and cloud tags).")
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels, shown on the dashboard.")
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, name: str) -> str:
+        if not _NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a valid name: use lower-case letters, digits, '-' and '.', "
+                "starting and ending with a letter or digit, at most 63 characters"
+            )
+        return name
+
+
+def _check_source(source: str, *, allow_builtin: bool) -> str:
+    if source.startswith("builtin:"):
+        if not allow_builtin:
+            raise ValueError(f"{source!r}: adapters cannot be built in; give a local directory or s3://bucket/prefix")
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_MODELS:
+            allowed = ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
+            raise ValueError(f"unknown built-in model {source!r}; built-ins are {allowed}")
+    elif source.startswith("s3://"):
+        bucket = source.removeprefix("s3://").split("/", 1)[0]
+        if not bucket:
+            raise ValueError(f"{source!r} names no bucket; write s3://bucket/prefix")
+    elif "://" in source:
+        scheme = source.split("://", 1)[0]
+        raise ValueError(f"unsupported scheme {scheme!r} in {source!r}; use a local path, s3://bucket/prefix"
+                         + (" or builtin:NAME" if allow_builtin else ""))
+    elif not source.strip():
+        raise ValueError("source is empty")
+    return source
+
+
+# ---------------------------------------------------------------------------------------------- Model
+
+
+class RoutingPolicy(str, enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    CONSISTENT_HASH = "consistent_hash"
+    CACHE_AWARE = "cache_aware"
+
+
+class Backend(str, enum.Enum):
+    """What serves a static replica, which decides how the router reads its load."""
+
+    KVGATE = "kvgate"  # the bundled engine: gRPC WatchState
+    VLLM = "vllm"  # Prometheus /metrics, vllm:* names
+    SGLANG = "sglang"  # Prometheus /metrics, sglang:* names
+    OPENAI = "openai"  # any OpenAI-compatible server: only the gateway's own in-flight counts
+
+
+class Resources(_Strict):
+    gpu_kinds: tuple[str, ...] = Field(
+        default=(CPU_KIND,), min_length=1,
+        description="GPU kinds the model may run on, any of them (e.g. [H100, A100-80GB]); "
+                    "'cpu' means no accelerator.",
+    )
+    gpu_count: int = Field(default=0, ge=0, le=64, description="GPUs one replica needs; 0 only with gpu_kinds [cpu].")
+    min_gpu_memory_gib: float | None = Field(default=None, gt=0, description="Memory each GPU must have, in GiB.")
+
+    @model_validator(mode="after")
+    def _cpu_means_no_gpus(self) -> Resources:
+        if self.gpu_count == 0 and set(self.gpu_kinds) != {CPU_KIND}:
+            raise FieldProblem("gpu_kinds", f"gpu_count is 0 but gpu_kinds is {list(self.gpu_kinds)}; "
+                             "a replica without GPUs runs on gpu_kinds [cpu], otherwise set gpu_count >= 1")
+        if self.gpu_count > 0 and CPU_KIND in self.gpu_kinds:
+            raise FieldProblem("gpu_kinds", f"gpu_kinds includes 'cpu' but gpu_count is {self.gpu_count}; use gpu_count 0 for cpu")
+        return self
+
+
+class EngineSettings(_Strict):
+    block_size_tokens: int = Field(default=16, description="Tokens per KV-cache block; a power of two, 1 to 256.")
+    max_model_len_tokens: int = Field(default=2048, ge=16, description="Longest prompt plus completion, in tokens.")
+    max_batch_tokens: int = Field(default=2048, ge=16, description="Token budget of one engine step (chunked prefill).")
+    max_running_requests: int = Field(default=64, ge=1, description="Sequences one replica runs at once.")
+    kv_cache_bytes: ByteSize | None = Field(
+        default=None, description="KV-cache memory per replica, e.g. 512MiB; unset: sized from free memory.")
+    max_loaded_adapters: int = Field(default=4, ge=0, description="LoRA adapters held in memory at once (LRU).")
+    max_adapter_rank: int = Field(default=16, ge=1, le=512, description="Largest LoRA rank the engine accepts.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+
+    @field_validator("block_size_tokens")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value < 1 or value > 256 or value & (value - 1):
+            raise ValueError(f"got {value}; allowed: a power of two from 1 to 256 (16 is usual)")
+        return value
+
+
+class StaticReplica(_Strict):
+    url: str = Field(description="Base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:8000.")
+    backend: Backend = Field(default=Backend.OPENAI, description="What serves it: kvgate, vllm, sglang or openai.")
+    grpc_target: str | None = Field(default=None, description="host:port of a kvgate engine's ReplicaState stream.")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
+            raise ValueError(f"{url!r} is not an http(s) URL like http://10.0.0.5:8000")
+        return url.rstrip("/")
+
+
+class Routing(_Strict):
+    policy: RoutingPolicy = Field(default=RoutingPolicy.CACHE_AWARE,
+                                  description="round_robin, least_load, consistent_hash or cache_aware.")
+    prefix_chunk_chars: int = Field(default=256, ge=16, le=65536,
+                                    description="Characters per hashed prefix chunk of the canonical prompt.")
+    load_epsilon: float = Field(default=0.25, ge=0, le=10,
+                                description="Load bound: no replica above (1 + epsilon) x mean load + 1 "
+                                            "while another has room.")
+    max_queued_requests: int = Field(default=256, ge=0,
+                                     description="Requests held at a gateway while the model has no ready replica.")
+    max_retries: int = Field(default=2, ge=0, le=10, description="Retries on other replicas before the first byte.")
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    stream_idle_timeout_s: float = Field(default=60.0, gt=0)
+    static_replicas: tuple[StaticReplica, ...] = Field(
+        default=(), description="Existing servers to front (vLLM, SGLang, ...); such a model is not autoscaled.")
+
+
+class Scaling(_Strict):
+    min_replicas: int = Field(default=1, ge=0, description="Fewest replicas; 0 allows scale to zero.")
+    max_replicas: int = Field(default=1, ge=1, description="Most replicas.")
+    target_ongoing_requests: float = Field(default=8.0, gt=0,
+                                           description="Queued plus running requests each replica should carry.")
+    stable_window_s: float = Field(default=60.0, gt=0, description="Averaging window for normal decisions.")
+    panic_window_s: float = Field(default=6.0, gt=0, description="Short window that detects bursts.")
+    panic_threshold: float = Field(default=2.0, gt=1,
+                                   description="Panic when panic-window demand reaches this multiple of capacity.")
+    max_scale_up_rate: float = Field(default=10.0, gt=1, description="Most growth per decision, as a factor.")
+    max_scale_down_rate: float = Field(default=2.0, gt=1, description="Most shrinkage per decision, as a divisor.")
+    scale_up_delay_s: float = Field(default=0.0, ge=0)
+    scale_down_delay_s: float = Field(default=30.0, ge=0)
+    scale_to_zero_grace_s: float = Field(default=300.0, ge=0, description="Idle time before going to zero.")
+    max_queue_wait_s: float | None = Field(
+        default=None, gt=0,
+        description="How long a request may wait at the gateway for a replica to start; required with min_replicas 0.")
+    forecast_enabled: bool = Field(default=True, description="Start replicas one cold start ahead of forecast load.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Scaling:
+        if self.min_replicas > self.max_replicas:
+            raise FieldProblem("min_replicas", f"min_replicas ({self.min_replicas}) is greater than max_replicas ({self.max_replicas})")
+        if self.panic_window_s > self.stable_window_s:
+            raise FieldProblem("panic_window_s", f"panic_window_s ({self.panic_window_s}) is longer than "
+                             f"stable_window_s ({self.stable_window_s}); the panic window must be the shorter")
+        if self.min_replicas == 0 and self.max_queue_wait_s is None:
+            raise FieldProblem("min_replicas", "min_replicas is 0, so requests may arrive while no replica runs: "
+                             "set max_queue_wait_s to say how long they may wait (e.g. 120)")
+        return self
+
+
+class Placement(_Strict):
+    pools: tuple[str, ...] = Field(default=(), description="Pools the model may use; empty means every pool.")
+    allow_spot: bool = Field(default=False, description="May replicas run on spot capacity?")
+    on_demand_base_replicas: int = Field(default=0, ge=0,
+                                         description="Replicas kept on on-demand capacity when spot is allowed.")
+
+
+class Slo(_Strict):
+    ttft_ms: float | None = Field(default=None, gt=0, description="Target time to first token.")
+    time_per_output_token_ms: float | None = Field(default=None, gt=0, description="Target time per output token.")
+
+
+class ModelSpec(_Strict):
+    source: str = Field(description="Weights: a local HF directory, s3://bucket/prefix, or builtin:NAME "
+                                    f"({', '.join(BUILTIN_MODELS)}).")
+    description: str = ""
+    resources: Resources = Field(default_factory=Resources)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    routing: Routing = Field(default_factory=Routing)
+    scaling: Scaling = Field(default_factory=Scaling)
+    placement: Placement = Field(default_factory=Placement)
+    slo: Slo = Field(default_factory=Slo)
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, source: str) -> str:
+        return _check_source(source, allow_builtin=True)
+
+    @model_validator(mode="after")
+    def _base_within_max(self) -> ModelSpec:
+        if self.placement.on_demand_base_replicas > self.scaling.max_replicas:
+            raise FieldProblem(("placement", "on_demand_base_replicas"), f"placement.on_demand_base_replicas ({self.placement.on_demand_base_replicas}) "
+                             f"exceeds scaling.max_replicas ({self.scaling.max_replicas})")
+        return self
+
+
+# -------------------------------------------------------------------------------------------- Adapter
+
+
+class AdapterSpec(_Strict):
+    base_model: str = Field(description="The Model this LoRA adapter applies to.")
+    source: str = Field(description="A PEFT directory (adapter_config.json, adapter_model.safetensors) "
+                                    "or s3://bucket/prefix.")
+    rank: int = Field(ge=1, le=512, description="LoRA rank; at most the base model's engine.max_adapter_rank.")
+    description: str = ""
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, source: str) -> str:
+        return _check_source(source, allow_builtin=False)
+
+
+# ----------------------------------------------------------------------------------------------- Pool
+
+
+class Provider(str, enum.Enum):
+    LOCAL = "local"
+    AWS = "aws"
+    KUBERNETES = "kubernetes"
+    FAKE = "fake"
+
+
+class CapacityType(str, enum.Enum):
+    SPOT = "spot"
+    ON_DEMAND = "on_demand"
+
+
+class Offer(_Strict):
+    instance_type: str = Field(description="What the provider sells, e.g. p5.48xlarge, or a node class.")
+    gpu_kind: str = Field(description="GPU kind, e.g. H100; 'cpu' for nodes without GPUs.")
+    gpu_count: int = Field(ge=0, le=64)
+    gpu_memory_gib: float = Field(default=0.0, ge=0, description="Memory per GPU.")
+    cpus: int | None = Field(default=None, ge=1)
+    memory_gib: float | None = Field(default=None, gt=0)
+    capacity_type: CapacityType = CapacityType.ON_DEMAND
+    price_usd_per_hour: float = Field(ge=0, description="Price of one node.")
+    zones: tuple[str, ...] = Field(default=(), description="Zones it is sold in; empty means any zone of the region.")
+
+    @model_validator(mode="after")
+    def _cpu_means_no_gpus(self) -> Offer:
+        if (self.gpu_kind == CPU_KIND) != (self.gpu_count == 0):
+            raise FieldProblem("gpu_count", f"gpu_kind {self.gpu_kind!r} with gpu_count {self.gpu_count}: "
+                             "'cpu' offers have gpu_count 0, GPU offers have gpu_count >= 1")
+        return self
+
+
+class LocalSettings(_Strict):
+    host: str = Field(default="127.0.0.1", description="Address engine replicas listen on.")
+    work_dir: str = Field(default=".kvgate/local", description="Logs and pid files of local replicas.")
+
+
+class AwsSettings(_Strict):
+    endpoint_url: str | None = Field(default=None, description="EC2 API endpoint override (tests, private APIs).")
+    image_id: str | None = Field(default=None, description="AMI with drivers; unset: the provider's default.")
+    subnet_ids: tuple[str, ...] = ()
+    security_group_ids: tuple[str, ...] = ()
+    key_name: str | None = None
+    iam_instance_profile: str | None = None
+
+
+class KubernetesSettings(_Strict):
+    namespace: str = "default"
+    kubeconfig: str | None = Field(default=None, description="Path to a kubeconfig; unset: in-cluster config.")
+    context: str | None = None
+    image: str = Field(default="ghcr.io/kvgate/kvgate:latest", description="Image that runs `kvgate engine`.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="e.g. gpu.nvidia.com/class: H100.")
+    node_pool: str | None = Field(default=None, description="A node-pool object the provider may resize.")
+
+
+class PoolSpec(_Strict):
+    provider: Provider = Field(description="local, aws, kubernetes or fake.")
+    region: str | None = Field(default=None, description="Cloud region; required for aws.")
+    offers: tuple[Offer, ...] = Field(min_length=1, description="What this pool sells, with prices.")
+    max_nodes: int | None = Field(default=None, ge=0, description="Quota: most nodes at once.")
+    max_gpus: int | None = Field(default=None, ge=0, description="Quota: most GPUs at once.")
+    budget_usd_per_hour: float | None = Field(default=None, ge=0, description="Most spend per hour in this pool.")
+    node_boot_s: float = Field(default=120.0, ge=0, description="Time from buying a node to it being usable.")
+    local: LocalSettings | None = None
+    aws: AwsSettings | None = None
+    kubernetes: KubernetesSettings | None = None
+
+    @model_validator(mode="after")
+    def _settings_match_provider(self) -> PoolSpec:
+        provider = self.provider.value
+        for block in ("local", "aws", "kubernetes"):
+            if getattr(self, block) is not None and block != provider:
+                raise FieldProblem(block, f"has a '{block}' block but provider is {provider!r}; "
+                                 f"only a '{provider}' block belongs here")
+        if self.provider is Provider.AWS and not self.region:
+            raise FieldProblem("provider", "provider 'aws' needs a region, e.g. region: us-east-1")
+        return self
+
+
+# --------------------------------------------------------------------------------------------- Tenant
+
+
+class RateLimits(_Strict):
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    tokens_per_minute: float | None = Field(default=None, gt=0, description="Prompt plus completion tokens.")
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+
+
+class TenantSpec(_Strict):
+    api_key_sha256: str = Field(description="Hex SHA-256 of the tenant's API key; use ${ENV_VAR} to keep it out "
+                                            "of git. `printf %s KEY | sha256sum` computes it.")
+    models: tuple[str, ...] = Field(min_length=1, description="Models and adapters it may use; '*' means all.")
+    rate_limits: RateLimits = Field(default_factory=RateLimits)
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _sha256(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not _SHA256_HEX.fullmatch(value):
+            raise ValueError("is not a hex SHA-256 (64 hex digits); store the key's hash, never the key: "
+                             "`printf %s KEY | sha256sum`")
+        return value
+
+
+# ------------------------------------------------------------------------------------------ Documents
+
+
+class _Document(_Strict):
+    apiVersion: Literal["kvgate/v1"] = Field(description="Always kvgate/v1.")
+    metadata: Metadata
+
+
+class ModelDoc(_Document):
+    """A served base model: where its weights are, what it needs, how it is routed and scaled."""
+
+    kind: Literal["Model"]
+    spec: ModelSpec
+
+
+class AdapterDoc(_Document):
+    """A LoRA adapter on a base model; clients name it in the request's `model` field."""
+
+    kind: Literal["Adapter"]
+    spec: AdapterSpec
+
+
+class PoolDoc(_Document):
+    """One place to buy nodes: a provider, a region, offers with prices, quota and budget."""
+
+    kind: Literal["Pool"]
+    spec: PoolSpec
+
+
+class TenantDoc(_Document):
+    """An API key (by hash), the models it may use and its rate limits."""
+
+    kind: Literal["Tenant"]
+    spec: TenantSpec
+
+
+Document = Annotated[Union[ModelDoc, AdapterDoc, PoolDoc, TenantDoc], Field(discriminator="kind")]
+DOCUMENT_CLASSES: Mapping[str, type[_Document]] = MappingProxyType({
+    "Model": ModelDoc,
+    "Adapter": AdapterDoc,
+    "Pool": PoolDoc,
+    "Tenant": TenantDoc,
+})
+KINDS = tuple(DOCUMENT_CLASSES)

@@ -1,0 +1,69 @@
+"""Single-document rules: what a field accepts and what it rejects, with the message a user sees."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from registry.schema import ModelSpec, Offer, PoolSpec, Scaling, TenantSpec
+
+
+def error_of(cls, data) -> str:
+    with pytest.raises(ValidationError) as caught:
+        cls.model_validate(data)
+    return str(caught.value)
+
+
+def test_scale_to_zero_must_say_how_long_requests_wait() -> None:
+    assert "set max_queue_wait_s" in error_of(Scaling, {"min_replicas": 0, "max_replicas": 2})
+    assert Scaling.model_validate({"min_replicas": 0, "max_replicas": 2, "max_queue_wait_s": 30}).min_replicas == 0
+
+
+def test_panic_window_must_be_shorter_than_stable_window() -> None:
+    assert "must be the shorter" in error_of(Scaling, {"stable_window_s": 10, "panic_window_s": 20})
+
+
+@pytest.mark.parametrize("source", ["builtin:gpt-5", "ftp://host/x", "s3://", ""])
+def test_bad_model_sources_are_rejected(source: str) -> None:
+    error_of(ModelSpec, {"source": source})
+
+
+@pytest.mark.parametrize("source", ["builtin:tiny-llama", "s3://bucket/prefix", "/models/llama", "./weights"])
+def test_model_sources(source: str) -> None:
+    assert ModelSpec.model_validate({"source": source}).source == source
+
+
+def test_byte_sizes_accept_units() -> None:
+    spec = ModelSpec.model_validate({"source": "/m", "engine": {"kv_cache_bytes": "512MiB"}})
+    assert spec.engine.kv_cache_bytes == 512 * 1024 * 1024
+
+
+@pytest.mark.parametrize("block", [0, 3, 24, 512])
+def test_block_size_is_a_power_of_two_up_to_256(block: int) -> None:
+    assert "power of two" in error_of(ModelSpec, {"source": "/m", "engine": {"block_size_tokens": block}})
+
+
+def test_gpu_count_zero_means_cpu() -> None:
+    assert "gpu_kinds [cpu]" in error_of(ModelSpec, {"source": "/m", "resources": {"gpu_kinds": ["H100"],
+                                                                                   "gpu_count": 0}})
+    assert "gpu_count 0" in error_of(Offer, {"instance_type": "x", "gpu_kind": "cpu", "gpu_count": 1,
+                                             "price_usd_per_hour": 1})
+
+
+def test_provider_blocks_must_match_the_provider() -> None:
+    offer = {"instance_type": "x", "gpu_kind": "cpu", "gpu_count": 0, "price_usd_per_hour": 0}
+    assert "only a 'local' block" in error_of(PoolSpec, {"provider": "local", "offers": [offer], "kubernetes": {}})
+    assert "needs a region" in error_of(PoolSpec, {"provider": "aws", "offers": [offer]})
+
+
+def test_tenant_key_hash_is_64_hex_digits_and_normalised() -> None:
+    assert "never the key" in error_of(TenantSpec, {"api_key_sha256": "sk-live-123", "models": ["*"]})
+    spec = TenantSpec.model_validate({"api_key_sha256": "AB" * 32, "models": ["*"]})
+    assert spec.api_key_sha256 == "ab" * 32
+
+
+def test_snapshot_values_are_frozen() -> None:
+    spec = ModelSpec.model_validate({"source": "/m"})
+    with pytest.raises(ValidationError):
+        spec.source = "/other"  # type: ignore[misc]
+    assert isinstance(spec.routing.static_replicas, tuple)
