@@ -1,0 +1,55 @@
+"""kvgate's state store: membership, counters, token buckets, leases and durable records.
+
+`StateStore` (in `base`) is the interface; `MemoryStateStore` serves one process and
+`RedisStateStore` many. `open_state_store` picks one from a URL, for the composition root.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from kvgate.clock import Clock
+from kvgate.state.base import (
+    MemberRecord,
+    ReplicaState,
+    StateStore,
+    StateStoreError,
+    StateStoreUnavailable,
+    StoredRecord,
+    TokenBucketResult,
+    VersionConflict,
+)
+from kvgate.state.memory import MemoryStateStore
+from kvgate.state.redis_store import RedisStateStore
+
+__all__ = [
+    "MemberRecord",
+    "MemoryStateStore",
+    "RedisStateStore",
+    "ReplicaState",
+    "StateStore",
+    "StateStoreError",
+    "StateStoreUnavailable",
+    "StoredRecord",
+    "TokenBucketResult",
+    "VersionConflict",
+    "open_state_store",
+]
+
+_SCHEMES = ("memory", "redis", "rediss")
+
+
+def open_state_store(url: str, clock: Clock, *, prefix: str = "kvgate:") -> StateStore:
+    """A store for `url`: "memory://" (this process only), or "redis://host:port/db" /
+    "rediss://..." (shared; `prefix` namespaces the keys so several clusters can share one Redis).
+
+    Does no I/O: an unreachable Redis shows up as `StateStoreUnavailable` on first use.
+    Raises ValueError for any other scheme, naming the allowed ones.
+    """
+    scheme = urlsplit(url).scheme
+    if scheme == "memory":
+        return MemoryStateStore(clock)
+    if scheme in ("redis", "rediss"):
+        return RedisStateStore.from_url(url, clock, prefix=prefix)
+    allowed = ", ".join(f"{s}://" for s in _SCHEMES)
+    raise ValueError(f"state store URL {url!r}: unknown scheme {scheme!r}; allowed: {allowed}")
