@@ -1,0 +1,269 @@
+"""Continuous batching with chunked prefill, prefix-cache lookup and preemption by recompute.
+
+One engine step (see engine/sequence.py): `schedule()` picks which tokens of which sequences to
+compute under a per-step token budget, the runner computes them, `update()` advances the sequences,
+appends sampled tokens and finishes sequences that hit a token-level stop.
+
+Policy of one `schedule()` (modelled on vLLM v1, with decodes first as in Sarathi-Serve):
+1. RUNNING sequences, decoding ones first (1 token each: a long prefill must not stall every decode),
+   then ones still prefilling (their next chunk), each in admission order, while budget lasts.
+   When the pool cannot hold a sequence's next tokens, the NEWEST running sequence is preempted by
+   recompute (blocks freed, num_computed_tokens = 0, front of the waiting queue) and the check
+   retried; if the newest is the sequence itself, it is the one preempted.
+2. WAITING sequences in FIFO order (preempted ones at the front), only if step 1 preempted nobody
+   (admitting while evicting would thrash), while there are budget, seats (max_num_seqs) and blocks.
+   Admission attaches the cached prefix, then prefills a chunk of min(remaining, budget) tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import (FinishReason, ModelInput, ModelOutput, SampledToken, ScheduledSeq,
+                             Sequence, SequenceStatus)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int  # seats: sequences RUNNING at once
+    max_num_batched_tokens: int  # per-step token budget, prefill chunks and decodes together
+    max_model_len: int  # prompt + generated tokens of one sequence, at most
+    eos_token_ids: tuple[int, ...] = ()
+    # Cap on one sequence's prefill chunk per step, so several prompts share a step instead of the
+    # oldest taking the whole budget (vLLM's long_prefill_token_threshold). None: no cap.
+    long_prefill_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {getattr(self, name)!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2; got {self.max_model_len!r}")
+        if self.long_prefill_chunk is not None and self.long_prefill_chunk < 1:
+            raise ValueError(f"long_prefill_chunk must be None or an integer >= 1; "
+                             f"got {self.long_prefill_chunk!r}")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One sampled token, already appended to `seq`; finish_reason is set when it ended the sequence."""
+
+    seq: Sequence
+    new_token_id: int
+    sampled: SampledToken
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    """Owns and mutates every Sequence of one replica. Synchronous, no clock reads, no I/O."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        capacity_tokens = block_manager.num_total_blocks * block_manager.block_size
+        if capacity_tokens < config.max_model_len:
+            # Otherwise a lone sequence could outgrow the pool and preempt itself forever.
+            raise ValueError(f"the KV pool holds {capacity_tokens} tokens "
+                             f"({block_manager.num_total_blocks} blocks of {block_manager.block_size}); "
+                             f"max_model_len {config.max_model_len} needs at least that many")
+        self.config = config
+        self.block_manager = block_manager
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # admission order: the newest is last
+        self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
+        self._released: list[int] = []  # finished since the last schedule()
+        self.num_preemptions_total = 0  # a counter for metrics: preemptions mean the KV pool is too small
+
+    # ----- requests in and out
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises ValueError for an empty prompt, a prompt that leaves no room
+        to generate (len(prompt) >= max_model_len), a seq_id in use, or a sequence already started."""
+        num_prompt = seq.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty; a request needs at least one prompt token")
+        if num_prompt >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens; this model's maximum length is "
+                             f"{self.config.max_model_len} tokens, prompt and output together")
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq.seq_id} is already in use")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} has already been scheduled")
+        self._seqs[seq.seq_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, seq_id: int) -> bool:
+        """Cancel a sequence: free its blocks at once, finish it with ABORT. False if it is unknown or
+        already finished. Safe between schedule() and update(): update() skips it."""
+        return self.finish(seq_id, FinishReason.ABORT)
+
+    def finish(self, seq_id: int, reason: FinishReason) -> bool:
+        """Finish a sequence for a reason found outside the scheduler (a stop string). Same contract
+        as abort()."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence with this id, or None."""
+        return self._seqs.get(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ----- one step
+
+    def schedule(self) -> ModelInput:
+        """Choose this step's work. The result lists each sequence at most once; its block_table
+        covers every position up to the end of its chunk."""
+        scheduled: dict[int, ScheduledSeq] = {}
+        budget, preempted = self._schedule_running(scheduled)
+        if not preempted:
+            self._admit_waiting(scheduled, budget)
+        released, self._released = tuple(self._released), []
+        return ModelInput(seqs=tuple(scheduled.values()), released_seq_ids=released)
+
+    def update(self, batch: ModelInput, output: ModelOutput) -> list[StepResult]:
+        """Apply the runner's answer to `batch`: advance each scheduled sequence by its chunk, cache
+        its newly full blocks, append each sampled token and apply token-level stops. Sequences
+        finished or aborted since schedule() are skipped. Raises ValueError if `output` does not hold
+        exactly one token per sampling sequence of `batch`, in order."""
+        sampled = _pair_samples(batch, output)
+        results = []
+        for work in batch.seqs:
+            seq = self._seqs.get(work.seq_id)
+            if (seq is None or seq.status is not SequenceStatus.RUNNING
+                    or seq.num_computed_tokens != work.start_pos):
+                continue  # finished, aborted or preempted since this batch was scheduled
+            seq.num_computed_tokens += len(work.token_ids)
+            self.block_manager.commit_full_blocks(seq)
+            if not work.sample:
+                continue
+            token = sampled[work.seq_id]
+            seq.output_token_ids.append(token.token_id)
+            reason = self._stop_reason(seq, token.token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+            results.append(StepResult(seq, token.token_id, token, reason))
+        return results
+
+    # ----- internals
+
+    def _schedule_running(self, scheduled: dict[int, ScheduledSeq]) -> tuple[int, bool]:
+        """Step 1 of the policy. Returns the budget left and whether anything was preempted."""
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        decoding = [s for s in self._running if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in self._running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk_len(seq, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self._running[-1]
+                budget += self._preempt(victim, scheduled)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.allocate(seq, num_new)
+                scheduled[seq.seq_id] = self._work(seq, num_new)
+                budget -= num_new
+        return budget, preempted
+
+    def _admit_waiting(self, scheduled: dict[int, ScheduledSeq], budget: int) -> None:
+        """Step 2 of the policy: FIFO, stopping at the first sequence that does not fit."""
+        blocks = self.block_manager
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            seq = self._waiting[0]
+            num_cached = blocks.allocate_prefix(seq)
+            seq.num_computed_tokens = num_cached
+            num_new = self._chunk_len(seq, budget)
+            if not blocks.can_allocate(seq, num_new):
+                blocks.free(seq)  # give the prefix back; retried next step
+                seq.num_computed_tokens = 0
+                return
+            blocks.allocate(seq, num_new)
+            self._waiting.popleft()
+            self._running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+                blocks.record_prefix_query(seq.num_prompt_tokens, num_cached)
+            scheduled[seq.seq_id] = self._work(seq, num_new)
+            budget -= num_new
+
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if self.config.long_prefill_chunk is not None:
+            num_new = min(num_new, self.config.long_prefill_chunk)
+        return num_new
+
+    def _work(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        prompt = seq.prompt_token_ids
+        if end <= len(prompt):
+            token_ids = prompt[start:end]
+        else:  # the chunk reaches into generated tokens: a decode, or recomputing after preemption
+            outputs = seq.output_token_ids[max(0, start - len(prompt)):end - len(prompt)]
+            token_ids = (*prompt[start:], *outputs)
+        return ScheduledSeq(seq_id=seq.seq_id, token_ids=tuple(token_ids), start_pos=start,
+                            block_table=tuple(seq.block_table), sample=end == seq.num_tokens,
+                            params=seq.params, output_token_ids=tuple(seq.output_token_ids),
+                            adapter=seq.adapter)
+
+    def _preempt(self, seq: Sequence, scheduled: dict[int, ScheduledSeq]) -> int:
+        """Preempt by recompute; returns the budget it gave back if it was already scheduled."""
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._waiting.appendleft(seq)
+        work = scheduled.pop(seq.seq_id, None)
+        return len(work.token_ids) if work is not None else 0
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        """Token-level stops. A stop token wins over a length limit reached by the same token: the
+        sequence ended naturally. The stop token stays in output_token_ids (the detokenizer hides it)."""
+        params = seq.params
+        is_eos = not params.ignore_eos and token_id in self.config.eos_token_ids
+        if is_eos or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.seq_id]
+        self._released.append(seq.seq_id)
+
+
+def _pair_samples(batch: ModelInput, output: ModelOutput) -> dict[int, SampledToken]:
+    expected = [work.seq_id for work in batch.seqs if work.sample]
+    got = [token.seq_id for token in output.sampled]
+    if got != expected:
+        raise ValueError(f"the runner sampled for sequences {got}; the batch asked for {expected}")
+    return {token.seq_id: token for token in output.sampled}
