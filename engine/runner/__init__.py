@@ -1,0 +1,13 @@
+"""The runner: the engine's only torch code. One forward pass of a Llama-family decoder over a batch of
+scheduled sequences, reading and writing a paged KV cache.
+
+    config.py (engine/)  ModelConfig, parsed from config.json (plain Python)
+    weights.py           safetensors -> model parameters, with errors naming file and tensor
+    model.py             the decoder: RMSNorm, rotary embeddings, attention projections, SwiGLU MLP
+    kv_cache.py          the paged KV cache and the reusable gather workspace
+    attention.py         per-step attention metadata and paged attention over the cache
+    runner.py            ModelRunner: ModelInput -> logits of the sequences that sample
+
+Import `engine.runner.runner.ModelRunner`; this package module imports nothing, so importing one
+submodule (the sampler, say) does not load the model code.
+"""

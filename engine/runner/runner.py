@@ -1,0 +1,103 @@
+"""ModelRunner: loads a model and its paged KV cache, and turns a scheduled batch into logits.
+
+One step is one forward pass over every token of the batch, flattened: the embedding, each layer's
+projections and MLP run as single matmuls over all tokens; attention alone follows sequence boundaries
+through StepMetadata (built once per step, shared by every layer). Logits are computed only at the last
+token of each sequence that samples, which skips the vocabulary projection for the rest of a prefill.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig, ModelLoadError, load_model_config
+from engine.runner.attention import build_step_metadata
+from engine.runner.kv_cache import PagedKVCache, bytes_per_block
+from engine.runner.linear import pick_linear
+from engine.runner.model import LlamaModel
+from engine.runner.weights import load_weights
+from engine.sequence import ModelInput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    """"auto" takes the checkpoint's dtype (float32 when the config does not say)."""
+    if name == "auto":
+        name = config.torch_dtype or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    """The model, its weights and its KV cache on one device.
+
+    `compute_logits` is not reentrant: steps run one at a time, since they share the cache's workspace.
+    Raises ModelLoadError from the constructor when the model directory cannot be loaded or the KV budget
+    does not hold one block.
+    """
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str | None = None,
+                 kv_cache_bytes: int, block_size: int = 16, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 64) -> None:
+        for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_num_seqs", max_num_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        self.config = load_model_config(model_dir)
+        self.dtype = resolve_dtype(dtype, self.config)
+        self.device = resolve_device(device)
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        block_bytes = bytes_per_block(num_layers=self.config.num_hidden_layers, block_size=block_size,
+                                      num_kv_heads=self.config.num_key_value_heads,
+                                      head_dim=self.config.head_dim, dtype=self.dtype)
+        if kv_cache_bytes < block_bytes:
+            raise ModelLoadError(
+                f"kv_cache_bytes={kv_cache_bytes} holds no KV block: one block of {block_size} tokens needs "
+                f"{block_bytes} bytes ({self.config.num_hidden_layers} layers x K,V x {block_size} tokens x "
+                f"{self.config.num_key_value_heads} kv heads x {self.config.head_dim} dims x "
+                f"{torch.empty((), dtype=self.dtype).element_size()} bytes per value)")
+        self.num_kv_blocks = kv_cache_bytes // block_bytes
+        with torch.inference_mode():
+            self.model = LlamaModel(self.config, self.dtype, self.device)
+            load_weights(self.model, model_dir)
+            self.linear_backend = pick_linear(self.device, self.dtype)
+            self.model.prepare(self.linear_backend)
+        # The workspace starts large enough for a step whose sequences hold about max_num_batched_tokens
+        # tokens plus one partly filled block each, K and V; it doubles if a step needs more.
+        workspace_blocks = 2 * min(self.num_kv_blocks, -(-max_num_batched_tokens // block_size) + max_num_seqs)
+        self.kv_cache = PagedKVCache(
+            num_layers=self.config.num_hidden_layers, num_blocks=self.num_kv_blocks, block_size=block_size,
+            num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim, dtype=self.dtype,
+            device=self.device, initial_workspace_blocks=workspace_blocks)
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ModelInput) -> torch.Tensor:
+        """Run one step: write the KV of every scheduled token into the cache and return float32 logits
+        [number of sequences with sample=True, vocab_size], rows in batch order.
+
+        Raises ValueError for a batch over max_num_seqs or max_num_batched_tokens, a position past the
+        model's limit, or a block table that does not cover its positions."""
+        if len(batch.seqs) > self.max_num_seqs:
+            raise ValueError(f"batch has {len(batch.seqs)} sequences; max_num_seqs is {self.max_num_seqs}")
+        if batch.num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"batch has {batch.num_tokens} tokens; max_num_batched_tokens is "
+                             f"{self.max_num_batched_tokens}")
+        meta = build_step_metadata(batch, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                                   max_positions=self.config.max_position_embeddings,
+                                   max_gather_blocks=self.kv_cache.max_gather_blocks, device=self.device)
+        hidden = self.model(meta, self.kv_cache)
+        if meta.sample_indices.numel() == 0:  # a step of prefill chunks that all stop short of the end
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model.logits(hidden.index_select(0, meta.sample_indices))
