@@ -1,2 +1,32 @@
-"""The bundled paged-attention replica server (paged KV cache, prefix caching, continuous batching,
-multi-LoRA, OpenAI API). Only the runner module will import torch. Built in the engine issues."""
+"""The bundled paged-attention engine: paged KV cache, automatic prefix caching, continuous batching
+with chunked prefill, sampling. Only `engine.runner` imports torch.
+
+    from engine import LLM, SamplingParams
+
+`LLM` and `AsyncLLM` are imported lazily so that importing `engine.scheduler` or
+`engine.block_manager` never loads torch or tokenizers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.sequence import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
+    from engine.llm import LLM
+
+__all__ = ["LLM", "AsyncLLM", "FinishReason", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "AsyncLLM":
+        from engine.async_llm import AsyncLLM
+
+        return AsyncLLM
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,182 @@
+"""The engine core: one model, its KV cache, a scheduler, and the step that ties them together.
+
+    step():  batch = scheduler.schedule()          which tokens of which sequences, under the budget
+             logits = runner.compute_logits(batch)  one forward pass over the paged KV cache (torch)
+             sampled = sampler(logits, ...)         one token per sequence that reached its end
+             results = scheduler.update(...)        append tokens, token-level stops, free blocks
+             detokenize, stop strings               text deltas; a stop string finishes the sequence
+
+`EngineCore` is synchronous and single-threaded; `engine.llm.LLM` drives it for offline batches and
+`engine.async_llm.AsyncLLM` drives it from a worker thread for servers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.block_manager import BlockManager
+from engine.builtin import resolve_model_source
+from engine.detokenizer import IncrementalDetokenizer
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, ModelOutput, SampledToken, SamplingParams, Sequence
+from engine.tokenizer import Tokenizer
+
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine instance. Sizes are per replica."""
+
+    model: str  # builtin:NAME or a local HF directory
+    dtype: str = "float32"  # float32, bfloat16, float16 or auto (the checkpoint's)
+    device: str | None = None  # None: cuda when available, else cpu
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_kv_events: bool = False
+    cache_dir: Path | None = None  # where built-in models are created; None: $KVGATE_CACHE_DIR or ~/.cache/kvgate
+
+
+@dataclass
+class TokenDelta:
+    """What one step added to one request: a token, the text it completed, and whether it ended."""
+
+    seq_id: int
+    token_id: int
+    text: str  # new text; may be "" while a multi-byte character or possible stop string is held back
+    sampled: SampledToken
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0  # prompt tokens this request found in the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    """The finished (or so-far) result of one request."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    finish_reason: FinishReason | None = None
+    logprobs: list[SampledToken] = field(default_factory=list)  # when requested: one per token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCore:
+    """Owns the model runner, KV blocks, scheduler, sampler and per-request detokenizers."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        # torch is imported here, inside the runner package, never at engine import time.
+        from engine.runner.runner import ModelRunner
+        from engine.runner.sampler import Sampler
+
+        self.config = config
+        model_dir = resolve_model_source(config.model, config.cache_dir)
+        self.model_dir = model_dir
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.runner = ModelRunner(
+            model_dir, dtype=config.dtype, device=config.device, kv_cache_bytes=config.kv_cache_bytes,
+            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+        )
+        model_config = self.runner.config
+        # A sequence must fit in the KV pool on its own, or it would preempt itself forever.
+        max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                            model_config.max_position_embeddings,
+                            self.runner.num_kv_blocks * config.block_size)
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          enable_kv_events=config.enable_kv_events)
+        eos = set(self.tokenizer.eos_token_ids)
+        if model_config.eos_token_ids:
+            eos.update(model_config.eos_token_ids)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=max_model_len, eos_token_ids=tuple(sorted(eos))),
+            self.block_manager,
+        )
+        self.sampler = Sampler()
+        self._ids = itertools.count()
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+
+    # ------------------------------------------------------------------------------------ requests
+
+    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        """Token ids for a prompt given as text (BOS added as the tokenizer's config says) or as ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = [int(t) for t in prompt]
+        vocab = self.runner.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        return ids
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams, adapter: str | None = None) -> int:
+        """Queue a request; returns its id. Raises ValueError for an empty or too long prompt."""
+        token_ids = self.encode_prompt(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this model takes at most "
+                             f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})")
+        seq_id = next(self._ids)
+        seq = Sequence(seq_id=seq_id, prompt_token_ids=tuple(token_ids), params=params, adapter=adapter)
+        self.scheduler.add(seq)
+        self._detokenizers[seq_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        return seq_id
+
+    def abort(self, seq_id: int) -> bool:
+        """Cancel a request; its KV blocks are freed at once. False if it was unknown or finished."""
+        self._detokenizers.pop(seq_id, None)
+        return self.scheduler.abort(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------------------------------- step
+
+    def step(self) -> list[TokenDelta]:
+        """Run one engine step; returns a delta for every token sampled in it."""
+        batch = self.scheduler.schedule()
+        self.sampler.release(batch.released_seq_ids)
+        if not batch.seqs:
+            return []
+        logits = self.runner.compute_logits(batch)
+        sampling = [s for s in batch.seqs if s.sample]
+        sampled = self.sampler(logits, sampling) if sampling else []
+        deltas = []
+        for result in self.scheduler.update(batch, ModelOutput(tuple(sampled))):
+            seq_id = result.seq.seq_id
+            detokenizer = self._detokenizers.get(seq_id)
+            if detokenizer is None:
+                continue  # aborted between schedule and update
+            reason = result.finish_reason
+            if reason is FinishReason.STOP:
+                # EOS or a stop token id: like vLLM, its text is not part of the output.
+                text = detokenizer.flush()
+            else:
+                text, stopped = detokenizer.add(result.new_token_id)
+                if stopped:  # a stop string completed: the detokenizer cut the text before it
+                    if reason is None:
+                        self.scheduler.finish(seq_id, FinishReason.STOP)
+                    reason = FinishReason.STOP
+                elif reason is not None:
+                    text += detokenizer.flush()
+            if reason is not None:
+                del self._detokenizers[seq_id]
+            deltas.append(TokenDelta(seq_id, result.new_token_id, text, result.sampled, reason,
+                                     result.seq.num_cached_tokens))
+        return deltas

@@ -1,0 +1,73 @@
+"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+    from engine import LLM, SamplingParams
+    llm = LLM("builtin:smollm2-135m")
+    [out] = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=16, temperature=0))
+    out.text, out.token_ids, out.num_cached_tokens, out.finish_reason
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+from engine.core import DEFAULT_KV_CACHE_BYTES, EngineConfig, EngineCore, RequestOutput
+from engine.sequence import SamplingParams
+from engine.tokenizer import Tokenizer
+
+Prompt = str | Seq[int]
+
+
+class LLM:
+    """Runs batches of prompts to completion on one model, with continuous batching and prefix caching."""
+
+    def __init__(self, model: str, *, dtype: str = "float32", kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, device: str | None = None,
+                 cache_dir: str | Path | None = None) -> None:
+        self.core = EngineCore(EngineConfig(
+            model=model, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, cache_dir=Path(cache_dir) if cache_dir else None,
+        ))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.core.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids) and return results in prompt order.
+
+        `params` is one SamplingParams for all prompts or one per prompt (default: SamplingParams()).
+        Raises ValueError for an empty or too long prompt before any work starts.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        outputs: dict[int, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params):
+            seq_id = self.core.add_request(prompt, p)
+            order.append(seq_id)
+            outputs[seq_id] = RequestOutput(seq_id, list(self.core.scheduler.get(seq_id).prompt_token_ids))
+        while self.core.has_unfinished():
+            for delta in self.core.step():
+                out = outputs[delta.seq_id]
+                out.token_ids.append(delta.token_id)
+                out.text += delta.text
+                out.num_cached_tokens = delta.num_cached_tokens
+                if delta.sampled.logprob is not None:
+                    out.logprobs.append(delta.sampled)
+                if delta.finish_reason is not None:
+                    out.finish_reason = delta.finish_reason
+        return [outputs[seq_id] for seq_id in order]
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+        """One chat turn: render `messages` with the model's chat template and generate the reply."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], params)[0]

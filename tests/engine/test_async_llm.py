@@ -1,0 +1,88 @@
+"""AsyncLLM: engine steps on a worker thread, tokens streamed per request to asyncio consumers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import FinishReason, SamplingParams
+from engine.async_llm import AsyncLLM
+from engine.core import EngineConfig
+from tests.engine.builtin_cache import tiny_llama_dir
+from tests.engine.test_llm import prompts, sharp_model  # noqa: F401  (the fixture)
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+async def engine(sharp_model):  # noqa: F811
+    llm = await AsyncLLM.create(EngineConfig(model=str(sharp_model), kv_cache_bytes=4 << 20, max_num_seqs=8))
+    yield llm
+    await llm.close()
+
+
+async def collect(llm: AsyncLLM, prompt, params=GREEDY):
+    return [delta async for delta in llm.generate(prompt, params)]
+
+
+async def test_concurrent_streams_match_the_offline_engine(engine: AsyncLLM) -> None:
+    batch = prompts(4, seed=11)
+    streams = await asyncio.gather(*(collect(engine, p) for p in batch))
+    from engine import LLM
+
+    offline = LLM(str(engine.core.model_dir), kv_cache_bytes=4 << 20).generate(batch, GREEDY)
+    assert [[d.token_id for d in s] for s in streams] == [o.token_ids for o in offline]
+    assert ["".join(d.text for d in s) for s in streams] == [o.text for o in offline]
+    assert all(s[-1].finish_reason is FinishReason.LENGTH for s in streams)
+    assert all(d.finish_reason is None for s in streams for d in s[:-1])
+
+
+async def test_leaving_a_stream_aborts_the_request_and_frees_its_blocks(engine: AsyncLLM) -> None:
+    blocks = engine.core.block_manager
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    seen = 0
+    async for _ in engine.generate(prompts(1, seed=12)[0], long):
+        seen += 1
+        if seen == 3:
+            break  # the client went away
+    for _ in range(200):  # the worker applies the abort at its next step boundary
+        if blocks.num_free_blocks == blocks.num_total_blocks and not engine.core.has_unfinished():
+            break
+        await asyncio.sleep(0.01)
+    assert blocks.num_free_blocks == blocks.num_total_blocks
+    assert not engine.core.has_unfinished()
+
+
+async def test_cancelling_the_reading_task_aborts_too(engine: AsyncLLM) -> None:
+    started = asyncio.Event()
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def reader() -> None:
+        async for _ in engine.generate(prompts(1, seed=13)[0], long):
+            started.set()
+
+    task = asyncio.create_task(reader())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if not engine.core.has_unfinished():
+            break
+        await asyncio.sleep(0.01)
+    assert not engine.core.has_unfinished()
+
+
+async def test_a_bad_prompt_raises_before_streaming_and_the_engine_carries_on(engine: AsyncLLM) -> None:
+    with pytest.raises(ValueError, match="prompt is empty"):
+        await collect(engine, [])
+    assert len(await collect(engine, prompts(1)[0])) == 16
+
+
+async def test_closed_engine_refuses_new_work(tmp_path) -> None:
+    llm = await AsyncLLM.create(EngineConfig(model=str(tiny_llama_dir()), kv_cache_bytes=2 << 20))
+    await llm.close()
+    assert not llm.is_alive
+    with pytest.raises(RuntimeError, match="engine stopped"):
+        await collect(llm, [5, 6, 7])
