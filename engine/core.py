@@ -38,7 +38,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: what the model supports
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False
     cache_dir: Path | None = None  # where built-in models are created; None: $KVGATE_CACHE_DIR or ~/.cache/kvgate
@@ -92,8 +92,8 @@ class EngineCore:
         )
         model_config = self.runner.config
         # A sequence must fit in the KV pool on its own, or it would preempt itself forever.
-        max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                            model_config.max_position_embeddings,
+        max_model_len = min(config.max_model_len or model_config.max_model_len,
+                            model_config.max_model_len,  # positions, or Mistral's sliding window
                             self.runner.num_kv_blocks * config.block_size)
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,

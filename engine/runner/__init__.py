@@ -4,6 +4,7 @@ scheduled sequences, reading and writing a paged KV cache.
     config.py (engine/)  ModelConfig, parsed from config.json (plain Python)
     weights.py           safetensors -> model parameters, with errors naming file and tensor
     model.py             the decoder: RMSNorm, rotary embeddings, attention projections, SwiGLU MLP
+    linear.py            matmul backends (oneDNN with packed weights on CPU, F.linear elsewhere)
     kv_cache.py          the paged KV cache and the reusable gather workspace
     attention.py         per-step attention metadata and paged attention over the cache
     runner.py            ModelRunner: ModelInput -> logits of the sequences that sample

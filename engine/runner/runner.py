@@ -33,24 +33,30 @@ def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
 
 
 def resolve_device(name: str | None) -> torch.device:
+    """None picks CUDA when available, else the CPU."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested, but this torch build sees no CUDA device")
+    return device
 
 
 class ModelRunner:
     """The model, its weights and its KV cache on one device.
 
+    Attributes: `config` (the parsed config.json), `num_kv_blocks` (blocks of `block_size` tokens that
+    kv_cache_bytes holds; the block manager hands out ids 0 .. num_kv_blocks - 1), `device`, `dtype`.
     `compute_logits` is not reentrant: steps run one at a time, since they share the cache's workspace.
-    Raises ModelLoadError from the constructor when the model directory cannot be loaded or the KV budget
-    does not hold one block.
+    The constructor raises ModelLoadError when the model directory cannot be loaded or the KV budget does
+    not hold one block, and ValueError for a bad argument.
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str | None = None,
                  kv_cache_bytes: int, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64) -> None:
-        for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs)):
+        for name, value in (("kv_cache_bytes", kv_cache_bytes), ("block_size", block_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
         self.config = load_model_config(model_dir)
