@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from engine.core import EngineConfig, EngineCore, TokenDelta
+from engine.core import EngineConfig, EngineCore, EngineStats, TokenDelta
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvgate.engine")
@@ -53,6 +53,10 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[int, Callable[[TokenDelta | BaseException], None]] = {}
         self._failure: BaseException | None = None
+        # The worker publishes a fresh snapshot after every step and command; readers on other threads
+        # see an immutable value and never touch the core. Listeners are called on the worker thread.
+        self._stats = core.stats()
+        self._stats_listeners: list[Callable[[EngineStats], None]] = []
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
         self._thread.start()
 
@@ -101,6 +105,29 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def stats(self) -> EngineStats:
+        """The latest snapshot the worker published (after its last step or command)."""
+        return self._stats
+
+    def on_stats(self, listener: Callable[[EngineStats], None]) -> Callable[[], None]:
+        """Call `listener(stats)` whenever a step or command changed the snapshot. It runs on the worker
+        thread, so it must only hand the value over (e.g. loop.call_soon_threadsafe). Returns an
+        unsubscribe function."""
+        self._stats_listeners.append(listener)
+        return lambda: self._stats_listeners.remove(listener) if listener in self._stats_listeners else None
+
+    def _publish_stats(self) -> None:
+        stats = self.core.stats()
+        if stats == self._stats:
+            return
+        self._stats = stats
+        for listener in list(self._stats_listeners):
+            try:
+                listener(stats)
+            except Exception:
+                log.exception("stats listener failed")
+
     # ---------------------------------------------------------------------------------- internals
 
     async def _submit(self, prompt: str | Seq[int], params: SamplingParams, adapter: str | None,
@@ -138,7 +165,10 @@ class AsyncLLM:
                         command = self._commands.get_nowait()
                 except queue.Empty:
                     pass
-                for delta in self.core.step():
+                self._publish_stats()
+                deltas = self.core.step()
+                self._publish_stats()  # before the deltas: a consumer that saw its last token sees it counted
+                for delta in deltas:
                     sink = self._sinks.get(delta.seq_id)
                     if sink is not None:
                         sink(delta)

@@ -44,6 +44,25 @@ class EngineConfig:
     cache_dir: Path | None = None  # where built-in models are created; None: $KVGATE_CACHE_DIR or ~/.cache/kvgate
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine's load and cache, for /metrics and the replica-state stream."""
+
+    num_waiting: int
+    num_running: int
+    num_kv_blocks_free: int  # free blocks, counting cached-but-unused ones (reclaimable on demand)
+    num_kv_blocks_total: int
+    block_size_tokens: int
+    prefix_queried_tokens_total: int  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens_total: int  # of those, found in the cache
+    num_preemptions_total: int
+    num_generated_tokens_total: int
+    num_prompt_tokens_total: int
+    num_requests_finished_total: int
+    num_requests_aborted_total: int
+    adapters_loaded: tuple[str, ...] = ()
+
+
 @dataclass
 class TokenDelta:
     """What one step added to one request: a token, the text it completed, and whether it ended."""
@@ -110,6 +129,10 @@ class EngineCore:
         self.sampler = Sampler()
         self._ids = itertools.count()
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._num_generated_tokens_total = 0
+        self._num_prompt_tokens_total = 0
+        self._num_requests_finished_total = 0
+        self._num_requests_aborted_total = 0
 
     # ------------------------------------------------------------------------------------ requests
 
@@ -136,12 +159,30 @@ class EngineCore:
         seq = Sequence(seq_id=seq_id, prompt_token_ids=tuple(token_ids), params=params, adapter=adapter)
         self.scheduler.add(seq)
         self._detokenizers[seq_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        self._num_prompt_tokens_total += len(token_ids)
         return seq_id
 
     def abort(self, seq_id: int) -> bool:
         """Cancel a request; its KV blocks are freed at once. False if it was unknown or finished."""
         self._detokenizers.pop(seq_id, None)
-        return self.scheduler.abort(seq_id)
+        aborted = self.scheduler.abort(seq_id)
+        self._num_requests_aborted_total += aborted
+        return aborted
+
+    def stats(self) -> EngineStats:
+        """Load and cache counters now. Call from the thread that steps the engine."""
+        blocks = self.block_manager
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+            num_kv_blocks_free=blocks.num_free_blocks, num_kv_blocks_total=blocks.num_total_blocks,
+            block_size_tokens=blocks.block_size, prefix_queried_tokens_total=blocks.queried_tokens_total,
+            prefix_hit_tokens_total=blocks.hit_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_generated_tokens_total=self._num_generated_tokens_total,
+            num_prompt_tokens_total=self._num_prompt_tokens_total,
+            num_requests_finished_total=self._num_requests_finished_total,
+            num_requests_aborted_total=self._num_requests_aborted_total,
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -177,6 +218,8 @@ class EngineCore:
                     text += detokenizer.flush()
             if reason is not None:
                 del self._detokenizers[seq_id]
+                self._num_requests_finished_total += 1
+            self._num_generated_tokens_total += 1
             deltas.append(TokenDelta(seq_id, result.new_token_id, text, result.sampled, reason,
                                      result.seq.num_cached_tokens))
         return deltas

@@ -243,7 +243,9 @@ class Scheduler:
         sequence ended naturally. The stop token stays in output_token_ids (the detokenizer hides it)."""
         params = seq.params
         is_eos = not params.ignore_eos and token_id in self.config.eos_token_ids
-        if is_eos or token_id in params.stop_token_ids:
+        # min_tokens: a stop among the first min_tokens generated tokens is ignored (the token was appended).
+        early = len(seq.output_token_ids) <= params.min_tokens
+        if not early and (is_eos or token_id in params.stop_token_ids):
             return FinishReason.STOP
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH

@@ -25,6 +25,7 @@ class SamplingParams:
     """How to pick each next token and when to stop; the meaning follows OpenAI's and vLLM's APIs."""
 
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop token ids are ignored until this many tokens were generated
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability
     top_k: int = 0  # keep the k most likely tokens; 0 means all
@@ -43,6 +44,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               f"an integer from 0 to max_tokens ({self.max_tokens})")
         _check(math.isfinite(self.temperature) and 0 <= self.temperature <= 100, "temperature",
                self.temperature, "a number from 0 to 100")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")

@@ -86,3 +86,14 @@ async def test_closed_engine_refuses_new_work(tmp_path) -> None:
     assert not llm.is_alive
     with pytest.raises(RuntimeError, match="engine stopped"):
         await collect(llm, [5, 6, 7])
+
+
+async def test_stats_are_published_as_the_engine_works(engine: AsyncLLM) -> None:
+    seen = []
+    engine.on_stats(seen.append)
+    await collect(engine, prompts(1, seed=14)[0])
+    assert any(s.num_running == 1 for s in seen)
+    final = engine.stats
+    assert final.num_running == 0 and final.num_waiting == 0
+    assert final.num_generated_tokens_total >= 16 and final.num_requests_finished_total >= 1
+    assert final.num_kv_blocks_free == final.num_kv_blocks_total

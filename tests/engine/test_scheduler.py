@@ -374,3 +374,19 @@ def test_randomized_run_keeps_invariants_and_matches_the_reference(seed, long_pr
             assert len(s.output_token_ids) == s.params.max_tokens or s.num_tokens == 40
     assert bm.num_free_blocks == bm.num_total_blocks
     assert sum(s.num_preemptions for s in seqs) > 0 and bm.hit_tokens_total > 0  # both paths ran
+
+
+def test_min_tokens_holds_off_eos_until_that_many_tokens_were_generated() -> None:
+    # EOS (id 0 here) is sampled at every step; with min_tokens 3 the first three are ignored and the
+    # fourth ends the sequence: 4 tokens in all, as vLLM counts it.
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32,
+                                          eos_token_ids=(0,)), blocks)
+    seq = Sequence(seq_id=1, prompt_token_ids=(5, 6, 7), params=SamplingParams(max_tokens=10, min_tokens=3))
+    scheduler.add(seq)
+    reasons = []
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        output = ModelOutput(tuple(SampledToken(s.seq_id, 0) for s in batch.seqs if s.sample))
+        reasons += [r.finish_reason for r in scheduler.update(batch, output)]
+    assert reasons == [None, None, None, FinishReason.STOP]
