@@ -20,11 +20,15 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from engine.block_manager import KVEvent
 from engine.core import EngineConfig, EngineCore, EngineStats, TokenDelta
+from engine.lora import AdapterInfo
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvgate.engine")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,14 @@ class _Abort:
     seq_id: int
 
 
+@dataclass(frozen=True)
+class _Call:
+    """Run `fn(core)` on the worker between steps; for reads that must not race a step."""
+
+    fn: Callable[[EngineCore], Any]
+    result: concurrent.futures.Future[Any]
+
+
 class EngineDead(RuntimeError):
     """The engine's worker thread stopped (a bug or a device error); every open request gets this."""
 
@@ -50,13 +62,15 @@ class AsyncLLM:
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[int, Callable[[TokenDelta | BaseException], None]] = {}
         self._failure: BaseException | None = None
         # The worker publishes a fresh snapshot after every step and command; readers on other threads
         # see an immutable value and never touch the core. Listeners are called on the worker thread.
         self._stats = core.stats()
+        self._adapters = core.adapters()
         self._stats_listeners: list[Callable[[EngineStats], None]] = []
+        self._kv_event_listeners: list[Callable[[tuple[KVEvent, ...]], None]] = []
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
         self._thread.start()
 
@@ -72,8 +86,9 @@ class AsyncLLM:
                        adapter: str | None = None) -> AsyncIterator[TokenDelta]:
         """Stream the deltas of one request, the last one carrying its finish reason.
 
-        Raises ValueError (bad prompt) before the first delta. Closing the iterator early, or
-        cancelling the task that reads it, aborts the request.
+        Raises ValueError (bad prompt) or UnknownAdapter before the first delta, and AdapterLoadError
+        if the adapter's weights cannot be loaded when the request is scheduled. Closing the iterator
+        early, or cancelling the task that reads it, aborts the request.
         """
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
@@ -110,6 +125,24 @@ class AsyncLLM:
         """The latest snapshot the worker published (after its last step or command)."""
         return self._stats
 
+    async def load_adapter(self, name: str, source: str) -> None:
+        """Register a LoRA adapter and load it now (EngineCore.load_adapter). An s3:// source downloads on
+        a thread first; validation and the load run on the worker between steps. Raises AdapterLoadError;
+        the engine keeps serving."""
+        directory = await asyncio.to_thread(self.core.fetch_adapter, source)
+        load = self._published(lambda core: core.load_adapter(name, source, directory=directory))
+        await self._call_on_worker(load)
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Stop serving an adapter (EngineCore.unload_adapter): new requests for it raise UnknownAdapter,
+        accepted ones finish. True if it was registered, False if not."""
+        return await self._call_on_worker(self._published(lambda core: core.unload_adapter(name)))
+
+    def adapters(self) -> AdapterInfo:
+        """The registered and loaded adapters, as of the worker's last step or command (load_adapter and
+        unload_adapter publish before they return)."""
+        return self._adapters
+
     def on_stats(self, listener: Callable[[EngineStats], None]) -> Callable[[], None]:
         """Call `listener(stats)` whenever a step or command changed the snapshot. It runs on the worker
         thread, so it must only hand the value over (e.g. loop.call_soon_threadsafe). Returns an
@@ -117,7 +150,44 @@ class AsyncLLM:
         self._stats_listeners.append(listener)
         return lambda: self._stats_listeners.remove(listener) if listener in self._stats_listeners else None
 
+    def on_kv_events(self, listener: Callable[[tuple[KVEvent, ...]], None]) -> Callable[[], None]:
+        """Call `listener(events)` with the prefix-cache events (BlockStored/BlockRemoved, oldest first)
+        that each step or command recorded. Only an engine created with EngineConfig.enable_kv_events
+        records any. Like on_stats, it runs on the worker thread. Returns an unsubscribe function."""
+        self._kv_event_listeners.append(listener)
+        return lambda: (self._kv_event_listeners.remove(listener)
+                        if listener in self._kv_event_listeners else None)
+
+    async def cached_block_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache, read on the worker between steps. Events recorded
+        after this read reach on_kv_events listeners after the result is set, so a listener that was
+        subscribed before the call and applies its events to the result as set updates keeps an exact
+        copy (events from just before the read may repeat what the result holds)."""
+        return await self._call_on_worker(lambda core: core.block_manager.cached_block_hashes())
+
+    def _publish_kv_events(self) -> None:
+        if not self.core.block_manager.enable_kv_events:
+            return
+        events = tuple(self.core.block_manager.drain_kv_events())  # drained even with no listener
+        if not events:
+            return
+        for listener in list(self._kv_event_listeners):
+            try:
+                listener(events)
+            except Exception:
+                log.exception("kv event listener failed")
+
+    def _published(self, fn: Callable[[EngineCore], T]) -> Callable[[EngineCore], T]:
+        """`fn`, then a fresh snapshot, so the caller sees its change as soon as it returns."""
+        def run(core: EngineCore) -> T:
+            try:
+                return fn(core)
+            finally:
+                self._publish_stats()
+        return run
+
     def _publish_stats(self) -> None:
+        self._adapters = self.core.adapters()
         stats = self.core.stats()
         if stats == self._stats:
             return
@@ -136,9 +206,36 @@ class AsyncLLM:
             raise EngineDead(f"the engine stopped: {self._failure!r}")
         result: concurrent.futures.Future[int] = concurrent.futures.Future()
         self._commands.put(_Add(prompt, params, adapter, on_delta, result))
+        try:
+            return await asyncio.wrap_future(result)
+        except asyncio.CancelledError:
+            # The caller left (client gone) before learning the id. A future the worker has not taken
+            # yet is cancelled with us and never added; one it is adding is aborted once it has an id.
+            result.add_done_callback(self._abort_if_added)
+            raise
+
+    def _abort_if_added(self, result: concurrent.futures.Future[int]) -> None:
+        if not result.cancelled() and result.exception() is None:
+            self._commands.put(_Abort(result.result()))
+
+    async def _call_on_worker(self, fn: Callable[[EngineCore], T]) -> T:
+        if self._failure is not None or not self._thread.is_alive():
+            raise EngineDead(f"the engine stopped: {self._failure!r}")
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, result))
         return await asyncio.wrap_future(result)
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        # A caller cancelled while its command waited here cancelled the command's future: skip it. Past
+        # this check the future cannot be cancelled, so setting its result below cannot raise.
+        if not isinstance(command, _Abort) and not command.result.set_running_or_notify_cancel():
+            return
+        if isinstance(command, _Call):
+            try:
+                command.result.set_result(command.fn(self.core))
+            except Exception as exc:
+                command.result.set_exception(exc)
+            return
         if isinstance(command, _Abort):
             self._sinks.pop(command.seq_id, None)
             self.core.abort(command.seq_id)
@@ -166,14 +263,20 @@ class AsyncLLM:
                 except queue.Empty:
                     pass
                 self._publish_stats()
+                self._publish_kv_events()
                 deltas = self.core.step()
                 self._publish_stats()  # before the deltas: a consumer that saw its last token sees it counted
+                self._publish_kv_events()  # likewise its blocks: they were committed in this step
                 for delta in deltas:
                     sink = self._sinks.get(delta.seq_id)
                     if sink is not None:
                         sink(delta)
                         if delta.finish_reason is not None:
                             del self._sinks[delta.seq_id]
+                for seq_id, error in self.core.drain_request_errors():  # e.g. its adapter failed to load
+                    sink = self._sinks.pop(seq_id, None)
+                    if sink is not None:
+                        sink(error)
         except BaseException as exc:  # a bug or device failure: fail every open request loudly
             log.exception("engine worker died")
             self._failure = exc
@@ -192,5 +295,5 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add) and not command.result.done():
+            if isinstance(command, (_Add, _Call)) and not command.result.done():
                 command.result.set_exception(EngineDead("the engine was closed"))

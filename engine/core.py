@@ -8,6 +8,10 @@
 
 `EngineCore` is synchronous and single-threaded; `engine.llm.LLM` drives it for offline batches and
 `engine.async_llm.AsyncLLM` drives it from a worker thread for servers.
+
+Multi-LoRA: adapters are registered (EngineConfig.adapters at start, load_adapter later) and hold one of
+max_loras weight slots while in use (engine/lora/manager.py); between scheduling and the forward pass,
+step() loads the adapters that the step's admissions need (evicting least recently used idle ones).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.block_manager import BlockManager
-from engine.builtin import resolve_model_source
+from engine.builtin import default_cache_dir, resolve_model_source
 from engine.detokenizer import IncrementalDetokenizer
+from engine.lora import AdapterInfo, AdapterManager, UnknownAdapter
+from engine.lora.source import fetch_adapter
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, ModelOutput, SampledToken, SamplingParams, Sequence
+from engine.sequence import FinishReason, ModelInput, ModelOutput, SampledToken, SamplingParams, Sequence
 from engine.tokenizer import Tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -42,6 +48,21 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False
     cache_dir: Path | None = None  # where built-in models are created; None: $KVGATE_CACHE_DIR or ~/.cache/kvgate
+    max_loras: int = 4  # LoRA adapters whose weights are resident at once; 0 turns multi-LoRA off
+    max_lora_rank: int = 16  # the largest adapter rank accepted; every slot is sized for it
+    # (name, source) adapters registered at start; source is a local PEFT directory or s3://bucket/prefix.
+    # Each is downloaded and validated at start (a bad one fails the start); the first max_loras are loaded.
+    adapters: tuple[tuple[str, str], ...] = ()
+    s3_endpoint_url: str | None = None  # for s3:// adapters; None: $KVGATE_S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, AWS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adapters", tuple((name, source) for name, source in self.adapters))
+        for key, value, low in (("max_loras", self.max_loras, 0), ("max_lora_rank", self.max_lora_rank, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key} must be an integer >= {low}; got {value!r}")
+        names = [name for name, _ in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapters: each name must appear once; got {names}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +81,9 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_requests_finished_total: int
     num_requests_aborted_total: int
-    adapters_loaded: tuple[str, ...] = ()
+    adapters_loaded: tuple[str, ...] = ()  # registered adapters whose weights hold a slot now, sorted
+    num_adapter_loads_total: int = 0  # adapter weights loaded into a slot (first loads and reloads)
+    num_adapter_evictions_total: int = 0  # idle adapters evicted (least recently used) for another
 
 
 @dataclass
@@ -107,7 +130,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model_dir, dtype=config.dtype, device=config.device, kv_cache_bytes=config.kv_cache_bytes,
             block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.max_num_seqs, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
         )
         model_config = self.runner.config
         # A sequence must fit in the KV pool on its own, or it would preempt itself forever.
@@ -118,13 +141,15 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           enable_kv_events=config.enable_kv_events)
+        self.adapter_manager = AdapterManager(model_config, self.runner.lora, max_loras=config.max_loras,
+                                              max_lora_rank=config.max_lora_rank)
         eos = set(self.tokenizer.eos_token_ids)
         if model_config.eos_token_ids:
             eos.update(model_config.eos_token_ids)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=max_model_len, eos_token_ids=tuple(sorted(eos))),
-            self.block_manager,
+            self.block_manager, adapters=self.adapter_manager,
         )
         self.sampler = Sampler()
         self._ids = itertools.count()
@@ -133,6 +158,10 @@ class EngineCore:
         self._num_prompt_tokens_total = 0
         self._num_requests_finished_total = 0
         self._num_requests_aborted_total = 0
+        self._request_errors: list[tuple[int, Exception]] = []  # requests that failed inside a step
+        for name, source in config.adapters:
+            self._register_adapter(name, source, self.fetch_adapter(source),
+                                   load=len(self.adapter_manager.loaded()) < config.max_loras)
 
     # ------------------------------------------------------------------------------------ requests
 
@@ -148,7 +177,8 @@ class EngineCore:
         return ids
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams, adapter: str | None = None) -> int:
-        """Queue a request; returns its id. Raises ValueError for an empty or too long prompt."""
+        """Queue a request; returns its id. Raises ValueError for an empty or too long prompt, and
+        UnknownAdapter for an adapter that is not registered."""
         token_ids = self.encode_prompt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -182,10 +212,60 @@ class EngineCore:
             num_prompt_tokens_total=self._num_prompt_tokens_total,
             num_requests_finished_total=self._num_requests_finished_total,
             num_requests_aborted_total=self._num_requests_aborted_total,
+            adapters_loaded=self.adapter_manager.loaded(),
+            num_adapter_loads_total=self.adapter_manager.num_loads_total,
+            num_adapter_evictions_total=self.adapter_manager.num_evictions_total,
         )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def drain_request_errors(self) -> list[tuple[int, Exception]]:
+        """(seq_id, error) of requests that failed inside step() since the last drain: their adapter's
+        weights could not be loaded (AdapterLoadError). They are finished, with no further deltas."""
+        errors, self._request_errors = self._request_errors, []
+        return errors
+
+    # ------------------------------------------------------------------------------------ adapters
+
+    def fetch_adapter(self, source: str) -> Path:
+        """The local directory of an adapter source, downloading s3:// sources into the cache (blocking).
+        Touches no engine state, so it may run on any thread. Raises AdapterLoadError."""
+        return fetch_adapter(source, self.config.cache_dir or default_cache_dir(), self.config.s3_endpoint_url)
+
+    def load_adapter(self, name: str, source: str, *, directory: Path | None = None) -> None:
+        """Register `name` -> `source` and load its weights into a slot now: a free slot, else the one of
+        the least recently used idle adapter. When every slot is pinned by running requests it is only
+        registered, and loads on first use. Idempotent for the same source; a new source replaces the
+        weights if no request uses them. `directory`: the source already fetched (fetch_adapter), so that
+        a download need not block the engine. Raises AdapterLoadError (nothing is registered then)."""
+        self._register_adapter(name, source, directory or self.fetch_adapter(source), load=True)
+
+    def unload_adapter(self, name: str) -> bool:
+        """Stop serving `name`: new requests for it raise UnknownAdapter from now on. An idle adapter's
+        slot is freed at once; one that accepted requests still use keeps its weights until the last of
+        them finishes. True if the adapter was registered, False if not."""
+        try:
+            self.adapter_manager.unload(name)
+        except UnknownAdapter:
+            return False
+        self.adapter_manager.sync()
+        return True
+
+    def adapters(self) -> AdapterInfo:
+        """Registered adapters and those of them whose weights are loaded."""
+        return self.adapter_manager.info()
+
+    def _register_adapter(self, name: str, source: str, directory: Path, *, load: bool) -> None:
+        manager = self.adapter_manager
+        was_registered = manager.is_registered(name)
+        manager.register(name, source, directory)
+        if load and manager.load_now(name):
+            failure = manager.sync().get(name)
+            if failure is not None:
+                if not was_registered:
+                    manager.unload(name)
+                raise failure
 
     # ---------------------------------------------------------------------------------------- step
 
@@ -193,6 +273,7 @@ class EngineCore:
         """Run one engine step; returns a delta for every token sampled in it."""
         batch = self.scheduler.schedule()
         self.sampler.release(batch.released_seq_ids)
+        batch = self._load_adapters(batch)
         if not batch.seqs:
             return []
         logits = self.runner.compute_logits(batch)
@@ -223,3 +304,21 @@ class EngineCore:
             deltas.append(TokenDelta(seq_id, result.new_token_id, text, result.sampled, reason,
                                      result.seq.num_cached_tokens))
         return deltas
+
+    def _load_adapters(self, batch: ModelInput) -> ModelInput:
+        """Load the adapters that this step's admissions need. A failed load fails the sequences that
+        need it (their callers get the error from drain_request_errors); the rest of the batch runs."""
+        failures = self.adapter_manager.sync()
+        if not failures:
+            return batch
+        kept = []
+        for work in batch.seqs:
+            error = failures.get(work.adapter) if work.adapter is not None else None
+            if error is None:
+                kept.append(work)
+                continue
+            self.scheduler.finish(work.seq_id, FinishReason.ABORT)
+            self._detokenizers.pop(work.seq_id, None)
+            self._num_requests_aborted_total += 1
+            self._request_errors.append((work.seq_id, error))
+        return ModelInput(tuple(kept), batch.released_seq_ids)

@@ -4,6 +4,9 @@
     llm = LLM("builtin:smollm2-135m")
     [out] = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=16, temperature=0))
     out.text, out.token_ids, out.num_cached_tokens, out.finish_reason
+
+    llm = LLM("builtin:smollm2-135m", adapters=[("sql", "/adapters/sql-lora")])
+    llm.generate(prompts, params, adapter="sql")          # or one adapter (or None) per prompt
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ class LLM:
     def __init__(self, model: str, *, dtype: str = "float32", kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, device: str | None = None,
-                 cache_dir: str | Path | None = None) -> None:
+                 cache_dir: str | Path | None = None, max_loras: int = 4, max_lora_rank: int = 16,
+                 adapters: Seq[tuple[str, str]] = ()) -> None:
         self.core = EngineCore(EngineConfig(
             model=model, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, cache_dir=Path(cache_dir) if cache_dir else None,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, adapters=tuple(adapters),
         ))
 
     @property
@@ -36,11 +41,15 @@ class LLM:
         return self.core.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 adapter: str | None | Seq[str | None] = None) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids) and return results in prompt order.
 
-        `params` is one SamplingParams for all prompts or one per prompt (default: SamplingParams()).
-        Raises ValueError for an empty or too long prompt before any work starts.
+        `params` is one SamplingParams for all prompts or one per prompt (default: SamplingParams());
+        `adapter` one LoRA adapter name (None: the base model) for all prompts or one per prompt.
+        Raises ValueError for an empty or too long prompt and UnknownAdapter for an adapter that is not
+        registered, both before any work starts, and AdapterLoadError if an adapter's weights cannot be
+        loaded (the other requests of the call are aborted).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt
@@ -48,14 +57,28 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        adapters = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else list(adapter)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(adapters)} adapters")
         outputs: dict[int, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params):
-            seq_id = self.core.add_request(prompt, p)
-            order.append(seq_id)
-            outputs[seq_id] = RequestOutput(seq_id, list(self.core.scheduler.get(seq_id).prompt_token_ids))
+        try:
+            for prompt, p, name in zip(prompts, params, adapters):
+                seq_id = self.core.add_request(prompt, p, name)
+                order.append(seq_id)
+                outputs[seq_id] = RequestOutput(seq_id, list(self.core.scheduler.get(seq_id).prompt_token_ids))
+        except Exception:
+            for seq_id in order:
+                self.core.abort(seq_id)
+            raise
         while self.core.has_unfinished():
-            for delta in self.core.step():
+            deltas = self.core.step()
+            errors = self.core.drain_request_errors()
+            if errors:
+                for seq_id in order:
+                    self.core.abort(seq_id)
+                raise errors[0][1]
+            for delta in deltas:
                 out = outputs[delta.seq_id]
                 out.token_ids.append(delta.token_id)
                 out.text += delta.text

@@ -13,12 +13,19 @@ Policy of one `schedule()` (modelled on vLLM v1, with decodes first as in Sarath
 2. WAITING sequences in FIFO order (preempted ones at the front), only if step 1 preempted nobody
    (admitting while evicting would thrash), while there are budget, seats (max_num_seqs) and blocks.
    Admission attaches the cached prefix, then prefills a chunk of min(remaining, budget) tokens.
+   A sequence whose LoRA adapter can get no slot this step (every slot pinned by running sequences of
+   other adapters) is passed over, and so is every later LoRA sequence, so that adapters are served in
+   arrival order and none starves; base-model sequences behind it are still admitted.
+
+LoRA slots: with an `AdapterGate` (engine/lora/manager.py), a sequence pins its adapter's slot from
+admission until it is preempted or finishes, and the gate counts every request per adapter.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.block_manager import BlockManager
 from engine.sequence import (FinishReason, ModelInput, ModelOutput, SampledToken, ScheduledSeq,
@@ -47,6 +54,25 @@ class SchedulerConfig:
                              f"got {self.long_prefill_chunk!r}")
 
 
+class AdapterGate(Protocol):
+    """The scheduler's view of LoRA slots (implemented by engine.lora.AdapterManager)."""
+
+    def on_add(self, adapter: str) -> None:
+        """A request for `adapter` was accepted; raises UnknownAdapter to refuse it."""
+
+    def can_run(self, adapter: str) -> bool:
+        """Whether a sequence of `adapter` can start running this step (it holds or can get a slot)."""
+
+    def on_run(self, adapter: str) -> None:
+        """A sequence of `adapter` started running: pin its slot."""
+
+    def on_stop(self, adapter: str) -> None:
+        """A running sequence of `adapter` was preempted or finished: unpin."""
+
+    def on_finish(self, adapter: str) -> None:
+        """A request for `adapter` ended, running or waiting."""
+
+
 @dataclass(frozen=True)
 class StepResult:
     """One sampled token, already appended to `seq`; finish_reason is set when it ended the sequence."""
@@ -60,7 +86,8 @@ class StepResult:
 class Scheduler:
     """Owns and mutates every Sequence of one replica. Synchronous, no clock reads, no I/O."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 adapters: AdapterGate | None = None) -> None:
         capacity_tokens = block_manager.num_total_blocks * block_manager.block_size
         if capacity_tokens < config.max_model_len:
             # Otherwise a lone sequence could outgrow the pool and preempt itself forever.
@@ -69,6 +96,7 @@ class Scheduler:
                              f"max_model_len {config.max_model_len} needs at least that many")
         self.config = config
         self.block_manager = block_manager
+        self.adapters = adapters  # None: no LoRA slot limits (sequences may still name adapters)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # admission order: the newest is last
         self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
@@ -79,7 +107,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence. Raises ValueError for an empty prompt, a prompt that leaves no room
-        to generate (len(prompt) >= max_model_len), a seq_id in use, or a sequence already started."""
+        to generate (len(prompt) >= max_model_len), a seq_id in use, or a sequence already started, and
+        the gate's UnknownAdapter for an adapter it does not serve."""
         num_prompt = seq.num_prompt_tokens
         if num_prompt == 0:
             raise ValueError("the prompt is empty; a request needs at least one prompt token")
@@ -90,6 +119,8 @@ class Scheduler:
             raise ValueError(f"seq_id {seq.seq_id} is already in use")
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id} has already been scheduled")
+        if seq.adapter is not None and self.adapters is not None:
+            self.adapters.on_add(seq.adapter)
         self._seqs[seq.seq_id] = seq
         self._waiting.append(seq)
 
@@ -185,10 +216,23 @@ class Scheduler:
         return budget, preempted
 
     def _admit_waiting(self, scheduled: dict[int, ScheduledSeq], budget: int) -> None:
-        """Step 2 of the policy: FIFO, stopping at the first sequence that does not fit."""
+        """Step 2 of the policy: FIFO, stopping at the first sequence that does not fit; LoRA sequences
+        without a slot this step are passed over (and keep their place)."""
+        passed_over: list[Sequence] = []
+        try:
+            self._admit_in_order(scheduled, budget, passed_over)
+        finally:
+            self._waiting.extendleft(reversed(passed_over))
+
+    def _admit_in_order(self, scheduled: dict[int, ScheduledSeq], budget: int, passed_over: list[Sequence]) -> None:
         blocks = self.block_manager
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0]
+            # Once one LoRA sequence waits for a slot, later ones wait too (arrival order across adapters).
+            if seq.adapter is not None and self.adapters is not None and (
+                    passed_over or not self.adapters.can_run(seq.adapter)):
+                passed_over.append(self._waiting.popleft())
+                continue
             num_cached = blocks.allocate_prefix(seq)
             seq.num_computed_tokens = num_cached
             num_new = self._chunk_len(seq, budget)
@@ -200,6 +244,8 @@ class Scheduler:
             self._waiting.popleft()
             self._running.append(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.adapter is not None and self.adapters is not None:
+                self.adapters.on_run(seq.adapter)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
                 blocks.record_prefix_query(seq.num_prompt_tokens, num_cached)
@@ -229,6 +275,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, scheduled: dict[int, ScheduledSeq]) -> int:
         """Preempt by recompute; returns the budget it gave back if it was already scheduled."""
         self._running.remove(seq)
+        self._unpin(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -254,6 +301,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
+            self._unpin(seq)
         else:
             self._waiting.remove(seq)
         self.block_manager.free(seq)
@@ -261,6 +309,12 @@ class Scheduler:
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]
         self._released.append(seq.seq_id)
+        if seq.adapter is not None and self.adapters is not None:
+            self.adapters.on_finish(seq.adapter)
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.adapter is not None and self.adapters is not None:
+            self.adapters.on_stop(seq.adapter)
 
 
 def _pair_samples(batch: ModelInput, output: ModelOutput) -> dict[int, SampledToken]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -58,3 +61,50 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _http_answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered, with an error status
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint_url() -> Iterator[str]:
+    """A real `moto` server (S3, EC2, ... APIs) on a free loopback port for the whole session; yields its
+    endpoint URL. State is in memory: tests isolate themselves with unique bucket names. Clients need
+    credentials, any will do: use the `moto_credentials` fixture."""
+    port = free_loopback_port()
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30.0  # ~1 s to import moto on a quiet host
+        while not _http_answers(url + "/moto-api/"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                stderr = process.communicate()[1].decode(errors="replace")
+                pytest.fail(f"moto server on port {port} did not start:\n{stderr[-2000:]}", pytrace=False)
+            time.sleep(0.05)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def moto_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake AWS credentials and region for clients of the moto server, never real ones."""
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_SESSION_TOKEN", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "KVGATE_S3_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)

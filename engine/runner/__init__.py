@@ -7,6 +7,7 @@ scheduled sequences, reading and writing a paged KV cache.
     linear.py            matmul backends (oneDNN with packed weights on CPU, F.linear elsewhere)
     kv_cache.py          the paged KV cache and the reusable gather workspace
     attention.py         per-step attention metadata and paged attention over the cache
+    lora.py              multi-LoRA: per-slot stacked adapter weights, the delta of a mixed batch
     runner.py            ModelRunner: ModelInput -> logits of the sequences that sample
 
 Import `engine.runner.runner.ModelRunner`; this package module imports nothing, so importing one

@@ -24,23 +24,30 @@ from engine.config import ModelConfig, RopeScaling
 from engine.runner.attention import StepMetadata, paged_attention
 from engine.runner.kv_cache import PagedKVCache
 from engine.runner.linear import TorchLinear, OneDnnLinear
+from engine.runner.lora import LoraGroups, LoraStack
 
 
 class Linear:
-    """y = x W^T + b. `weight` is [out, in] in HF layout until `prepare`, then whatever the backend reads."""
+    """y = x W^T + b. `weight` is [out, in] in HF layout until `prepare`, then whatever the backend reads.
+    With LoRA slots attached (`lora`, see lora.py), a step that passes LoraGroups adds each slot's delta to
+    its rows; without them the base path runs unchanged."""
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
         self.bias = torch.empty(out_features, dtype=dtype, device=device) if bias else None
         self.backend: TorchLinear | OneDnnLinear = TorchLinear()
+        self.lora: LoraStack | None = None
 
     def prepare(self, backend: TorchLinear | OneDnnLinear) -> None:
         self.weight = backend.prepare(self.weight)
         self.backend = backend
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, lora: LoraGroups | None = None) -> torch.Tensor:
+        y = self.backend(x, self.weight, self.bias)
+        if lora is not None and self.lora is not None:
+            self.lora.add_delta(x, y, lora)
+        return y
 
 
 class RMSNorm:
@@ -119,18 +126,18 @@ class DecoderLayer:
         return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepMetadata,
-                 cache: PagedKVCache) -> torch.Tensor:
+                 cache: PagedKVCache, lora: LoraGroups | None = None) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        qkv = self.qkv_proj(self.input_layernorm(hidden), lora)
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one pass
         query, key = qk[:, :self.num_heads], qk[:, self.num_heads:]
         value = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = paged_attention(self.index, query, key, value, meta, cache)
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size), lora)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden), lora).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up, lora)
 
 
 class LlamaModel:
@@ -155,13 +162,13 @@ class LlamaModel:
                 linear.prepare(backend)
         self.lm_head.prepare(backend)
 
-    def __call__(self, meta: StepMetadata, cache: PagedKVCache) -> torch.Tensor:
+    def __call__(self, meta: StepMetadata, cache: PagedKVCache, lora: LoraGroups | None = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the last layer (before the final norm); writes every
-        layer's K and V for the step's tokens into the cache."""
+        layer's K and V for the step's tokens into the cache. `lora`: which rows use which adapter slot."""
         hidden = F.embedding(meta.input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(meta.positions)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, meta, cache)
+            hidden = layer(hidden, cos, sin, meta, cache, lora)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from engine.config import ModelConfig, ModelLoadError, load_model_config
 from engine.runner.attention import build_step_metadata
 from engine.runner.kv_cache import PagedKVCache, bytes_per_block
 from engine.runner.linear import pick_linear
+from engine.runner.lora import LoraSlots
 from engine.runner.model import LlamaModel
 from engine.runner.weights import load_weights
 from engine.sequence import ModelInput
@@ -48,17 +49,21 @@ class ModelRunner:
     Attributes: `config` (the parsed config.json), `num_kv_blocks` (blocks of `block_size` tokens that
     kv_cache_bytes holds; the block manager hands out ids 0 .. num_kv_blocks - 1), `device`, `dtype`.
     `compute_logits` is not reentrant: steps run one at a time, since they share the cache's workspace.
+    With max_loras > 0, `lora` holds that many adapter slots (lora.py) and a step may mix adapters.
     The constructor raises ModelLoadError when the model directory cannot be loaded or the KV budget does
     not hold one block, and ValueError for a bad argument.
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str | None = None,
                  kv_cache_bytes: int, block_size: int = 16, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 64) -> None:
+                 max_num_seqs: int = 64, max_loras: int = 0, max_lora_rank: int = 16) -> None:
         for name, value in (("kv_cache_bytes", kv_cache_bytes), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 0 or max_lora_rank < 1:
+            raise ValueError(f"max_loras must be an integer >= 0 and max_lora_rank >= 1; "
+                             f"got {max_loras!r} and {max_lora_rank!r}")
         self.config = load_model_config(model_dir)
         self.dtype = resolve_dtype(dtype, self.config)
         self.device = resolve_device(device)
@@ -80,6 +85,8 @@ class ModelRunner:
             load_weights(self.model, model_dir)
             self.linear_backend = pick_linear(self.device, self.dtype)
             self.model.prepare(self.linear_backend)
+        self.lora = LoraSlots(self.model.layers, self.config, max_loras=max_loras, max_rank=max_lora_rank,
+                              dtype=self.dtype, device=self.device) if max_loras else None
         # The workspace starts large enough for a step whose sequences hold about max_num_batched_tokens
         # tokens plus one partly filled block each, K and V; it doubles if a step needs more.
         workspace_blocks = 2 * min(self.num_kv_blocks, -(-max_num_batched_tokens // block_size) + max_num_seqs)
@@ -94,16 +101,25 @@ class ModelRunner:
         [number of sequences with sample=True, vocab_size], rows in batch order.
 
         Raises ValueError for a batch over max_num_seqs or max_num_batched_tokens, a position past the
-        model's limit, or a block table that does not cover its positions."""
+        model's limit, a block table that does not cover its positions, or an adapter not in a slot."""
         if len(batch.seqs) > self.max_num_seqs:
             raise ValueError(f"batch has {len(batch.seqs)} sequences; max_num_seqs is {self.max_num_seqs}")
         if batch.num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"batch has {batch.num_tokens} tokens; max_num_batched_tokens is "
                              f"{self.max_num_batched_tokens}")
+        groups, sample_order = None, None
+        if any(seq.adapter is not None for seq in batch.seqs):
+            if self.lora is None:
+                raise ValueError("the batch names LoRA adapters; this runner has no adapter slots (max_loras 0)")
+            # Each adapter's tokens become contiguous rows; logits come back in the batch's order.
+            batch, groups, sample_order = self.lora.arrange(batch)
         meta = build_step_metadata(batch, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                                    max_positions=self.config.max_position_embeddings,
                                    max_gather_blocks=self.kv_cache.max_gather_blocks, device=self.device)
-        hidden = self.model(meta, self.kv_cache)
+        hidden = self.model(meta, self.kv_cache, groups)
         if meta.sample_indices.numel() == 0:  # a step of prefill chunks that all stop short of the end
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model.logits(hidden.index_select(0, meta.sample_indices))
+        sample_indices = meta.sample_indices
+        if sample_order is not None:
+            sample_indices = sample_indices[torch.tensor(sample_order, device=sample_indices.device)]
+        return self.model.logits(hidden.index_select(0, sample_indices))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -97,3 +99,40 @@ async def test_stats_are_published_as_the_engine_works(engine: AsyncLLM) -> None
     assert final.num_running == 0 and final.num_waiting == 0
     assert final.num_generated_tokens_total >= 16 and final.num_requests_finished_total >= 1
     assert final.num_kv_blocks_free == final.num_kv_blocks_total
+
+
+async def test_cancelling_a_request_before_the_worker_takes_it_adds_nothing(engine: AsyncLLM) -> None:
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    for _ in range(5):  # the client leaves while the add waits in the command queue
+        task = asyncio.ensure_future(anext(engine.generate(prompts(1, seed=15)[0], long)))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await asyncio.sleep(0.05)
+    assert engine.is_alive and not engine.core.has_unfinished()
+    assert len(await collect(engine, prompts(1)[0])) == 16
+
+
+async def test_cancelling_a_request_while_the_worker_adds_it_aborts_it(engine: AsyncLLM, monkeypatch) -> None:
+    added = threading.Event()
+    real_add = engine.core.add_request
+
+    def slow_add(*args, **kwargs):
+        added.set()
+        time.sleep(0.1)  # the caller is cancelled meanwhile: it never learns the request's id
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(engine.core, "add_request", slow_add)
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    task = asyncio.ensure_future(anext(engine.generate(prompts(1, seed=16)[0], long)))
+    await asyncio.to_thread(added.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if engine.stats.num_requests_aborted_total and not engine.core.has_unfinished():
+            break
+        await asyncio.sleep(0.01)
+    assert engine.is_alive and not engine.core.has_unfinished()
+    assert engine.stats.num_requests_aborted_total == 1
