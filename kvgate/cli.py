@@ -19,11 +19,28 @@ def build_parser() -> argparse.ArgumentParser:
         description="Config-as-code tooling for a registry of Model, Adapter, Pool and Tenant documents.")
     registry_cli.configure(registry)
     registry.set_defaults(run=registry_cli.run)
+    # Everything after `engine` is the engine's own (`kvgate engine --help` lists it); parsed there so
+    # that the other subcommands never import torch.
+    engine = commands.add_parser(
+        "engine", add_help=False, help="serve one model over the OpenAI API (a replica)",
+        description="Run `kvgate engine --help` for the replica server's options.")
+    engine.set_defaults(run=_run_engine)
     return parser
 
 
+def _run_engine(args: argparse.Namespace) -> int:
+    from engine.server.main import main as engine_main
+
+    return engine_main(args.forwarded)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "engine":
+        args.forwarded = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.run(args)
     except KeyboardInterrupt:

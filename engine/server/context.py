@@ -1,0 +1,164 @@
+"""What every handler of one replica shares: settings, the engine, what the model accepts, the
+metrics and the lifecycle. One `ServerContext` per app, stored under the typed key `CONTEXT`.
+
+The model's fixed facts (tokenizer, max_model_len, vocabulary) are read once from the engine core
+at construction; they never change, so handlers read them on the event loop without touching the
+engine's worker thread, which owns everything else in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine.async_llm import AsyncLLM
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import ChatMessage, bad_request, model_not_found
+from engine.tokenizer import ChatTemplateError
+
+# Text longer than this (characters) is tokenized on a thread: about a millisecond of tokenizer work,
+# which the event loop, serving every other stream, should not wait for.
+_TOKENIZE_INLINE_MAX_CHARS = 16_384
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What shapes the HTTP side of one replica. Time is injected: main.py passes the real clocks
+    explicitly, tests pass fakes (the defaults are the real clocks, for scripts)."""
+
+    served_model_name: str  # the `model` clients send for the base model
+    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get a 413
+    drain_timeout_s: float = 30.0  # after SIGTERM: how long in-flight requests may take before they are aborted
+    retry_after_s: int = 5  # the Retry-After of a 503 while draining: about how long a replacement takes
+    warmup: bool = True  # one tiny generation before /health says ready
+    now: Callable[[], float] = time.monotonic  # seconds on a monotonic timeline, for latency metrics
+    wall: Callable[[], float] = time.time  # seconds since the epoch, for `created` fields
+
+
+class Lifecycle:
+    """Readiness and drain of one server.
+
+    starting -> ready (after warm-up) -> draining (SIGTERM: new requests get 503, /health 503) -> the
+    process waits until the requests admitted before the drain finished, or the drain timeout passed
+    and the rest are cancelled (which aborts them in the engine and frees their KV blocks).
+    """
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.draining = False
+        self._in_flight: set[asyncio.Task[Any]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def admit(self, task: asyncio.Task[Any]) -> None:
+        self._in_flight.add(task)
+        self._idle.clear()
+
+    def release(self, task: asyncio.Task[Any]) -> None:
+        self._in_flight.discard(task)
+        if not self._in_flight:
+            self._idle.set()
+
+    def begin_drain(self) -> None:
+        """Stop admitting requests. Idempotent."""
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no admitted request is left; False if `timeout_s` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def cancel_in_flight(self) -> int:
+        """Cancel every admitted request and wait for them to unwind; returns how many there were."""
+        tasks = list(self._in_flight)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return len(tasks)
+
+
+class ServerContext:
+    """Shared by every handler of one app."""
+
+    def __init__(self, *, engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics,
+                 lifecycle: Lifecycle) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.lifecycle = lifecycle
+        core = engine.core  # fixed facts only, read once (see the module docstring)
+        self.tokenizer = core.tokenizer
+        self.max_model_len: int = core.max_model_len
+        self.model_root: str = core.config.model
+        self.model_name = settings.served_model_name
+        self._encode_prompt = core.encode_prompt  # text or token ids -> ids; ValueError for ids out of range
+        self._token_texts: dict[int, str] = {}
+
+    @property
+    def now(self) -> Callable[[], float]:
+        return self.settings.now
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """Adapters clients may name: registered or loaded (() before the engine has multi-LoRA)."""
+        adapters = getattr(self.engine, "adapters", None)
+        if adapters is None:
+            return ()
+        info = adapters()
+        return tuple(dict.fromkeys((*info.registered, *info.loaded)))
+
+    def resolve_model(self, name: str) -> str | None:
+        """The adapter a request's `model` names: None for the base model. Raises ApiError 404."""
+        if name == self.model_name:
+            return None
+        adapters = self.adapter_names()
+        if name in adapters:
+            return name
+        raise model_not_found(name, (self.model_name, *adapters))
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    async def completion_prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
+        """Token ids of a /v1/completions prompt. Raises ApiError 400 for ids outside the vocabulary."""
+        try:
+            return await _maybe_off_loop(self._encode_prompt, prompt, len(prompt) if isinstance(prompt, str) else 0)
+        except ValueError as exc:
+            raise bad_request(str(exc), "prompt") from exc
+
+    async def chat_prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Token ids of a chat rendered with the model's template (which writes its own BOS).
+        Raises ApiError 400 when the template rejects the messages."""
+        dicts = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        return await _maybe_off_loop(lambda t: self.tokenizer.encode(t, add_special_tokens=False), text, len(text))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own string (special tokens kept), for logprobs. Memoized: the vocabulary is finite."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+async def _maybe_off_loop(fn: Callable[[Any], list[int]], arg: Any, size_chars: int) -> list[int]:
+    if size_chars > _TOKENIZE_INLINE_MAX_CHARS:
+        return await asyncio.to_thread(fn, arg)
+    return fn(arg)
+
+
+CONTEXT = web.AppKey("kvgate_engine_context", ServerContext)

@@ -1,0 +1,225 @@
+"""A real `kvgate engine` process on builtin:tiny-llama, driven by the official openai SDK, unmodified."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from engine.builtin import CACHE_DIR_ENV
+from kvgate.v1 import replica_pb2, replica_pb2_grpc
+from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir
+from tests.engine.peft_files import write_peft_dir
+
+MODEL = "builtin:tiny-llama"
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@dataclass
+class Replica:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def openai(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", **kwargs)
+
+    def async_openai(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", **kwargs)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def metric(self, name: str) -> float:
+        _, text = self.get("/metrics")
+        return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
+def kvgate_command() -> list[str]:
+    script = Path(sys.executable).with_name("kvgate")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvgate.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_replica(tmp_path: Path, *extra: str) -> Replica:
+    tiny_llama_dir()  # built once, before the server looks for it
+    port = free_port()
+    log_path = tmp_path / f"engine-{port}.log"
+    command = [*kvgate_command(), "engine", "--model", MODEL, "--port", str(port), "--kv-cache-bytes", "8MiB",
+               "--cache-dir", str(shared_cache_dir()), *extra]
+    env = {**os.environ, CACHE_DIR_ENV: str(shared_cache_dir())}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    replica = Replica(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"kvgate engine did not become healthy:\n{log_path.read_text()}", pytrace=False)
+        try:
+            if replica.get("/health")[0] == 200:
+                return replica
+        except OSError:
+            pass
+        time.sleep(0.05)
+
+
+def stop(replica: Replica) -> None:
+    if replica.process.poll() is None:
+        replica.process.kill()
+        replica.process.wait()
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory) -> Iterator[Replica]:
+    work = tmp_path_factory.mktemp("replica")
+    replica = start_replica(work, "--adapter", f"sql={write_peft_dir(work / 'sql-lora')}")
+    yield replica
+    stop(replica)
+
+
+def test_the_process_logs_a_ready_line(replica: Replica) -> None:
+    assert re.search(rf"kvgate engine ready: model {MODEL} on {replica.url}", replica.log_path.read_text())
+
+
+def test_sync_client_completion_and_chat(replica: Replica) -> None:
+    client = replica.openai()
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, **GREEDY)
+    assert completion.object == "text_completion" and completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 5
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, **GREEDY)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    assert [m.id for m in client.models.list()] == [MODEL, "sql"]
+
+
+def test_an_adapter_given_at_start_is_served_under_its_name(replica: Replica) -> None:
+    completion = replica.openai().completions.create(model="sql", prompt="Hello", max_tokens=3, **GREEDY)
+    assert completion.model == "sql" and completion.usage.completion_tokens == 3
+
+
+async def test_async_client_runs_concurrent_chats(replica: Replica) -> None:
+    client = replica.async_openai()
+    replies = await asyncio.gather(*(
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"question {i}"}],
+                                       max_tokens=8, **GREEDY) for i in range(4)))
+    assert all(r.usage.completion_tokens == 8 for r in replies)
+    await client.close()
+
+
+def test_streamed_chat_with_usage_matches_the_plain_answer(replica: Replica) -> None:
+    client = replica.openai()
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 12, **GREEDY}
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_streamed_completion_with_usage(replica: Replica) -> None:
+    client = replica.openai()
+    chunks = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=7, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[-1].usage.completion_tokens == 7 and chunks[-1].usage.total_tokens > 7
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_a_repeated_long_prompt_reports_cached_tokens(replica: Replica) -> None:
+    client = replica.openai()
+    prompt = "A long shared system prompt about caching. " * 10
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_bad_requests_raise_the_sdks_typed_errors(replica: Replica) -> None:
+    client = replica.openai(max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model=MODEL, prompt="x", n=2)
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks(replica: Replica) -> None:
+    aborted_before = replica.metric("kvgate_engine_requests_aborted_total")
+    client = replica.openai()
+    stream = client.completions.create(model=MODEL, prompt="go on", max_tokens=1800, stream=True, **GREEDY)
+    for _, _ in zip(range(3), stream):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 10
+    while replica.metric("kvgate_engine_requests_aborted_total") == aborted_before:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.02)
+    assert replica.metric("kvgate_engine_requests_running") == 0
+    assert replica.metric("kvgate_engine_kv_blocks_free") == replica.metric("kvgate_engine_kv_blocks_total")
+
+
+def replica_state(port: int) -> replica_pb2.ReplicaState:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return replica_pb2_grpc.ReplicaStub(channel).GetState(replica_pb2.GetStateRequest(), timeout=5)
+
+
+async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_zero(tmp_path: Path) -> None:
+    grpc_port = free_port()
+    replica = start_replica(tmp_path, "--grpc-port", str(grpc_port), "--replica-id", "drain-test")
+    try:
+        state = replica_state(grpc_port)
+        assert (state.replica_id, state.model, state.draining) == ("drain-test", MODEL, False)
+        client = replica.async_openai(max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a long answer"}], max_tokens=1500, stream=True,
+            stream_options={"include_usage": True}, **GREEDY)
+        chunks = [await anext(aiter(stream))]
+        replica.process.send_signal(signal.SIGTERM)
+        while (await asyncio.to_thread(replica.get, "/health"))[0] != 503:
+            await asyncio.sleep(0.01)
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.completions.create(model=MODEL, prompt="too late", max_tokens=2)
+        assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"]
+        assert (await asyncio.to_thread(replica_state, grpc_port)).draining  # the router hears it too
+        chunks += [chunk async for chunk in stream]
+        assert chunks[-1].usage.completion_tokens == 1500  # the in-flight request was not cut short
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert await asyncio.to_thread(replica.process.wait, 30) == 0
+        assert "kvgate engine stopped" in replica.log_path.read_text()
+        await client.close()
+    finally:
+        stop(replica)
+
+
+def test_bad_arguments_exit_2_and_an_unloadable_model_exits_1_without_tracebacks(tmp_path: Path) -> None:
+    bad_args = subprocess.run([*kvgate_command(), "engine", "--model", MODEL, "--kv-cache-bytes", "lots"],
+                              capture_output=True, text=True, timeout=60)
+    assert bad_args.returncode == 2 and "--kv-cache-bytes" in bad_args.stderr
+    missing = subprocess.run([*kvgate_command(), "engine", "--model", str(tmp_path / "nothing"), "--port", "0"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "cannot load model" in missing.stderr
+    assert "Traceback" not in bad_args.stderr + missing.stderr
