@@ -43,6 +43,14 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 _STOP_GRACE_S = 5.0  # after the drain: how long aiohttp may take to flush the last responses
 
 
+
+def served_name(args: argparse.Namespace) -> str:
+    """The name clients put in `model` for the base model: --served-model-name, else the registry's name
+    for a built-in (`builtin:smollm2-135m` -> `smollm2-135m`), else --model as given (vLLM's default)."""
+    if args.served_model_name:
+        return args.served_model_name
+    return args.model.removeprefix("builtin:")
+
 def parse_bytes(text: str) -> int:
     """'256MiB' -> 268435456; units B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (of 1024)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
@@ -202,7 +210,7 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
     from engine.server.app import build_app
     from engine.server.context import CONTEXT, ServerSettings
 
-    settings = ServerSettings(served_model_name=args.served_model_name or args.model,
+    settings = ServerSettings(served_model_name=served_name(args),
                               max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s,
                               now=time.monotonic, wall=time.time)
     app = build_app(engine, settings)
@@ -261,7 +269,7 @@ async def _start_state_service(engine: Any, args: argparse.Namespace, http_port:
     replica_id = args.replica_id or f"{socket.gethostname()}:{http_port}"
     extra = {"is_draining": is_draining} if "is_draining" in inspect.signature(start_state_service).parameters else {}
     return await start_state_service(engine, host=args.host, port=args.grpc_port, replica_id=replica_id,
-                                     model=args.served_model_name or args.model, **extra)
+                                     model=served_name(args), **extra)
 
 
 class _Signals:

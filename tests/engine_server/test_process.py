@@ -26,6 +26,7 @@ from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir
 from tests.engine.peft_files import write_peft_dir
 
 MODEL = "builtin:tiny-llama"
+SERVED = "tiny-llama"  # a built-in is served under its registry name
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
@@ -102,18 +103,18 @@ def replica(tmp_path_factory) -> Iterator[Replica]:
 
 
 def test_the_process_logs_a_ready_line(replica: Replica) -> None:
-    assert re.search(rf"kvgate engine ready: model {MODEL} on {replica.url}", replica.log_path.read_text())
+    assert re.search(rf"kvgate engine ready: model {SERVED} on {replica.url}", replica.log_path.read_text())
 
 
 def test_sync_client_completion_and_chat(replica: Replica) -> None:
     client = replica.openai()
-    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, **GREEDY)
+    completion = client.completions.create(model=SERVED, prompt="Hello", max_tokens=5, **GREEDY)
     assert completion.object == "text_completion" and completion.choices[0].finish_reason == "length"
     assert completion.usage.completion_tokens == 5
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+    chat = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, **GREEDY)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
-    assert [m.id for m in client.models.list()] == [MODEL, "sql"]
+    assert [m.id for m in client.models.list()] == [SERVED, "sql"]
 
 
 def test_an_adapter_given_at_start_is_served_under_its_name(replica: Replica) -> None:
@@ -124,7 +125,7 @@ def test_an_adapter_given_at_start_is_served_under_its_name(replica: Replica) ->
 async def test_async_client_runs_concurrent_chats(replica: Replica) -> None:
     client = replica.async_openai()
     replies = await asyncio.gather(*(
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"question {i}"}],
+        client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": f"question {i}"}],
                                        max_tokens=8, **GREEDY) for i in range(4)))
     assert all(r.usage.completion_tokens == 8 for r in replies)
     await client.close()
@@ -132,7 +133,7 @@ async def test_async_client_runs_concurrent_chats(replica: Replica) -> None:
 
 def test_streamed_chat_with_usage_matches_the_plain_answer(replica: Replica) -> None:
     client = replica.openai()
-    request = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 12, **GREEDY}
+    request = {"model": SERVED, "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 12, **GREEDY}
     whole = client.chat.completions.create(**request)
     chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -144,7 +145,7 @@ def test_streamed_chat_with_usage_matches_the_plain_answer(replica: Replica) -> 
 
 def test_streamed_completion_with_usage(replica: Replica) -> None:
     client = replica.openai()
-    chunks = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=7, stream=True,
+    chunks = list(client.completions.create(model=SERVED, prompt="Once", max_tokens=7, stream=True,
                                             stream_options={"include_usage": True}, **GREEDY))
     assert chunks[-1].usage.completion_tokens == 7 and chunks[-1].usage.total_tokens > 7
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -153,8 +154,8 @@ def test_streamed_completion_with_usage(replica: Replica) -> None:
 def test_a_repeated_long_prompt_reports_cached_tokens(replica: Replica) -> None:
     client = replica.openai()
     prompt = "A long shared system prompt about caching. " * 10
-    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
-    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    first = client.completions.create(model=SERVED, prompt=prompt, max_tokens=2, **GREEDY)
+    second = client.completions.create(model=SERVED, prompt=prompt, max_tokens=2, **GREEDY)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
@@ -164,13 +165,13 @@ def test_bad_requests_raise_the_sdks_typed_errors(replica: Replica) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model=MODEL, prompt="x", n=2)
+        client.completions.create(model=SERVED, prompt="x", n=2)
 
 
 def test_a_client_leaving_mid_stream_frees_its_blocks(replica: Replica) -> None:
     aborted_before = replica.metric("kvgate_engine_requests_aborted_total")
     client = replica.openai()
-    stream = client.completions.create(model=MODEL, prompt="go on", max_tokens=1800, stream=True, **GREEDY)
+    stream = client.completions.create(model=SERVED, prompt="go on", max_tokens=1800, stream=True, **GREEDY)
     for _, _ in zip(range(3), stream):
         pass
     stream.close()
@@ -192,17 +193,17 @@ async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_zero
     replica = start_replica(tmp_path, "--grpc-port", str(grpc_port), "--replica-id", "drain-test")
     try:
         state = replica_state(grpc_port)
-        assert (state.replica_id, state.model, state.draining) == ("drain-test", MODEL, False)
+        assert (state.replica_id, state.model, state.draining) == ("drain-test", SERVED, False)
         client = replica.async_openai(max_retries=0)
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "a long answer"}], max_tokens=1500, stream=True,
+            model=SERVED, messages=[{"role": "user", "content": "a long answer"}], max_tokens=1500, stream=True,
             stream_options={"include_usage": True}, **GREEDY)
         chunks = [await anext(aiter(stream))]
         replica.process.send_signal(signal.SIGTERM)
         while (await asyncio.to_thread(replica.get, "/health"))[0] != 503:
             await asyncio.sleep(0.01)
         with pytest.raises(openai.APIStatusError) as refused:
-            await client.completions.create(model=MODEL, prompt="too late", max_tokens=2)
+            await client.completions.create(model=SERVED, prompt="too late", max_tokens=2)
         assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"]
         assert (await asyncio.to_thread(replica_state, grpc_port)).draining  # the router hears it too
         chunks += [chunk async for chunk in stream]
