@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=_port, default=8000, help="HTTP port; 0 picks a free one (default: %(default)s)")
     parser.add_argument("--grpc-port", type=_port, help="also serve the replica-state gRPC stream on this port")
-    parser.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    parser.add_argument("--served-model-name", help="the model name clients send (default: --model, without a builtin: prefix)")
     parser.add_argument("--replica-id", help="this replica's id in the state stream (default: HOST:PORT)")
     parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=defaults["kv_cache_bytes"],
                         help="KV-cache memory, e.g. 256MiB or 4GiB (default: 256MiB)")
