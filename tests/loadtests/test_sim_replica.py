@@ -1,0 +1,248 @@
+"""The simulated replica: OpenAI shapes, prefix caching with LRU eviction, queueing, failure injection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from loadtests.sim_replica import FailMode, FailureSpec, SimReplicaConfig, start_sim_replica
+from loadtests.sim_replica_model import Scheduler, SchedulerSpec, SimSequence, block_hashes
+
+FAST = SchedulerSpec(kv_capacity_tokens=32_768, prefill_tokens_per_s=1_000_000.0, decode_tokens_per_s=2_000.0)
+LONG_A = "A" * 60 + "".join(f"alpha block {i:03d} " for i in range(40))  # 700 chars -> 175 tokens
+
+
+def long_prompt(tag: str) -> str:
+    """640 characters = 160 tokens = 10 full blocks, distinct per tag from the first block on."""
+    return (tag * 64)[:64] + "x" * 576
+
+
+@pytest.fixture
+async def serve():
+    servers = []
+
+    async def start(**kwargs):
+        server = await start_sim_replica(SimReplicaConfig(**({"model": "sim", "scheduler": FAST} | kwargs)))
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.close()
+
+
+async def post(session: aiohttp.ClientSession, url: str, prompt: str, **body) -> dict:
+    async with session.post(f"{url}/v1/completions", json={"model": "sim", "prompt": prompt} | body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def stats(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/stats") as r:
+        return await r.json()
+
+
+# --- the pure model ---------------------------------------------------------------------------------
+
+
+def test_cold_prefill_then_decode_costs_follow_the_rates():
+    # 160-token prompt at 8,000 tok/s -> 20 ms to the first token; each further token 1/50 s = 20 ms.
+    sched = Scheduler(SchedulerSpec(prefill_tokens_per_s=8_000.0, decode_tokens_per_s=50.0))
+    sched.add(SimSequence(1, "m", 160, block_hashes(long_prompt("a"), "m"), max_tokens=2))
+    first = sched.schedule()
+    assert first.duration_s == pytest.approx(0.020) and first.prefill == ((1, 160),)
+    assert [e.index for e in sched.complete(first)] == [0]
+    second = sched.schedule()
+    assert second.duration_s == pytest.approx(0.020) and second.decode == (1,)
+    assert sched.complete(second)[0].finished
+
+
+def test_adapter_name_seeds_the_hash_chain():
+    assert block_hashes(long_prompt("a"), "base") != block_hashes(long_prompt("a"), "lora-1")
+    assert len(block_hashes(long_prompt("a"), "base")) == 10
+
+
+# --- the OpenAI SDK -----------------------------------------------------------------------------------
+
+
+async def test_async_openai_sdk_chat_streamed_and_not(serve):
+    server = await serve(adapters=("sql-lora",))
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    reply = await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 5
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    stream = await client.chat.completions.create(model="sql-lora", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=4, stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content[: len(text)] and len(text.split()) == 4
+    assert chunks[-1].usage.completion_tokens == 4
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["sim", "sql-lora"]
+    await client.close()
+
+
+async def test_sync_openai_sdk_completions_streamed_and_not(serve):
+    server = await serve()
+
+    def call() -> tuple[str, str]:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        whole = client.completions.create(model="sim", prompt="Once upon", max_tokens=3,
+                                          extra_body={"ignore_eos": True})
+        parts = client.completions.create(model="sim", prompt="Once upon", max_tokens=3, stream=True,
+                                          extra_body={"min_tokens": 1})
+        return whole.choices[0].text, "".join(p.choices[0].text for p in parts if p.choices)
+
+    whole, streamed = await asyncio.to_thread(call)
+    assert whole == streamed and len(whole.split()) == 3
+
+
+async def test_unknown_model_is_a_404_openai_error(serve):
+    server = await serve()
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="nope", prompt="hi")
+    await client.close()
+
+
+# --- prefix cache ---------------------------------------------------------------------------------------
+
+
+async def test_repeated_long_prompt_reports_cached_tokens(serve):
+    server = await serve()
+    async with aiohttp.ClientSession() as s:
+        first = await post(s, server.url, LONG_A)
+        second = await post(s, server.url, LONG_A)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # 175 tokens -> 10 full blocks of 16 can hit: 160 cached, the rest computed.
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
+    st = await stats(server.url)
+    assert (st["num_prompt_tokens_queried"], st["num_prompt_tokens_hit"]) == (350, 160)
+
+
+async def test_third_distinct_prompt_evicts_the_least_recently_used(serve):
+    # Capacity 320 tokens = 20 blocks: two 10-block prompts fit, a third evicts the first.
+    server = await serve(scheduler=SchedulerSpec(320, 1e6, 2_000.0))
+    async with aiohttp.ClientSession() as s:
+        for tag in "abc":
+            await post(s, server.url, long_prompt(tag))
+        b_again = await post(s, server.url, long_prompt("b"))
+        a_again = await post(s, server.url, long_prompt("a"))
+    assert b_again["usage"]["prompt_tokens_details"]["cached_tokens"] == 144  # 9 blocks: the last is computed
+    assert a_again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+# --- load ----------------------------------------------------------------------------------------------
+
+
+async def test_a_burst_beyond_max_batch_queues(serve):
+    # 6 requests x 20 tokens at 200 tok/s, 2 at a time: 3 rounds of ~100 ms.
+    server = await serve(scheduler=SchedulerSpec(32_768, 1e6, 200.0, max_batch=2))
+    async with aiohttp.ClientSession() as s:
+        burst = [asyncio.create_task(post(s, server.url, f"p{i}", max_tokens=20)) for i in range(6)]
+        await asyncio.sleep(0.05)
+        async with s.get(f"{server.url}/metrics") as r:
+            metrics = await r.text()
+        await asyncio.gather(*burst)
+    assert 'vllm:num_requests_waiting{model_name="sim"} 4' in metrics
+    assert 'vllm:num_requests_running{model_name="sim"} 2' in metrics
+    assert "vllm:lora_requests_info{" in metrics and "running_lora_adapters=" in metrics
+    assert (await stats(server.url))["num_served"] == 6
+
+
+# --- failure injection ---------------------------------------------------------------------------------
+
+
+async def test_error500_answers_an_openai_error_before_any_byte(serve):
+    server = await serve(failure=FailureSpec(FailMode.ERROR500))
+    async with aiohttp.ClientSession() as s, s.post(f"{server.url}/v1/completions",
+                                                    json={"model": "sim", "prompt": "x", "stream": True}) as r:
+        assert r.status == 500
+        assert (await r.json())["error"]["code"] == 500
+
+
+async def test_refuse_closes_the_connection_without_a_response(serve):
+    server = await serve(failure=FailureSpec(FailMode.REFUSE))
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await post(s, server.url, "x")
+
+
+async def test_stall_never_answers(serve):
+    server = await serve(failure=FailureSpec(FailMode.STALL))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as s:
+        with pytest.raises(asyncio.TimeoutError):
+            await post(s, server.url, "x")
+
+
+async def test_die_mid_stream_sends_some_chunks_then_drops(serve):
+    server = await serve(failure=FailureSpec(FailMode.DIE_MID_STREAM, die_after_chunks=2))
+    received = []
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with s.post(f"{server.url}/v1/completions",
+                              json={"model": "sim", "prompt": "x", "stream": True, "max_tokens": 10}) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        received.append(line)
+    assert len(received) == 2 and not any(b"[DONE]" in line for line in received)
+
+
+async def test_slow_first_byte_delays_then_serves(serve):
+    server = await serve(failure=FailureSpec(FailMode.SLOW_FIRST_BYTE, slow_first_byte_s=0.2))
+    async with aiohttp.ClientSession() as s:
+        start = time.monotonic()
+        await post(s, server.url, "x", max_tokens=1)
+        assert time.monotonic() - start >= 0.2
+
+
+async def test_failures_start_after_n_good_requests_and_switch_at_runtime(serve):
+    server = await serve(failure=FailureSpec(FailMode.ERROR500, fail_after_n=1))
+    body = {"model": "sim", "prompt": "x", "max_tokens": 1}
+    async with aiohttp.ClientSession() as s:
+        statuses = []
+        for _ in range(2):
+            async with s.post(f"{server.url}/v1/completions", json=body) as r:
+                statuses.append(r.status)
+        async with s.post(f"{server.url}/admin/fail", json={"mode": "unavailable", "fail_after_n": 0}) as r:
+            assert r.status == 200
+        async with s.post(f"{server.url}/v1/completions", json=body) as r:
+            statuses.append(r.status)
+            assert r.headers["Retry-After"] == "1"
+        async with s.get(f"{server.url}/health") as r:
+            statuses.append(r.status)
+    assert statuses == [200, 500, 503, 503]
+
+
+async def test_client_disconnect_aborts_the_request(serve):
+    server = await serve(scheduler=SchedulerSpec(32_768, 1e6, 20.0))  # 100 tokens would take 5 s
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(f"{server.url}/v1/completions",
+                         json={"model": "sim", "prompt": "x", "stream": True, "max_tokens": 100})
+        await r.content.readline()
+        r.close()
+    for _ in range(100):
+        st = await stats(server.url)
+        if st["num_aborted"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (st["num_aborted"], st["num_running"], st["num_served"]) == (1, 0, 0)
+
+
+async def test_client_disconnect_aborts_a_non_streamed_request(serve):
+    server = await serve(scheduler=SchedulerSpec(32_768, 1e6, 20.0))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as s:
+        with pytest.raises(asyncio.TimeoutError):
+            await post(s, server.url, "x", max_tokens=100)
+    for _ in range(100):
+        st = await stats(server.url)
+        if st["num_aborted"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (st["num_aborted"], st["num_running"]) == (1, 0)
