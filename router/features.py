@@ -1,0 +1,176 @@
+"""Request features: what the routing policies know about one request.
+
+The router hashes TEXT, not tokens: it has no tokenizer (it fronts foreign servers too, and tokenizing
+every request would cost more than routing). The prompt is rendered into one canonical string, cut into
+fixed-size chunks of `chunk_chars` characters and hashed as a chain with xxh64, like the engine's block
+chain (`engine.block_manager.hash_block`) but over characters. The two chains never meet: the router's
+hashes only ever index the router's own prefix index.
+
+Chain property: chunk i's hash covers chunks 0..i and the adapter, so equal hashes at position i mean
+equal text up to the end of chunk i under the same adapter. A later turn of a conversation renders to
+the earlier turn's text plus more, so it shares every full chunk of the earlier turn.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+# An estimate, not a tokenizer: English text under BPE tokenizers runs ~4 characters per token
+# (code and non-Latin scripts run fewer). Used for sizes and capacities, never for correctness.
+CHARS_PER_TOKEN = 4
+
+# Separators from the ASCII control range, which chat text almost never contains, so a role name
+# cannot run into its content: "\x1euser\x1fhi" differs from "\x1euserh\x1fi".
+_RECORD = "\x1e"  # starts each message
+_UNIT = "\x1f"  # ends the role / header of a message
+_GROUP = "\x1d"  # separates named fields inside a message (name, tool calls)
+_ROOT_TAG = b"kvgate-router-prefix-v1\x00"
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """The routing features of one request; built once by the handler, read by every policy."""
+
+    model: str  # the base model's registry name (an adapter resolves to its base)
+    adapter: str | None  # LoRA adapter name, None for the base model
+    prefix_hashes: tuple[int, ...]  # chained xxh64 of each full chunk of the canonical prompt
+    affinity_key: int  # rendezvous key: the first chunk's hash, or the whole short prompt's hash
+    num_prompt_chars: int  # length of the canonical prompt, in characters
+    estimated_prompt_tokens: int  # ceil(num_prompt_chars / CHARS_PER_TOKEN): an estimate
+    max_tokens: int | None  # completion budget the client asked for, None when it did not say
+    stream: bool
+    request_seq: int  # a counter the shell assigns per model; round robin cycles on it
+
+
+def _canonical_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def _render_content(content: object) -> str:
+    """A message's content: a string as is; a list of parts concatenated in order (text parts by their
+    text, any other part, e.g. an image, as canonical JSON); None as ""."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        rendered = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                rendered.append(part["text"])
+            elif isinstance(part, str):
+                rendered.append(part)
+            else:
+                rendered.append(_canonical_json(part))
+        return "".join(rendered)
+    return _canonical_json(content)
+
+
+def _render_message(message: object) -> str:
+    """One chat message, rendered so that it depends on this message alone (never on later ones), which
+    is what makes a conversation's text grow only at its end from turn to turn."""
+    if not isinstance(message, Mapping):
+        raise ValueError(f"a chat message must be an object; got {type(message).__name__}")
+    text = _RECORD + str(message.get("role", "")) + _UNIT + _render_content(message.get("content"))
+    for key in ("name", "tool_call_id", "tool_calls", "function_call"):
+        if message.get(key) is not None:
+            value = message[key]
+            text += _GROUP + key + _UNIT + (value if isinstance(value, str) else _canonical_json(value))
+    return text
+
+
+def _render_prompt(prompt: object) -> str:
+    """A completions prompt: a string as is; token ids as "id," each (prefix-stable: [1, 2] renders to
+    a prefix of [1, 2, 3]); a batch (list of prompts) as each rendered after a record separator."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return "".join(f"{t}," for t in prompt)
+    if isinstance(prompt, Sequence):
+        return "".join(_RECORD + _render_prompt(p) for p in prompt)
+    raise ValueError(f"prompt must be a string, token ids or a list of them; got {type(prompt).__name__}")
+
+
+def canonical_prompt(body: Mapping[str, object]) -> str:
+    """The canonical text of a chat or completions request body, deterministic for equal bodies.
+
+    Chat (`messages`): the tool definitions, if any, as canonical JSON first (chat templates put them in
+    the system prompt), then every message as "\\x1e" + role + "\\x1f" + content, with name, tool_call_id
+    and tool calls appended as canonical JSON. Completions (`prompt`): see `_render_prompt`.
+    Raises ValueError when the body has neither, or they have the wrong shape (the handler validates
+    first, so this is a programming error there).
+    """
+    if "messages" in body:
+        messages = body["messages"]
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ValueError("messages must be a list of message objects")
+        head = _RECORD + "tools" + _UNIT + _canonical_json(body["tools"]) if body.get("tools") else ""
+        return head + "".join(_render_message(m) for m in messages)
+    if "prompt" in body:
+        return _render_prompt(body["prompt"])
+    raise ValueError("the body has neither 'messages' (chat) nor 'prompt' (completions)")
+
+
+def chain_root(adapter: str | None) -> int:
+    """The chain's root: the adapter is folded in here, so every hash of the chain depends on it."""
+    return xxhash.xxh64_intdigest(_ROOT_TAG + (adapter or "").encode())
+
+
+def _chain_step(parent: int, chunk: str) -> int:
+    return xxhash.xxh64_intdigest(struct.pack("<Q", parent) + chunk.encode("utf-8", "surrogatepass"))
+
+
+def prefix_hashes(text: str, chunk_chars: int, adapter: str | None) -> tuple[int, ...]:
+    """The chain of hashes of every FULL chunk of `text`: chunk_chars 4, "abcdefghij" -> 2 hashes
+    ("abcd", "efgh"). The tail ("ij") gets no hash: a partial chunk is the part most likely to differ
+    between requests (the new user turn) and the engine never caches a partial block either, so hashing
+    it would only predict hits that cannot happen. It still counts in `num_prompt_chars`.
+
+    Raises ValueError for chunk_chars < 1."""
+    if chunk_chars < 1:
+        raise ValueError(f"chunk_chars must be >= 1; got {chunk_chars!r}")
+    hashes = []
+    parent = chain_root(adapter)
+    for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
+        parent = _chain_step(parent, text[start:start + chunk_chars])
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+def affinity_key(text: str, hashes: tuple[int, ...], adapter: str | None) -> int:
+    """Where a request lives when nothing else decides: the first chunk's hash (so every prompt that
+    opens with the same system prompt agrees), or for a prompt shorter than one chunk, the hash of all
+    of it (so distinct short prompts spread and a repeated one agrees with itself)."""
+    return hashes[0] if hashes else _chain_step(chain_root(adapter), text)
+
+
+def _max_tokens(body: Mapping[str, object]) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def build_route_request(body: Mapping[str, object], model: str, adapter: str | None,
+                        chunk_chars: int, request_seq: int) -> RouteRequest:
+    """The RouteRequest of a validated chat or completions body. Raises ValueError as
+    `canonical_prompt` and `prefix_hashes` do."""
+    text = canonical_prompt(body)
+    hashes = prefix_hashes(text, chunk_chars, adapter)
+    return RouteRequest(
+        model=model,
+        adapter=adapter,
+        prefix_hashes=hashes,
+        affinity_key=affinity_key(text, hashes, adapter),
+        num_prompt_chars=len(text),
+        estimated_prompt_tokens=-(-len(text) // CHARS_PER_TOKEN),
+        max_tokens=_max_tokens(body),
+        stream=bool(body.get("stream", False)),
+        request_seq=request_seq,
+    )

@@ -1,0 +1,190 @@
+"""Routing policies: pure functions `(RouteRequest, ReplicaView, RoutingKnobs) -> RouteDecision`.
+
+No I/O, no clock, no mutation: the same request and view give the same decision in every gateway,
+which is what lets gateways that share nothing agree (rendezvous hashing is keyed on request content,
+and ties are never broken by list position: sglang-router sent 12 of 12 distinct sequential prompts to
+its first worker).
+
+The load bound (consistent hashing with bounded loads, Mirrokni et al. 2016), used by
+`consistent_hash` and `cache_aware`: with n candidates whose loads sum to `total`, a replica has room
+for this request when load + 1 <= cap, where
+
+    mean_after = (total + 1) / n                        # the mean once this request is placed
+    cap = max(floor((1 + epsilon) x mean_after), ceil(mean_after))
+
+This is the registry's "(1 + epsilon) x mean load + 1" made exact: the ceil(mean) term is the "+1" slack
+that always leaves the least-loaded replica room (its load is at most floor(total / n), so
+load + 1 <= ceil(mean_after)); the floor keeps the maximum within (1 + epsilon) x mean once loads are
+large. Worked: 4 replicas, 99 in flight, epsilon 0.25 -> mean_after 25, cap max(floor(31.25), 25) = 31,
+so max/mean <= 31 / 25 = 1.24.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import xxhash
+
+from registry.schema import Routing, RoutingPolicy
+from router.features import RouteRequest
+from router.view import AdapterFit, ReplicaState, ReplicaView
+
+
+class Reason(enum.Enum):
+    """Why a replica was chosen; one `kvgate_router_decisions_total` label each."""
+
+    PREFIX_HIT = "prefix_hit"  # it holds the longest prefix of the prompt, within the load bound
+    ADAPTER_AFFINITY = "adapter_affinity"  # no prefix anywhere; it has the adapter loaded (or a free slot)
+    RENDEZVOUS = "rendezvous"  # no prefix, no adapter preference: placed by rendezvous hash
+    LOAD_FALLBACK = "load_fallback"  # the preferred replica was over the load bound
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    CONSISTENT_HASH = "consistent_hash"
+    NO_REPLICA = "no_replica"  # no healthy, non-draining replica of the model
+
+
+@dataclass(frozen=True)
+class RoutingKnobs:
+    """A model's routing settings, from its registry `Routing`."""
+
+    policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    load_epsilon: float = 0.25
+
+    @classmethod
+    def from_routing(cls, routing: Routing) -> RoutingKnobs:
+        return cls(policy=routing.policy, load_epsilon=routing.load_epsilon)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """The chosen replica and why, with the figures behind it (for metrics and /admin/stats)."""
+
+    replica_id: str | None  # None only with Reason.NO_REPLICA
+    reason: Reason
+    predicted_match_chunks: int = 0  # leading prefix chunks the chosen replica is believed to hold
+    adapter_fit: AdapterFit | None = None  # of the chosen replica, for the request's adapter
+    load: int = 0  # the chosen replica's load before this request
+    load_cap: int = 0  # the load bound's cap (0 where the policy has none)
+    num_candidates: int = 0
+
+
+PolicyFn = Callable[[RouteRequest, ReplicaView, RoutingKnobs], RouteDecision]
+
+
+def rendezvous_weight(key: int, replica_id: str) -> int:
+    """Highest-random-weight hashing: each replica's weight for a key; the highest wins. xxh64, not
+    Python's salted hash(), so every process computes the same weights."""
+    return xxhash.xxh64_intdigest(struct.pack("<Q", key) + replica_id.encode())
+
+
+def load_cap(candidates: tuple[ReplicaState, ...], epsilon: float) -> int:
+    """The most load a replica may reach by taking this request (see the module docstring)."""
+    mean_after = (sum(r.load for r in candidates) + 1) / len(candidates)
+    return max(math.floor((1 + epsilon) * mean_after), math.ceil(mean_after))
+
+
+def _decision(request: RouteRequest, view: ReplicaView, chosen: ReplicaState, reason: Reason,
+              num_candidates: int, cap: int = 0, match: int | None = None) -> RouteDecision:
+    if match is None:
+        match = view.match_length(chosen.replica_id, request.prefix_hashes)
+    return RouteDecision(replica_id=chosen.replica_id, reason=reason, predicted_match_chunks=match,
+                         adapter_fit=chosen.adapter_fit(request.adapter), load=chosen.load,
+                         load_cap=cap, num_candidates=num_candidates)
+
+
+def _no_replica() -> RouteDecision:
+    return RouteDecision(replica_id=None, reason=Reason.NO_REPLICA)
+
+
+def round_robin(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
+    """Candidate number request_seq mod n, in replica-id order."""
+    candidates = view.candidates(request.model)
+    if not candidates:
+        return _no_replica()
+    chosen = candidates[request.request_seq % len(candidates)]
+    return _decision(request, view, chosen, Reason.ROUND_ROBIN, len(candidates))
+
+
+def least_load(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
+    """The least-loaded candidate; ties go to the highest rendezvous weight of the request's
+    affinity key, so idle replicas share distinct prompts instead of the first taking them all."""
+    candidates = view.candidates(request.model)
+    if not candidates:
+        return _no_replica()
+    chosen = max(candidates, key=lambda r: (-r.load, rendezvous_weight(request.affinity_key, r.replica_id)))
+    return _decision(request, view, chosen, Reason.LEAST_LOAD, len(candidates))
+
+
+def consistent_hash(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
+    """Rendezvous hashing of the affinity key (the first chunk), bounded: the highest-weight replica
+    with room under the load cap."""
+    candidates = view.candidates(request.model)
+    if not candidates:
+        return _no_replica()
+    cap = load_cap(candidates, knobs.load_epsilon)
+    ranked = sorted(candidates, key=lambda r: rendezvous_weight(request.affinity_key, r.replica_id), reverse=True)
+    chosen = next(r for r in ranked if r.load + 1 <= cap)  # the least-loaded always has room
+    reason = Reason.CONSISTENT_HASH if chosen is ranked[0] else Reason.LOAD_FALLBACK
+    return _decision(request, view, chosen, reason, len(candidates), cap)
+
+
+def cache_aware_score(request: RouteRequest, replica: ReplicaState, match_chunks: int) -> tuple[int, int, int, int]:
+    """cache_aware's preference, compared lexicographically, higher is better:
+
+    1. match_chunks: the longest prefix held wins (every chunk is ~chunk_chars / 4 prompt tokens
+       not prefilled again);
+    2. adapter fit: loaded (or no adapter) > free slot > must evict;
+    3. -load, but only among replicas that hold a prefix (several holders of a hot prefix share it);
+       prompts matching nowhere ignore load here (the cap still applies), so gateways whose in-flight
+       counts differ still agree;
+    4. rendezvous weight of the affinity key: where a prompt with no prefix anywhere lives, the same in
+       every gateway.
+    """
+    spread = -replica.load if match_chunks > 0 else 0
+    return (match_chunks, int(replica.adapter_fit(request.adapter)), spread,
+            rendezvous_weight(request.affinity_key, replica.replica_id))
+
+
+def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
+    """kvgate's policy: the best `cache_aware_score` among candidates with room under the load cap.
+    Reason: LOAD_FALLBACK when the best-scoring candidate overall had no room; else PREFIX_HIT when
+    the chosen one holds a prefix; else ADAPTER_AFFINITY when its adapter fit beat another candidate's;
+    else RENDEZVOUS."""
+    candidates = view.candidates(request.model)
+    if not candidates:
+        return _no_replica()
+    cap = load_cap(candidates, knobs.load_epsilon)
+    matches = {r.replica_id: view.match_length(r.replica_id, request.prefix_hashes) for r in candidates}
+    scores = {r.replica_id: cache_aware_score(request, r, matches[r.replica_id]) for r in candidates}
+    preferred = max(candidates, key=lambda r: scores[r.replica_id])
+    with_room = [r for r in candidates if r.load + 1 <= cap]  # never empty: see load_cap
+    chosen = max(with_room, key=lambda r: scores[r.replica_id])
+    match = matches[chosen.replica_id]
+    if chosen is not preferred:
+        reason = Reason.LOAD_FALLBACK
+    elif match > 0:
+        reason = Reason.PREFIX_HIT
+    elif chosen.adapter_fit(request.adapter) > min(r.adapter_fit(request.adapter) for r in with_room):
+        reason = Reason.ADAPTER_AFFINITY
+    else:
+        reason = Reason.RENDEZVOUS
+    return _decision(request, view, chosen, reason, len(candidates), cap, match)
+
+
+POLICIES: Mapping[RoutingPolicy, PolicyFn] = MappingProxyType({
+    RoutingPolicy.ROUND_ROBIN: round_robin,
+    RoutingPolicy.LEAST_LOAD: least_load,
+    RoutingPolicy.CONSISTENT_HASH: consistent_hash,
+    RoutingPolicy.CACHE_AWARE: cache_aware,
+})
+
+
+def choose(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
+    """The decision of the model's policy (`knobs.policy`). Pure; never raises for an empty fleet
+    (that is Reason.NO_REPLICA, which the shell turns into queue-then-503)."""
+    return POLICIES[knobs.policy](request, view, knobs)

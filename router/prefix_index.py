@@ -1,0 +1,163 @@
+"""The router's guess of which prompt prefixes each replica holds in its KV cache.
+
+One `PrefixIndex` per replica: an LRU set of chunk hashes (see `router.features`), sized to what the
+replica's KV cache can really hold, so the index forgets roughly when the engine evicts. It is mutable
+state owned by the gateway shell; policies read it only through `view.PrefixQuery`.
+
+Capacity in chunks = kv_blocks_total x block_size_tokens x CHARS_PER_TOKEN // chunk_chars:
+1,000 blocks x 16 tokens x 4 chars/token = 64,000 chars = 250 chunks of 256 chars.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from router.features import CHARS_PER_TOKEN
+
+# A replica that reports no KV figures (a foreign backend) still gets an index this big, in chunks:
+# 4,096 x 256 chars is ~1M characters, a modest GPU's KV cache.
+DEFAULT_CAPACITY_CHUNKS = 4096
+
+
+def capacity_chunks(kv_blocks_total: int, block_size_tokens: int, chunk_chars: int) -> int:
+    """Chunks a replica's KV cache holds; DEFAULT_CAPACITY_CHUNKS when it reports no KV figures."""
+    if kv_blocks_total <= 0 or block_size_tokens <= 0:
+        return DEFAULT_CAPACITY_CHUNKS
+    return kv_blocks_total * block_size_tokens * CHARS_PER_TOKEN // chunk_chars
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    """Predicted vs realised cached prompt tokens, for `kvgate_router_prefix_*` metrics."""
+
+    num_entries: int
+    capacity_chunks: int
+    predicted_cached_tokens_total: int
+    realised_cached_tokens_total: int
+    num_corrections_total: int  # responses that realised fewer chunks than predicted
+
+
+class PrefixIndex:
+    """An LRU of chunk hashes for one replica. Not thread-safe; the shell calls it from one event loop."""
+
+    def __init__(self, capacity_chunks: int, chunk_chars: int) -> None:
+        if capacity_chunks < 0 or chunk_chars < 1:
+            raise ValueError(f"need capacity_chunks >= 0 and chunk_chars >= 1; got {capacity_chunks}, {chunk_chars}")
+        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._capacity = capacity_chunks
+        self._chunk_chars = chunk_chars
+        self._predicted_tokens = 0
+        self._realised_tokens = 0
+        self._num_corrections = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, chunk_hash: int) -> bool:
+        return chunk_hash in self._lru
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def match_length(self, hashes: tuple[int, ...]) -> int:
+        """Leading hashes present, stopping at the first miss (a chain hash past a miss cannot be a hit
+        in the engine either). A read: it does not refresh recency."""
+        count = 0
+        for chunk_hash in hashes:
+            if chunk_hash not in self._lru:
+                break
+            count += 1
+        return count
+
+    def record(self, hashes: tuple[int, ...]) -> None:
+        """Note that the replica is about to hold this chain. Inserted deepest first, so the chain's root
+        is the most recently used and eviction trims chains from their tail, as the engine does."""
+        for chunk_hash in reversed(hashes):
+            self._lru[chunk_hash] = None
+            self._lru.move_to_end(chunk_hash)
+        self._evict_to(self._capacity)
+
+    def correct(self, hashes: tuple[int, ...], predicted_chunks: int, realised_cached_tokens: int) -> int:
+        """Learn from a response's `cached_tokens`. When the engine realised fewer chunks than we
+        predicted at routing time, it did not keep what we believed (evicted under pressure, prefix
+        caching off, a backend that reports 0), so drop this chain from the first unrealised chunk on;
+        a later identical prompt then scores as the partial match it really is, and is recorded again
+        where it is routed. Realised chunks round up (ceil(tokens x 4 / chunk_chars)), because engines
+        cache whole blocks only and the token/char ratio is an estimate: 300 tokens, 256-char chunks ->
+        ceil(1200 / 256) = 5 chunks. Returns the number of hashes dropped."""
+        predicted_chunks = min(predicted_chunks, len(hashes))
+        self._predicted_tokens += predicted_chunks * self._chunk_chars // CHARS_PER_TOKEN
+        self._realised_tokens += realised_cached_tokens
+        realised_chunks = -(-realised_cached_tokens * CHARS_PER_TOKEN // self._chunk_chars)
+        if realised_chunks >= predicted_chunks:
+            return 0
+        self._num_corrections += 1
+        dropped = 0
+        for chunk_hash in hashes[realised_chunks:]:
+            if chunk_hash in self._lru:
+                del self._lru[chunk_hash]
+                dropped += 1
+        return dropped
+
+    def resize(self, capacity_chunks: int) -> None:
+        """New capacity (the replica reported a different KV size); shrinking evicts the oldest."""
+        if capacity_chunks < 0:
+            raise ValueError(f"capacity_chunks must be >= 0; got {capacity_chunks}")
+        self._capacity = capacity_chunks
+        self._evict_to(capacity_chunks)
+
+    def stats(self) -> PrefixStats:
+        return PrefixStats(len(self._lru), self._capacity, self._predicted_tokens,
+                           self._realised_tokens, self._num_corrections)
+
+    def _evict_to(self, capacity: int) -> None:
+        while len(self._lru) > capacity:
+            self._lru.popitem(last=False)
+
+
+class PrefixIndexes:
+    """One PrefixIndex per replica id; implements `view.PrefixQuery` for the policies."""
+
+    def __init__(self, chunk_chars: int) -> None:
+        self._chunk_chars = chunk_chars
+        self._by_replica: dict[str, PrefixIndex] = {}
+
+    def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
+        """0 for a replica never seen."""
+        index = self._by_replica.get(replica_id)
+        return index.match_length(hashes) if index is not None else 0
+
+    def ensure(self, replica_id: str, kv_blocks_total: int, block_size_tokens: int) -> PrefixIndex:
+        """The replica's index, created or resized to its reported KV capacity. Idempotent."""
+        capacity = capacity_chunks(kv_blocks_total, block_size_tokens, self._chunk_chars)
+        index = self._by_replica.get(replica_id)
+        if index is None:
+            index = self._by_replica[replica_id] = PrefixIndex(capacity, self._chunk_chars)
+        elif index.capacity != capacity:
+            index.resize(capacity)
+        return index
+
+    def get(self, replica_id: str) -> PrefixIndex | None:
+        return self._by_replica.get(replica_id)
+
+    def record(self, replica_id: str, hashes: tuple[int, ...]) -> None:
+        """Record a routed chain; a replica without an index gets one of the default size."""
+        index = self._by_replica.get(replica_id)
+        if index is None:
+            index = self._by_replica[replica_id] = PrefixIndex(DEFAULT_CAPACITY_CHUNKS, self._chunk_chars)
+        index.record(hashes)
+
+    def correct(self, replica_id: str, hashes: tuple[int, ...], predicted_chunks: int,
+                realised_cached_tokens: int) -> int:
+        """As PrefixIndex.correct; 0 for a replica already forgotten."""
+        index = self._by_replica.get(replica_id)
+        return index.correct(hashes, predicted_chunks, realised_cached_tokens) if index is not None else 0
+
+    def forget_replica(self, replica_id: str) -> None:
+        """Drop a replica's index (it left, or restarted with an empty cache). Succeeds if unknown."""
+        self._by_replica.pop(replica_id, None)
+
+    def replica_ids(self) -> tuple[str, ...]:
+        return tuple(sorted(self._by_replica))

@@ -1,0 +1,104 @@
+"""What the policies see of the fleet: frozen replica states plus a read-only prefix-index query.
+
+The shell builds a `ReplicaView` per decision from the latest replica snapshots (engine state stream
+or scraped /metrics) and its own in-flight counts; policies never see anything mutable but the
+`PrefixQuery`, which they only read.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class AdapterFit(enum.IntEnum):
+    """How well a replica suits a request's adapter; higher is better."""
+
+    MUST_EVICT = 0  # every adapter slot is taken: loading it evicts another adapter (and stalls)
+    FREE_SLOT = 1  # not loaded, but a slot is free: one load, nobody evicted
+    LOADED = 2  # already in memory, or the request names no adapter
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One replica as the router sees it at decision time."""
+
+    replica_id: str
+    url: str
+    model: str  # base model it serves
+    healthy: bool  # passes health checks and is not ejected
+    draining: bool  # finishing its work before it stops: takes nothing new
+    in_flight: int  # requests this gateway sent and that have not finished (fresh, counted at routing)
+    num_waiting: int = 0  # engine-reported queue (all gateways; as old as the last snapshot)
+    num_running: int = 0  # engine-reported running sequences (all gateways)
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0  # 0 when unknown (a foreign backend that reports no KV figures)
+    block_size_tokens: int = 16
+    adapters_loaded: frozenset[str] = frozenset()
+    max_loaded_adapters: int = 0
+    pending_prefill_tokens: int = 0  # estimate: prompt tokens routed here and not yet prefilled
+
+    @property
+    def load(self) -> int:
+        """Requests queued or running here: max(in_flight, num_waiting + num_running).
+
+        A max, not a sum: the gateway's own in-flight requests are also in the engine's counts once it
+        has seen them, so a sum counts them twice. `in_flight` is fresh (it rises the moment we route, so
+        a burst of 100 spreads), the engine's counts include other gateways' requests; the max takes the
+        larger, more complete of the two. 3 in flight here, engine says 2 waiting + 4 running -> 6."""
+        return max(self.in_flight, self.num_waiting + self.num_running)
+
+    @property
+    def token_load(self) -> int:
+        """Load in tokens: pending prefill tokens plus KV tokens in use. Prefill is what delays the next
+        request's first token, so this weighs a queue of long prompts above one of short ones; a
+        replica with unknown KV figures reports only its prefill estimate."""
+        used_blocks = max(self.kv_blocks_total - self.kv_blocks_free, 0)
+        return self.pending_prefill_tokens + used_blocks * self.block_size_tokens
+
+    def adapter_fit(self, adapter: str | None) -> AdapterFit:
+        if adapter is None or adapter in self.adapters_loaded:
+            return AdapterFit.LOADED
+        if len(self.adapters_loaded) < self.max_loaded_adapters:
+            return AdapterFit.FREE_SLOT
+        return AdapterFit.MUST_EVICT
+
+    @property
+    def accepts_requests(self) -> bool:
+        return self.healthy and not self.draining
+
+
+class PrefixQuery(Protocol):
+    """Read-only access to the prefix index: how many leading hashes of a chain `replica_id` holds."""
+
+    def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int: ...
+
+
+class NoPrefixes:
+    """A PrefixQuery that knows nothing: for policies that ignore prefixes, and for tests."""
+
+    def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """All replicas known to the gateway (every model), sorted by id, plus the prefix query."""
+
+    replicas: tuple[ReplicaState, ...]
+    prefixes: PrefixQuery
+
+    @classmethod
+    def of(cls, replicas: Iterable[ReplicaState], prefixes: PrefixQuery | None = None) -> ReplicaView:
+        """Sorts by replica id, so every decision is independent of the order states arrived in."""
+        ordered = tuple(sorted(replicas, key=lambda r: r.replica_id))
+        return cls(replicas=ordered, prefixes=prefixes if prefixes is not None else NoPrefixes())
+
+    def candidates(self, model: str) -> tuple[ReplicaState, ...]:
+        """Replicas of `model` that take new requests: healthy and not draining, sorted by id."""
+        return tuple(r for r in self.replicas if r.model == model and r.accepts_requests)
+
+    def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
+        return self.prefixes.match_length(replica_id, hashes)

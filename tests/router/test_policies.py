@@ -1,0 +1,224 @@
+"""Routing policies: pure `choose(request, view, knobs)`; every behaviour on hand-built fleets."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from registry.schema import Routing, RoutingPolicy
+from router.features import RouteRequest, build_route_request
+from router.policies import POLICIES, Reason, RoutingKnobs, choose, load_cap
+from router.prefix_index import PrefixIndexes
+from router.view import AdapterFit, ReplicaState, ReplicaView
+
+CHUNK = 64
+HOT_SYSTEM = "You are the support bot of a large shop. Answer politely and briefly. " * 10  # 700 chars
+ALL_POLICIES = list(RoutingPolicy)
+
+
+def replica(replica_id: str, *, load: int = 0, model: str = "m", healthy: bool = True, draining: bool = False,
+            adapters: tuple[str, ...] = (), max_adapters: int = 2) -> ReplicaState:
+    return ReplicaState(replica_id=replica_id, url=f"http://{replica_id}", model=model, healthy=healthy,
+                        draining=draining, in_flight=load, kv_blocks_total=1024, kv_blocks_free=1024,
+                        adapters_loaded=frozenset(adapters), max_loaded_adapters=max_adapters)
+
+
+def fleet(n: int) -> list[ReplicaState]:
+    return [replica(f"r{i}") for i in range(n)]
+
+
+def request(prompt: str, seq: int = 0, adapter: str | None = None) -> RouteRequest:
+    return build_route_request({"prompt": prompt}, "m", adapter, CHUNK, seq)
+
+
+def knobs(policy: RoutingPolicy, epsilon: float = 0.25) -> RoutingKnobs:
+    return RoutingKnobs(policy=policy, load_epsilon=epsilon)
+
+
+class Gateway:
+    """A gateway's routing loop without I/O: route, record the chain, count the request in flight."""
+
+    def __init__(self, replicas: list[ReplicaState], policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE) -> None:
+        self.replicas = {r.replica_id: r for r in replicas}
+        self.indexes = PrefixIndexes(CHUNK)
+        self.knobs = knobs(policy)
+
+    def route(self, req: RouteRequest, *, stays_in_flight: bool) -> str:
+        decision = choose(req, ReplicaView.of(self.replicas.values(), self.indexes), self.knobs)
+        assert decision.replica_id is not None
+        self.indexes.record(decision.replica_id, req.prefix_hashes)
+        if stays_in_flight:
+            chosen = self.replicas[decision.replica_id]
+            self.replicas[decision.replica_id] = replace(chosen, in_flight=chosen.in_flight + 1)
+        return decision.replica_id
+
+
+def test_every_registry_policy_has_a_function() -> None:
+    assert set(POLICIES) == set(RoutingPolicy)
+    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5)
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_no_candidate_means_no_replica(policy: RoutingPolicy) -> None:
+    view = ReplicaView.of([replica("a", healthy=False), replica("b", draining=True), replica("c", model="other")])
+    decision = choose(request("x" * 200), view, knobs(policy))
+    assert decision.replica_id is None and decision.reason is Reason.NO_REPLICA
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_draining_and_unhealthy_replicas_are_never_chosen(policy: RoutingPolicy) -> None:
+    # the sick ones are idle and hold the prefix; the healthy one is busy: still the healthy one
+    replicas = [replica("a", healthy=False), replica("b", draining=True), replica("c", load=50)]
+    indexes = PrefixIndexes(CHUNK)
+    req = request(HOT_SYSTEM)
+    for rid in ("a", "b"):
+        indexes.record(rid, req.prefix_hashes)
+    for seq in range(20):
+        decision = choose(replace(req, request_seq=seq), ReplicaView.of(replicas, indexes), knobs(policy))
+        assert decision.replica_id == "c"
+
+
+def test_round_robin_cycles_in_replica_id_order() -> None:
+    view = ReplicaView.of([replica("r2"), replica("r0"), replica("r1", load=9)])
+    chosen = [choose(request("same", seq), view, knobs(RoutingPolicy.ROUND_ROBIN)).replica_id for seq in range(6)]
+    assert chosen == ["r0", "r1", "r2", "r0", "r1", "r2"]
+
+
+def test_least_load_picks_the_minimum() -> None:
+    view = ReplicaView.of([replica("a", load=3), replica("b", load=1), replica("c", load=2)])
+    decision = choose(request("p"), view, knobs(RoutingPolicy.LEAST_LOAD))
+    assert (decision.replica_id, decision.reason, decision.load) == ("b", Reason.LEAST_LOAD, 1)
+
+
+def test_load_takes_the_larger_of_own_in_flight_and_engine_queue() -> None:
+    # 3 in flight here; the engine says 2 waiting + 4 running (other gateways' too) -> 6
+    state = replace(replica("a", load=3), num_waiting=2, num_running=4)
+    assert state.load == 6
+
+
+@pytest.mark.parametrize("policy", [RoutingPolicy.CACHE_AWARE, RoutingPolicy.LEAST_LOAD, RoutingPolicy.CONSISTENT_HASH])
+def test_distinct_sequential_prompts_on_idle_replicas_spread(policy: RoutingPolicy) -> None:
+    # sglang-router: 12 of 12 on worker 0. Sequential: each finishes before the next, replicas stay idle.
+    gateway = Gateway(fleet(4), policy)
+    placed = Counter(gateway.route(request(f"prompt number {i}: " + "z" * 100, i), stays_in_flight=False)
+                     for i in range(12))
+    assert len(placed) >= 3 and max(placed.values()) <= 6
+
+
+@pytest.mark.parametrize("holder_load,holds_it", [
+    # others at 2 each. holder 2: mean_after (2 + 6 + 1) / 4 = 2.25, cap max(floor(2.81), 3) = 3, 2 + 1 <= 3
+    (2, True),
+    # holder 3: mean_after 2.5, cap max(floor(3.125), 3) = 3, 3 + 1 > 3: over the bound
+    (3, False),
+    # holder 4: mean_after 2.75, cap max(floor(3.44), 3) = 3
+    (4, False),
+])
+def test_same_prefix_goes_to_the_replica_holding_it_within_the_bound(holder_load: int, holds_it: bool) -> None:
+    gateway = Gateway(fleet(4))
+    holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
+    loads = {rid: holder_load if rid == holder else 2 for rid in gateway.replicas}
+    view = ReplicaView.of([replace(r, in_flight=loads[rid]) for rid, r in gateway.replicas.items()], gateway.indexes)
+    decision = choose(request(HOT_SYSTEM + "question 1"), view, knobs(RoutingPolicy.CACHE_AWARE))
+    if holds_it:
+        # 710 chars -> 11 chunks; the 11th (chars 640..703) ends in "ques", common to both questions
+        assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (holder, Reason.PREFIX_HIT, 11)
+    else:
+        assert decision.replica_id != holder and decision.reason is Reason.LOAD_FALLBACK
+        assert decision.load_cap == 3
+
+
+def test_a_hot_prefix_under_100_concurrent_requests_stays_within_the_bound() -> None:
+    # sglang-router split this 76/12/12. Nothing finishes: every request stays in flight.
+    gateway = Gateway(fleet(4))
+    placed = Counter(gateway.route(request(HOT_SYSTEM + f"user {i}", i), stays_in_flight=True) for i in range(100))
+    mean = 100 / 4
+    # final cap: mean_after 25, max(floor(31.25), 25) = 31 -> max/mean <= 1.24
+    assert max(placed.values()) / mean <= 1.25
+    assert len(placed) == 4
+
+
+@pytest.mark.parametrize("loads,epsilon,cap", [
+    ((0, 0, 0, 0), 0.25, 1),  # mean_after 0.25: floor(0.31) = 0, ceil = 1 -> idle replicas have room
+    ((1, 1, 1, 1), 0.25, 2),  # mean_after 1.25: floor(1.56) = 1, ceil = 2
+    ((25, 25, 25, 24), 0.25, 31),  # mean_after 25: floor(31.25) = 31
+    ((10, 0), 0.0, 6),  # mean_after 5.5: epsilon 0 -> ceil(5.5) = 6
+])
+def test_load_cap(loads: tuple[int, ...], epsilon: float, cap: int) -> None:
+    assert load_cap(tuple(replica(f"r{i}", load=x) for i, x in enumerate(loads)), epsilon) == cap
+
+
+def test_two_gateways_sharing_nothing_agree_on_repeated_prefixes_below_the_load_bound() -> None:
+    # each gateway has its own index and its own in-flight counts; 40 system prompts, each sent 5 times
+    # to both, interleaved with unrelated traffic that differs per gateway
+    one, two = Gateway(fleet(4)), Gateway(fleet(4))
+    agree = total = 0
+    for round_ in range(5):
+        for p in range(40):
+            system = f"system prompt {p}: " + "s" * 150
+            one.route(request(f"noise {round_} {p} " + "n" * 100), stays_in_flight=False)
+            a = one.route(request(system + f"turn {round_}"), stays_in_flight=False)
+            b = two.route(request(system + f"turn {round_} other user"), stays_in_flight=False)
+            agree += a == b
+            total += 1
+    assert agree / total >= 0.95
+
+
+def test_consistent_hash_keeps_a_prefix_on_one_replica_and_falls_back_over_the_cap() -> None:
+    replicas = fleet(4)
+    req = request(HOT_SYSTEM)
+    home = choose(req, ReplicaView.of(replicas), knobs(RoutingPolicy.CONSISTENT_HASH))
+    assert home.reason is Reason.CONSISTENT_HASH
+    assert choose(request(HOT_SYSTEM + "other tail"), ReplicaView.of(replicas),
+                  knobs(RoutingPolicy.CONSISTENT_HASH)).replica_id == home.replica_id
+    busy = [replace(r, in_flight=5) if r.replica_id == home.replica_id else r for r in replicas]
+    # loads 5, 0, 0, 0: mean_after 1.5, cap max(floor(1.875), 2) = 2 -> home has no room
+    fallback = choose(req, ReplicaView.of(busy), knobs(RoutingPolicy.CONSISTENT_HASH))
+    assert fallback.replica_id != home.replica_id and fallback.reason is Reason.LOAD_FALLBACK
+
+
+@pytest.mark.parametrize("states,expected,reason", [
+    # adapter loaded > free slot > must evict
+    ((("a", ("x", "y")), ("b", ("sql",)), ("c", ())), "b", Reason.ADAPTER_AFFINITY),
+    ((("a", ("x", "y")), ("c", ("x",))), "c", Reason.ADAPTER_AFFINITY),  # c has a free slot, a must evict
+])
+def test_adapter_affinity_ordering(states: tuple, expected: str, reason: Reason) -> None:
+    view = ReplicaView.of([replica(rid, adapters=loaded) for rid, loaded in states])
+    for i in range(10):  # whatever the rendezvous order of the prompt
+        decision = choose(request(f"prompt {i} " + "q" * 80, i, adapter="sql"), view, knobs(RoutingPolicy.CACHE_AWARE))
+        assert (decision.replica_id, decision.reason) == (expected, reason)
+
+
+def test_adapter_fit_of_a_replica() -> None:
+    state = replica("a", adapters=("x",), max_adapters=2)
+    assert state.adapter_fit(None) is AdapterFit.LOADED
+    assert state.adapter_fit("x") is AdapterFit.LOADED
+    assert state.adapter_fit("y") is AdapterFit.FREE_SLOT
+    assert replace(state, max_loaded_adapters=1).adapter_fit("y") is AdapterFit.MUST_EVICT
+
+
+def test_a_prefix_match_outranks_adapter_fit_and_rendezvous() -> None:
+    indexes = PrefixIndexes(CHUNK)
+    req = request(HOT_SYSTEM, adapter="sql")
+    view_replicas = [replica("a", adapters=("sql",)), replica("b", adapters=("sql",))]
+    rendezvous_home = choose(req, ReplicaView.of(view_replicas), knobs(RoutingPolicy.CACHE_AWARE)).replica_id
+    other = "b" if rendezvous_home == "a" else "a"
+    indexes.record(other, req.prefix_hashes[:3])
+    decision = choose(req, ReplicaView.of(view_replicas, indexes), knobs(RoutingPolicy.CACHE_AWARE))
+    assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (other, Reason.PREFIX_HIT, 3)
+
+
+def test_the_same_text_under_another_adapter_does_not_match() -> None:
+    indexes = PrefixIndexes(CHUNK)
+    indexes.record("a", request(HOT_SYSTEM, adapter="sql").prefix_hashes)
+    view = ReplicaView.of([replica("a"), replica("b")], indexes)
+    assert choose(request(HOT_SYSTEM, adapter="chat"), view, knobs(RoutingPolicy.CACHE_AWARE)).predicted_match_chunks == 0
+
+
+def test_view_is_sorted_so_arrival_order_does_not_matter() -> None:
+    states = fleet(5)
+    req = request("some prompt " + "w" * 100)
+    forward = choose(req, ReplicaView.of(states), knobs(RoutingPolicy.CACHE_AWARE))
+    backward = choose(req, ReplicaView.of(reversed(states)), knobs(RoutingPolicy.CACHE_AWARE))
+    assert forward == backward

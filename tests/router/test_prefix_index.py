@@ -1,0 +1,104 @@
+"""The per-replica prefix index: LRU capacity, chain matching, correction from cached_tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.prefix_index import DEFAULT_CAPACITY_CHUNKS, PrefixIndex, PrefixIndexes, capacity_chunks
+
+
+@pytest.mark.parametrize("blocks,block_size,chunk_chars,expected", [
+    (1000, 16, 256, 250),  # 1,000 x 16 tokens x 4 chars = 64,000 chars = 250 chunks
+    (64, 16, 64, 64),  # 64 x 16 x 4 = 4,096 chars = 64 chunks
+    (10, 16, 1024, 0),  # 640 chars: not one full chunk
+    (0, 16, 256, DEFAULT_CAPACITY_CHUNKS),  # a backend that reports no KV figures
+])
+def test_capacity_is_the_replicas_kv_cache_in_chunks(blocks: int, block_size: int, chunk_chars: int,
+                                                     expected: int) -> None:
+    assert capacity_chunks(blocks, block_size, chunk_chars) == expected
+
+
+def test_match_length_counts_leading_hashes_and_stops_at_the_first_miss() -> None:
+    index = PrefixIndex(capacity_chunks=10, chunk_chars=64)
+    index.record((1, 2, 3))
+    assert index.match_length((1, 2, 3, 4)) == 3
+    assert index.match_length((1, 9, 3)) == 1  # 3 is held, but past a miss it cannot be a hit
+    assert index.match_length((9, 1, 2)) == 0
+
+
+def test_lru_forgets_the_oldest_chain_when_full() -> None:
+    index = PrefixIndex(capacity_chunks=4, chunk_chars=64)
+    index.record((1, 2))
+    index.record((3, 4))
+    index.record((5, 6))  # 6 entries > 4: chain (1, 2) goes
+    assert len(index) == 4
+    assert index.match_length((1, 2)) == 0
+    assert index.match_length((3, 4)) == 2 and index.match_length((5, 6)) == 2
+
+
+def test_eviction_trims_a_chain_from_its_tail() -> None:
+    index = PrefixIndex(capacity_chunks=3, chunk_chars=64)
+    index.record((1, 2, 3, 4, 5))  # root most recent: 4 and 5 evicted first
+    assert index.match_length((1, 2, 3, 4, 5)) == 3
+
+
+def test_recording_again_refreshes_a_chain() -> None:
+    index = PrefixIndex(capacity_chunks=4, chunk_chars=64)
+    index.record((1, 2))
+    index.record((3, 4))
+    index.record((1, 2))  # now (3, 4) is the oldest
+    index.record((5, 6))
+    assert index.match_length((1, 2)) == 2 and index.match_length((3, 4)) == 0
+
+
+def test_resize_down_evicts_the_oldest() -> None:
+    index = PrefixIndex(capacity_chunks=10, chunk_chars=64)
+    index.record((1, 2))
+    index.record((3, 4))
+    index.resize(2)
+    assert index.capacity == 2 and index.match_length((3, 4)) == 2 and index.match_length((1, 2)) == 0
+
+
+@pytest.mark.parametrize("predicted,realised_tokens,remaining", [
+    # chunk_chars 64 = 16 estimated tokens per chunk; chain of 5 recorded
+    (4, 64, 5),  # 64 tokens = 4 chunks realised, as predicted: nothing dropped
+    (4, 60, 5),  # 60 tokens -> ceil(240 / 64) = 4 chunks: block rounding is not a miss
+    (4, 20, 2),  # ceil(80 / 64) = 2 chunks realised of 4: drop from chunk 2 on
+    (4, 0, 0),  # prefix caching off, or all evicted: drop the whole chain
+    (0, 0, 5),  # nothing predicted, nothing to correct
+])
+def test_correct_drops_what_the_engine_did_not_realise(predicted: int, realised_tokens: int, remaining: int) -> None:
+    index = PrefixIndex(capacity_chunks=10, chunk_chars=64)
+    chain = (1, 2, 3, 4, 5)
+    index.record(chain)
+    index.correct(chain, predicted, realised_tokens)
+    assert index.match_length(chain) == remaining
+
+
+def test_correct_keeps_predicted_vs_realised_counters() -> None:
+    index = PrefixIndex(capacity_chunks=10, chunk_chars=64)
+    index.record((1, 2, 3))
+    index.correct((1, 2, 3), 3, 48)  # predicted 3 x 16 = 48 tokens, realised 48
+    index.correct((1, 2, 3), 3, 16)  # predicted 48, realised 16: a correction
+    stats = index.stats()
+    assert (stats.predicted_cached_tokens_total, stats.realised_cached_tokens_total) == (96, 64)
+    assert stats.num_corrections_total == 1 and stats.num_entries == 1
+
+
+def test_indexes_answer_per_replica_and_forget_a_replica() -> None:
+    indexes = PrefixIndexes(chunk_chars=64)
+    indexes.ensure("r1", kv_blocks_total=64, block_size_tokens=16)  # 64 chunks
+    indexes.record("r1", (1, 2))
+    assert indexes.match_length("r1", (1, 2)) == 2
+    assert indexes.match_length("r2", (1, 2)) == 0  # never seen: no match, no error
+    indexes.forget_replica("r1")
+    indexes.forget_replica("r1")  # idempotent
+    assert indexes.match_length("r1", (1, 2)) == 0
+
+
+def test_ensure_resizes_to_a_new_kv_capacity() -> None:
+    indexes = PrefixIndexes(chunk_chars=64)
+    indexes.ensure("r1", 64, 16)
+    indexes.record("r1", tuple(range(10)))
+    index = indexes.ensure("r1", 4, 16)  # 4 x 16 x 4 / 64 = 4 chunks
+    assert index.capacity == 4 and indexes.match_length("r1", tuple(range(10))) == 4
