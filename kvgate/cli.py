@@ -19,12 +19,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Config-as-code tooling for a registry of Model, Adapter, Pool and Tenant documents.")
     registry_cli.configure(registry)
     registry.set_defaults(run=registry_cli.run)
-    # Everything after `engine` is the engine's own (`kvgate engine --help` lists it); parsed there so
+    # Everything after `engine` (or `router`) is that part's own (`kvgate engine --help` lists it); parsed there so
     # that the other subcommands never import torch.
     engine = commands.add_parser(
         "engine", add_help=False, help="serve one model over the OpenAI API (a replica)",
         description="Run `kvgate engine --help` for the replica server's options.")
     engine.set_defaults(run=_run_engine)
+    router = commands.add_parser(
+        "router", add_help=False, help="run the cache-aware OpenAI gateway",
+        description="Run `kvgate router --help` for the gateway's options.")
+    router.set_defaults(run=_run_router)
     return parser
 
 
@@ -34,10 +38,16 @@ def _run_engine(args: argparse.Namespace) -> int:
     return engine_main(args.forwarded)
 
 
+def _run_router(args: argparse.Namespace) -> int:
+    from router.main import main as router_main
+
+    return router_main(args.forwarded)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "engine":
+    if args.command in ("engine", "router"):
         args.forwarded = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -1,0 +1,80 @@
+"""The gateway's composition: `build_app(settings, tracker, registry, clock)` -> an aiohttp app.
+
+The app owns its HTTP client session, its metrics registry and its wait queues; it starts the replica
+tracker on startup and closes it on cleanup (`cleanup_ctx`), and follows registry reloads when the
+registry source can be subscribed to (a `registry.watch.RegistryWatcher`). Serve it with an
+`AppRunner(app, handler_cancellation=True)` so a client that goes away cancels its upstream request
+(`router.main` does).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+
+from kvgate.clock import Clock
+from registry.snapshot import Snapshot
+from router.handlers import error_middleware, install_routes
+from router.keys import (CLOCK_KEY, METRICS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY,
+                         TRACKER_KEY, GatewaySettings)
+from router.metrics import RouterMetrics
+from router.proxy import Proxy, Tracker
+from router.queueing import WaitQueues
+
+__all__ = ["GatewaySettings", "SnapshotSource", "build_app"]
+
+# Upstream connections kept per gateway: enough for a few thousand concurrent streams.
+_MAX_UPSTREAM_CONNECTIONS = 4096
+
+
+class SnapshotSource(Protocol):
+    """Where the gateway reads the registry in force (`RegistryWatcher` is one)."""
+
+    @property
+    def current(self) -> Snapshot: ...
+
+
+@dataclass(frozen=True)
+class StaticSnapshot:
+    """A SnapshotSource that never changes: for tests and embedded use without a watcher."""
+
+    current: Snapshot
+
+
+def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSource, clock: Clock) -> web.Application:
+    """The gateway app. Nothing starts until the app does (tracker, client session, registry follow)."""
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    metrics = RouterMetrics()
+    app[SETTINGS_KEY] = settings
+    app[TRACKER_KEY] = tracker
+    app[REGISTRY_KEY] = registry
+    app[CLOCK_KEY] = clock
+    app[METRICS_KEY] = metrics
+    app[QUEUES_KEY] = WaitQueues(tracker.wait_for_replica,
+                                 lambda model, depth: metrics.queue_depth.labels(model).set(depth))
+    app[SEQUENCE_KEY] = collections.Counter()
+    app.cleanup_ctx.append(_resources)
+    install_routes(app)
+    return app
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    tracker, registry = app[TRACKER_KEY], app[REGISTRY_KEY]
+    connector = aiohttp.TCPConnector(limit=_MAX_UPSTREAM_CONNECTIONS, limit_per_host=0)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    app[PROXY_KEY] = Proxy(tracker, session, app[METRICS_KEY], app[CLOCK_KEY], app[QUEUES_KEY])
+    await tracker.start(registry.current)
+    subscribe: Callable[..., Callable[[], None]] | None = getattr(registry, "subscribe", None)
+    unsubscribe = subscribe(tracker.update_registry) if subscribe is not None else None
+    try:
+        yield
+    finally:
+        if unsubscribe is not None:
+            unsubscribe()
+        await tracker.close()
+        await session.close()

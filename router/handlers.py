@@ -1,0 +1,224 @@
+"""The gateway's endpoints: validate at the edge, then hand inference requests to the proxy.
+
+Every refusal leaves as an OpenAI error object (`router.errors`), rendered once by `error_middleware`;
+bad input is never a 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from registry.snapshot import Snapshot, UnknownName
+from router.errors import GatewayError, bad_request, error_response, model_not_found
+from router.features import build_route_request
+from router.keys import (CLOCK_KEY, METRICS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY,
+                         TRACKER_KEY)
+from router.policies import RoutingKnobs
+from router.proxy import ProxyRequest
+
+log = logging.getLogger("kvgate.router")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:  # unknown path, wrong method: still an OpenAI error object
+        if exc.status < 400:
+            raise
+        return error_response(GatewayError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+                                           type="NotFoundError" if exc.status == 404 else "BadRequestError"))
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return error_response(GatewayError(500, "internal gateway error; see the gateway's log",
+                                           type="InternalServerError", code="internal_error"))
+
+
+def install_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/stats", admin_stats)
+
+
+def _snapshot(request: web.Request) -> Snapshot:
+    return request.app[REGISTRY_KEY].current  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------------- inference
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _inference(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _inference(request, chat=False)
+
+
+async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        limit = request.app[SETTINGS_KEY].max_body_bytes
+        raise GatewayError(413, f"the request body is over the gateway's limit of {limit} bytes",
+                           type="RequestTooLargeError", code="request_too_large") from exc
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_type")
+    return raw, body
+
+
+def validate_inference_body(body: dict[str, Any], chat: bool) -> str:
+    """Check what routing needs (the engine checks the rest); returns the `model` field.
+    Raises GatewayError 400 naming the field."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a non-empty string", "model",
+                          "missing" if model is None else "invalid_type")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise bad_request("'messages' is required and must be a non-empty list of message objects", "messages",
+                              "missing" if messages is None else "invalid_type")
+    elif "prompt" not in body or body["prompt"] is None:
+        raise bad_request("'prompt' is required", "prompt", "missing")
+    elif not _is_prompt(body["prompt"]):
+        raise bad_request("'prompt' must be a string, a list of strings, token ids, or a list of token-id lists",
+                          "prompt", "invalid_type")
+    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
+        raise bad_request("'stream' must be true or false", "stream", "invalid_type")
+    return model
+
+
+def _is_prompt(prompt: object) -> bool:
+    def token_ids(value: object) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    if isinstance(prompt, str) or token_ids(prompt):
+        return True
+    return isinstance(prompt, list) and all(isinstance(p, str) or token_ids(p) for p in prompt)
+
+
+async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
+    app = request.app
+    clock = app[CLOCK_KEY]
+    arrived_at = clock.now()
+    raw, body = await _read_json(request)
+    name = validate_inference_body(body, chat)
+    snapshot = _snapshot(request)
+    try:
+        resolved = snapshot.resolve(name)
+    except UnknownName:
+        raise model_not_found(name, snapshot.served_names()) from None
+    model_doc, adapter = resolved.model, resolved.adapter
+    model = model_doc.metadata.name
+    routing = model_doc.spec.routing
+    sequence = app[SEQUENCE_KEY]
+    sequence[model] += 1
+    try:
+        route = build_route_request(body, model, adapter.metadata.name if adapter else None,
+                                    routing.prefix_chunk_chars, sequence[model])
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+    queue_wait_s = model_doc.spec.scaling.max_queue_wait_s or app[SETTINGS_KEY].default_queue_wait_s
+    # kvgate engines serve the base under its registry name and each adapter under its own, as do vLLM
+    # and SGLang with --lora-modules, so the body goes upstream byte for byte.
+    preq = ProxyRequest(path=request.path, body=raw, route=route, knobs=RoutingKnobs.from_routing(routing),
+                        routing=routing, queue_wait_s=queue_wait_s, arrived_at=arrived_at)
+    in_flight = app[METRICS_KEY].in_flight.labels(model)
+    in_flight.inc()
+    try:
+        return await app[PROXY_KEY].forward(request, preq)
+    finally:
+        in_flight.dec()
+
+
+# ------------------------------------------------------------------------------------ the rest
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """Every servable name, OpenAI's list shape; an adapter's `parent` is its base model."""
+    snapshot = _snapshot(request)
+    created = int(request.app[CLOCK_KEY].wall())
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "kvgate", "root": name, "parent": None}
+            for name in sorted(snapshot.models)]
+    data += [{"id": name, "object": "model", "created": created, "owned_by": "kvgate", "root": name,
+              "parent": doc.spec.base_model} for name, doc in sorted(snapshot.adapters.items())]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    snapshot = _snapshot(request)
+    tracker = request.app[TRACKER_KEY]
+    ready = {name: tracker.num_ready(name) for name in sorted(snapshot.models)}
+    return web.json_response({"status": "ok", "registry_version": snapshot.version, "num_ready": ready})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text, content_type = request.app[METRICS_KEY].render()
+    return web.Response(body=text, headers={"Content-Type": content_type})
+
+
+def _check_admin(request: web.Request) -> None:
+    token = request.app[SETTINGS_KEY].admin_token
+    if not token:
+        return
+    given = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        raise GatewayError(401, "this endpoint needs 'Authorization: Bearer <admin token>'",
+                           type="AuthenticationError", code="invalid_admin_token",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+
+async def admin_stats(request: web.Request) -> web.Response:
+    """JSON for the dashboard: per model and per replica load, prefix figures, adapters, outcomes,
+    and the last ~100 routing decisions."""
+    _check_admin(request)
+    app = request.app
+    snapshot, tracker, proxy, queues = _snapshot(request), app[TRACKER_KEY], app[PROXY_KEY], app[QUEUES_KEY]
+    models = {}
+    for name, doc in sorted(snapshot.models.items()):
+        replicas = []
+        for state in tracker.view(name).replicas:
+            if state.model != name:
+                continue
+            index = tracker.prefixes.get(state.replica_id)
+            prefix = index.stats() if index is not None else None
+            replicas.append({
+                "replica_id": state.replica_id, "url": state.url, "healthy": state.healthy,
+                "draining": state.draining, "in_flight": state.in_flight, "load": state.load,
+                "num_waiting": state.num_waiting, "num_running": state.num_running,
+                "kv_blocks_free": state.kv_blocks_free, "kv_blocks_total": state.kv_blocks_total,
+                "adapters_loaded": sorted(state.adapters_loaded),
+                "prefix_index_entries": prefix.num_entries if prefix else 0,
+                "prefix_capacity_chunks": prefix.capacity_chunks if prefix else 0,
+                "prefix_predicted_tokens_total": prefix.predicted_cached_tokens_total if prefix else 0,
+                "prefix_realised_tokens_total": prefix.realised_cached_tokens_total if prefix else 0,
+                "prefix_corrections_total": prefix.num_corrections_total if prefix else 0,
+                "outcomes": dict(proxy.outcomes_by_replica.get(state.replica_id, {})),
+            })
+        models[name] = {
+            "policy": doc.spec.routing.policy.value,
+            "adapters": [a.metadata.name for a in snapshot.adapters_of(name)],
+            "num_ready": tracker.num_ready(name),
+            "queue_depth": queues.depth(name),
+            "in_flight": sum(r["in_flight"] for r in replicas),
+            "replicas": replicas,
+        }
+    return web.json_response({"registry_version": snapshot.version, "models": models,
+                              "recent_decisions": list(proxy.recent_decisions)})

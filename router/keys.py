@@ -1,0 +1,32 @@
+"""Typed app keys and the gateway's settings (a leaf module, so handlers and app share them)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from kvgate.clock import Clock
+from router.metrics import RouterMetrics
+from router.proxy import Proxy, Tracker
+from router.queueing import WaitQueues
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Gateway-wide settings (per-model knobs live in the registry)."""
+
+    max_body_bytes: int = 8 * 1024 * 1024  # a request body over this gets 413
+    admin_token: str | None = None  # when set, /admin/* needs `Authorization: Bearer <token>`
+    default_queue_wait_s: float = 30.0  # wait at zero replicas when the model sets no max_queue_wait_s
+
+
+SETTINGS_KEY = web.AppKey("kvgate_settings", GatewaySettings)
+TRACKER_KEY = web.AppKey("kvgate_tracker", Tracker)
+REGISTRY_KEY: web.AppKey[object] = web.AppKey("kvgate_registry", object)
+CLOCK_KEY = web.AppKey("kvgate_clock", Clock)
+METRICS_KEY = web.AppKey("kvgate_metrics", RouterMetrics)
+QUEUES_KEY = web.AppKey("kvgate_queues", WaitQueues)
+PROXY_KEY = web.AppKey("kvgate_proxy", Proxy)
+SEQUENCE_KEY = web.AppKey("kvgate_request_seq", collections.Counter)  # per model: round robin's counter

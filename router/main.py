@@ -1,0 +1,88 @@
+"""`kvgate router` / `python -m router`: the gateway alone, on uvloop.
+
+    kvgate router --registry DIR [--host 127.0.0.1] [--port 8080] [--state redis://...|memory://]
+                  [--admin-token TOKEN]   (or KVGATE_ADMIN_TOKEN in the environment)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+from kvgate.clock import RealClock
+from kvgate.state import open_state_store
+from registry.problems import RegistryInvalid
+from registry.watch import RegistryWatcher
+from router.app import build_app
+from router.keys import GatewaySettings
+
+log = logging.getLogger("kvgate.router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate router", description="The cache-aware OpenAI gateway.")
+    parser.add_argument("--registry", required=True, help="registry directory (hot-reloaded)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--state", default=None,
+                        help="state store for membership: redis://host:port/db or memory:// (default: none, "
+                             "static replicas only)")
+    parser.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
+                        help="token /admin/* requires (default: $KVGATE_ADMIN_TOKEN; unset: open)")
+    parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes)
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from router.replicas import ReplicaTracker  # the tracker pulls in grpc; only the server needs it
+
+    clock = RealClock()
+    try:
+        watcher = await RegistryWatcher.open(args.registry, clock)
+    except RegistryInvalid as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    store = open_state_store(args.state, clock) if args.state else None
+    tracker = ReplicaTracker(clock=clock, store=store)
+    settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None)
+    runner = web.AppRunner(build_app(settings, tracker, watcher, clock), handler_cancellation=True,
+                           access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("kvgate router on http://%s:%d, registry %s (version %s)", args.host, args.port, args.registry,
+             watcher.current.version)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(watcher.watch(), name="kvgate-registry-watch")
+    try:
+        await stop.wait()
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await runner.cleanup()
+        if store is not None:
+            await store.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency; fall back rather than refuse to start
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

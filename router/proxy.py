@@ -1,0 +1,347 @@
+"""Forwarding: route, send the original body to the chosen replica, pass the answer back.
+
+Retry rule: an attempt may be retried only while the client has received nothing. Before that point a
+connect error, a dropped connection, a 5xx, a first-byte timeout or a body that breaks while we buffer
+it all count as a failed attempt: the replica gets `report_failure`, joins this request's excluded set
+(never tried again for it) and the request is routed afresh among the rest, at most
+`routing.max_retries` times. Once a byte has gone to the client (a streamed response's first event),
+nothing is retried; a stream that breaks or idles past `stream_idle_timeout_s` ends with an SSE error
+event and `data: [DONE]`.
+
+"First byte" for a stream is its first body bytes, not its headers: an engine sends headers at once
+and may then stall in prefill, and while we hold the headers back the request can still move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from kvgate.clock import Clock
+from registry.schema import Routing
+from router.errors import GatewayError, bad_gateway, no_capacity, sse_error_event, upstream_timeout
+from router.features import CHARS_PER_TOKEN, RouteRequest
+from router.metrics import RouterMetrics
+from router.policies import Reason, RouteDecision, RoutingKnobs, choose
+from router.prefix_index import PrefixIndexes
+from router.queueing import WaitQueues
+from router.view import ReplicaView
+
+NUM_RECENT_DECISIONS = 100
+_DRAIN_AFTER_DONE_S = 1.0
+REPLICA_HEADER = "x-kvgate-replica"  # which replica answered: for operators, tests and benchmarks
+
+
+class Tracker(Protocol):
+    """What the proxy needs of `router.replicas.ReplicaTracker`."""
+
+    prefixes: PrefixIndexes
+
+    def view(self, model: str) -> ReplicaView: ...
+    def begin(self, replica_id: str) -> None: ...
+    def end(self, replica_id: str) -> None: ...
+    def report_success(self, replica_id: str) -> None: ...
+    def report_failure(self, replica_id: str) -> None: ...
+    def url(self, replica_id: str) -> str: ...
+    async def wait_for_replica(self, model: str, timeout_s: float) -> bool: ...
+    def num_ready(self, model: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class ProxyRequest:
+    """A validated inference request, ready to route."""
+
+    path: str  # "/v1/chat/completions" or "/v1/completions", the same upstream
+    body: bytes  # the client's bytes, forwarded unchanged
+    route: RouteRequest
+    knobs: RoutingKnobs
+    routing: Routing  # retries, timeouts, queue bound
+    queue_wait_s: float  # the model's scaling.max_queue_wait_s, or the gateway default
+    arrived_at: float  # clock.now() when the request arrived, for TTFT
+
+
+class AttemptFailed(Exception):
+    """One retryable failure before the client got a byte. `status`/`body` when the replica answered."""
+
+    def __init__(self, outcome: str, message: str, *, status: int | None = None, body: bytes = b"",
+                 content_type: str = "application/json") -> None:
+        super().__init__(message)
+        self.outcome = outcome
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+def cached_tokens_of(payload: Any) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of a response or final chunk, None when absent."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
+class Proxy:
+    """Routes and forwards requests; owns the recent-decision ring and per-replica outcome counts."""
+
+    def __init__(self, tracker: Tracker, session: aiohttp.ClientSession, metrics: RouterMetrics,
+                 clock: Clock, queues: WaitQueues) -> None:
+        self.tracker = tracker
+        self.session = session
+        self.metrics = metrics
+        self.clock = clock
+        self.queues = queues
+        self.recent_decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=NUM_RECENT_DECISIONS)
+        self.outcomes_by_replica: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+    async def forward(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
+        """Serve `preq`; raises GatewayError (503 no capacity, 502/504) when no replica could answer."""
+        model = preq.route.model
+        excluded: set[str] = set()
+        last: AttemptFailed | None = None
+        num_attempts, waited = 0, False
+        while num_attempts <= preq.routing.max_retries:
+            decision = self._decide(preq, excluded, num_attempts)
+            if decision.replica_id is None:
+                if excluded or waited:
+                    break  # every replica failed this request, or one was ready and is gone again
+                waited = True
+                try:
+                    await self.queues.wait(model, preq.routing.max_queued_requests, preq.queue_wait_s)
+                except GatewayError:
+                    self._count(model, "", "no_capacity")
+                    raise
+                continue
+            num_attempts += 1
+            replica_id = decision.replica_id
+            self.tracker.prefixes.record(replica_id, preq.route.prefix_hashes)
+            self.tracker.begin(replica_id)
+            try:
+                return await self._attempt(request, preq, replica_id, decision)
+            except AttemptFailed as failure:
+                self.tracker.report_failure(replica_id)
+                self._count(model, replica_id, failure.outcome)
+                excluded.add(replica_id)
+                last = failure
+            finally:
+                self.tracker.end(replica_id)
+        return self._give_up(model, last)
+
+    def _give_up(self, model: str, last: AttemptFailed | None) -> web.StreamResponse:
+        if last is None:
+            self._count(model, "", "no_capacity")
+            raise no_capacity(f"no replica of model '{model}' is ready", retry_after_s=1)
+        if last.status is not None:  # the replica answered: its status and body pass through
+            return web.Response(status=last.status, body=last.body, headers={"Content-Type": last.content_type})
+        if last.outcome == "timeout":
+            raise upstream_timeout(f"no replica of model '{model}' answered in time: {last}")
+        raise bad_gateway(f"no replica of model '{model}' could be reached: {last}")
+
+    def _decide(self, preq: ProxyRequest, excluded: set[str], attempt: int) -> RouteDecision:
+        started = self.clock.now()
+        view = self.tracker.view(preq.route.model)
+        if excluded:
+            view = ReplicaView(tuple(r for r in view.replicas if r.replica_id not in excluded), view.prefixes)
+        decision = choose(preq.route, view, preq.knobs)
+        self.metrics.decision_seconds.labels(preq.route.model).observe(self.clock.now() - started)
+        self.metrics.decisions.labels(preq.route.model, decision.reason.value).inc()
+        if decision.reason is not Reason.NO_REPLICA:
+            self.recent_decisions.append({
+                "wall": self.clock.wall(), "model": preq.route.model, "adapter": preq.route.adapter,
+                "replica": decision.replica_id, "reason": decision.reason.value, "attempt": attempt,
+                "predicted_match_chunks": decision.predicted_match_chunks, "load": decision.load,
+                "load_cap": decision.load_cap, "num_candidates": decision.num_candidates,
+                "excluded": sorted(excluded)})
+        return decision
+
+    def _count(self, model: str, replica_id: str, outcome: str) -> None:
+        self.metrics.requests.labels(model, replica_id, outcome).inc()
+        if replica_id:
+            self.outcomes_by_replica[replica_id][outcome] += 1
+
+    async def _attempt(self, request: web.Request, preq: ProxyRequest, replica_id: str,
+                       decision: RouteDecision) -> web.StreamResponse:
+        routing = preq.routing
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=routing.connect_timeout_s)
+        started = self.clock.now()
+        headers = {"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")}
+        try:
+            upstream = await asyncio.wait_for(
+                self.session.post(self.tracker.url(replica_id) + preq.path, data=preq.body, headers=headers,
+                                  timeout=timeout),
+                routing.first_byte_timeout_s)
+        except asyncio.TimeoutError as exc:  # aiohttp's connect timeout is one too
+            raise AttemptFailed("timeout", f"replica {replica_id}: no answer in time ({type(exc).__name__})") from exc
+        except aiohttp.ClientError as exc:
+            raise AttemptFailed("connect_error", f"replica {replica_id}: {type(exc).__name__}: {exc}") from exc
+        finished = False
+        try:
+            if upstream.status >= 500:
+                body = await self._read_body(upstream, routing.stream_idle_timeout_s, replica_id, swallow=True)
+                raise AttemptFailed("upstream_5xx", f"replica {replica_id} answered {upstream.status}",
+                                    status=upstream.status, body=body,
+                                    content_type=upstream.headers.get("Content-Type", "application/json"))
+            if upstream.content_type == "text/event-stream" and upstream.status < 300:
+                remaining_s = routing.first_byte_timeout_s - (self.clock.now() - started)
+                response = await self._stream(request, preq, upstream, replica_id, decision, remaining_s)
+            else:
+                response = await self._buffered(preq, upstream, replica_id, decision)
+            finished = True
+            return response
+        finally:
+            if finished and upstream.content.at_eof():
+                upstream.release()  # a clean end: the connection goes back to the pool
+            else:
+                upstream.close()  # cancelled, broken or abandoned: drop it, which aborts the upstream request
+
+    async def _read_body(self, upstream: aiohttp.ClientResponse, idle_s: float, replica_id: str,
+                         swallow: bool = False) -> bytes:
+        parts = []
+        try:
+            while chunk := await asyncio.wait_for(upstream.content.readany(), idle_s):
+                parts.append(chunk)
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            if not swallow:
+                outcome = "timeout" if isinstance(exc, asyncio.TimeoutError) else "broken_body"
+                raise AttemptFailed(outcome, f"replica {replica_id}: body broke: {type(exc).__name__}") from exc
+        return b"".join(parts)
+
+    async def _buffered(self, preq: ProxyRequest, upstream: aiohttp.ClientResponse, replica_id: str,
+                        decision: RouteDecision) -> web.Response:
+        """A non-streamed answer (or a 4xx): read it all (still retryable), then pass it through."""
+        body = await self._read_body(upstream, preq.routing.stream_idle_timeout_s, replica_id)
+        self.tracker.report_success(replica_id)
+        model = preq.route.model
+        if upstream.status < 300:
+            self._count(model, replica_id, "success")
+            try:
+                self._learn(preq, replica_id, decision, cached_tokens_of(json.loads(body)))
+            except ValueError:
+                pass  # not JSON: nothing to learn; the client gets the bytes as they are
+        else:
+            self._count(model, replica_id, f"upstream_{upstream.status // 100}xx")
+        self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
+        return web.Response(status=upstream.status, body=body, headers={
+            "Content-Type": upstream.headers.get("Content-Type", "application/json"), REPLICA_HEADER: replica_id})
+
+    async def _stream(self, request: web.Request, preq: ProxyRequest, upstream: aiohttp.ClientResponse,
+                      replica_id: str, decision: RouteDecision, first_byte_s: float) -> web.StreamResponse:
+        """Pass SSE through event by event, awaiting each write (backpressure: a slow client slows the
+        upstream read, never a growing buffer)."""
+        try:
+            first = await asyncio.wait_for(upstream.content.readany(), max(first_byte_s, 0.0))
+        except asyncio.TimeoutError as exc:
+            raise AttemptFailed("timeout", f"replica {replica_id}: no first event in time") from exc
+        except aiohttp.ClientError as exc:
+            raise AttemptFailed("broken_body", f"replica {replica_id}: stream broke before its first event") from exc
+        if not first:
+            raise AttemptFailed("broken_body", f"replica {replica_id}: stream ended before its first event")
+        model = preq.route.model
+        response = web.StreamResponse(status=upstream.status, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", REPLICA_HEADER: replica_id})
+        relay = _SseRelay()
+        try:
+            await response.prepare(request)
+            ttft_observed = False
+            chunk = first
+            while True:
+                out = relay.feed(chunk)
+                if out:
+                    await response.write(out)
+                    if not ttft_observed:
+                        ttft_observed = True
+                        self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
+                if relay.done:
+                    break
+                chunk = await asyncio.wait_for(upstream.content.readany(), preq.routing.stream_idle_timeout_s)
+                if not chunk:
+                    break
+        except ConnectionResetError:  # the client went away: the caller's close() aborts the upstream
+            self._count(model, replica_id, "client_gone")
+            return response
+        except asyncio.CancelledError:  # the same, seen as handler cancellation
+            self._count(model, replica_id, "client_gone")
+            raise
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            timed_out = isinstance(exc, asyncio.TimeoutError)
+            self.tracker.report_failure(replica_id)
+            self._count(model, replica_id, "stream_idle_timeout" if timed_out else "broken_stream")
+            message = (f"the replica sent nothing for {preq.routing.stream_idle_timeout_s:g} s" if timed_out
+                       else f"the replica's stream broke: {type(exc).__name__}")
+            await self._end_with_error(response, message, "stream_idle_timeout" if timed_out else "stream_broken")
+            return response
+        if not relay.done:
+            self.tracker.report_failure(replica_id)
+            self._count(model, replica_id, "broken_stream")
+            await self._end_with_error(response, "the replica's stream ended before [DONE]", "stream_broken")
+            return response
+        self.tracker.report_success(replica_id)
+        self._count(model, replica_id, "success")
+        self._learn(preq, replica_id, decision, relay.cached_tokens)
+        await response.write_eof()
+        # What follows [DONE] is only the chunked terminator; reading it lets the connection return
+        # to the pool instead of being dropped. Bounded, as the client already has everything.
+        with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+            await asyncio.wait_for(upstream.content.read(), _DRAIN_AFTER_DONE_S)
+        return response
+
+    @staticmethod
+    async def _end_with_error(response: web.StreamResponse, message: str, code: str) -> None:
+        try:
+            await response.write(sse_error_event(message, code))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left as well
+
+    def _learn(self, preq: ProxyRequest, replica_id: str, decision: RouteDecision, cached_tokens: int | None) -> None:
+        """Predicted vs realised: correct the prefix index from the response's cached_tokens."""
+        if cached_tokens is None:
+            return
+        chunk_chars = preq.routing.prefix_chunk_chars
+        predicted = min(decision.predicted_match_chunks, len(preq.route.prefix_hashes))
+        self.metrics.prefix_predicted_tokens.labels(preq.route.model).inc(predicted * chunk_chars // CHARS_PER_TOKEN)
+        self.metrics.prefix_realised_tokens.labels(preq.route.model).inc(cached_tokens)
+        self.tracker.prefixes.correct(replica_id, preq.route.prefix_hashes, predicted, cached_tokens)
+
+
+class _SseRelay:
+    """Cuts an SSE byte stream at event boundaries ("\\n\\n"), so only whole events reach the client
+    (an error event after a break then parses), and notes `[DONE]` and the usage chunk's cached_tokens."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.done = False
+        self.cached_tokens: int | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        """The whole events completed by `data`; keeps any partial one for the next call."""
+        self._pending += data.replace(b"\r\n", b"\n")
+        cut = self._pending.rfind(b"\n\n")
+        if cut < 0:
+            return b""
+        complete, self._pending = self._pending[:cut + 2], self._pending[cut + 2:]
+        for event in complete.split(b"\n\n"):
+            self._inspect(event)
+        return complete
+
+    def _inspect(self, event: bytes) -> None:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.done = True
+            elif b"cached_tokens" in data:  # only a usage chunk carries it; skip parsing the rest
+                try:
+                    cached = cached_tokens_of(json.loads(data))
+                except ValueError:
+                    continue
+                if cached is not None:
+                    self.cached_tokens = cached
+

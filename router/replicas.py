@@ -1,0 +1,358 @@
+"""The gateway's live view of replicas: who exists, who is healthy, how loaded each one is.
+
+    registry static_replicas ─┐                    ┌─ kvgate backend: gRPC WatchState stream (sources.py)
+    store.list_members() ─────┼─> _Tracked records ┼─ vllm / sglang / member w/o gRPC: GET /metrics
+       (every poll_interval_s)│   (one per replica)└─ every replica: GET /health every health_interval_s
+    gateway begin/end/report ─┘
+                                        └──> view(model): frozen ReplicaStates for the policies
+
+Replica ids: a static replica's id is its URL; a member's id is its membership record's replica_id.
+Routable = a live member in state READY (static replicas always are), passing health checks, not
+ejected, and not draining (by membership or by its own stream).
+
+Ejection (passive): `eject_after_failures` failures reported in a row eject a replica for
+`eject_for_s`; after that it stays out until a health check passes (the probe), then takes traffic
+again. A failing health check marks a replica unhealthy at once; a passing one marks it healthy.
+
+All state is changed synchronously on the event loop; background tasks only await I/O and then call
+the synchronous `_apply_*` methods, so no await ever happens half-way through a change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvgate.clock import Clock
+from kvgate.state.base import MemberRecord, StateStore
+from kvgate.state.base import ReplicaState as MemberState
+from registry.schema import Backend
+from registry.snapshot import Snapshot
+from router.prefix_index import PrefixIndexes
+from router.sources import LoadReport, parse_metrics, watch_stream
+from router.view import ReplicaState, ReplicaView
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE_TOKENS = 16
+
+
+@dataclass
+class _Tracked:
+    """Mutable record of one replica; lives only inside the tracker."""
+
+    replica_id: str
+    model: str
+    url: str
+    backend: Backend
+    grpc_target: str | None
+    member_state: MemberState | None  # None: a static replica from the registry
+    block_size_tokens: int
+    max_loaded_adapters: int
+    load: LoadReport = field(default_factory=LoadReport)
+    in_flight: int = 0
+    health_ok: bool = True  # optimistic until the first check, so a READY member is routable at once
+    consecutive_failures: int = 0
+    ejected_until: float | None = None  # set while ejected; cleared by a passing probe after it
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def source_key(self) -> tuple[str, Backend, str | None]:
+        """What the readers were started for; a change restarts them."""
+        return (self.url, self.backend, self.grpc_target)
+
+    def state(self) -> ReplicaState:
+        healthy = (self.health_ok and self.ejected_until is None
+                   and self.member_state in (None, MemberState.READY, MemberState.DRAINING))
+        draining = self.load.draining or self.member_state is MemberState.DRAINING
+        return ReplicaState(
+            replica_id=self.replica_id, url=self.url, model=self.model, healthy=healthy, draining=draining,
+            in_flight=self.in_flight, num_waiting=self.load.num_waiting, num_running=self.load.num_running,
+            kv_blocks_free=self.load.kv_blocks_free, kv_blocks_total=self.load.kv_blocks_total,
+            block_size_tokens=self.load.block_size_tokens or self.block_size_tokens,
+            adapters_loaded=self.load.adapters_loaded, max_loaded_adapters=self.max_loaded_adapters)
+
+
+class ReplicaTracker:
+    """Tracks static and member replicas of every registry model; see the module docstring.
+
+    `prefix_chunk_chars` sizes the shared prefix indexes (one `PrefixIndexes` per tracker)."""
+
+    def __init__(self, *, clock: Clock, store: StateStore | None = None, http: aiohttp.ClientSession | None = None,
+                 poll_interval_s: float = 1.0, health_interval_s: float = 2.0, eject_after_failures: int = 3,
+                 eject_for_s: float = 10.0, prefix_chunk_chars: int = 256) -> None:
+        self._clock = clock
+        self._store = store
+        self._http = http
+        self._owns_http = http is None
+        self._poll_interval_s = poll_interval_s
+        self._health_interval_s = health_interval_s
+        self._eject_after_failures = eject_after_failures
+        self._eject_for_s = eject_for_s
+        self.prefixes = PrefixIndexes(prefix_chunk_chars)
+        self._replicas: dict[str, _Tracked] = {}
+        self._snapshot: Snapshot | None = None
+        self._started = False
+        self._closed = False
+        self._member_task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self, snapshot: Snapshot) -> None:
+        """Track the snapshot's static replicas and, with a store, its members (first poll done before
+        returning, so members are in the view at once). Call once."""
+        if self._started:
+            raise RuntimeError("ReplicaTracker.start called twice")
+        self._started = True
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        self.update_registry(snapshot)
+        if self._store is not None:
+            await self._poll_members()
+            self._member_task = asyncio.create_task(self._member_loop(), name="kvgate-members")
+
+    def update_registry(self, snapshot: Snapshot) -> None:
+        """Hot reload: add and remove static replicas, refresh per-model knobs. Idempotent."""
+        self._snapshot = snapshot
+        wanted: dict[str, tuple[str, Backend, str | None]] = {}
+        for name, doc in snapshot.models.items():
+            for static in doc.spec.routing.static_replicas:
+                wanted[static.url] = (name, static.backend, static.grpc_target)
+        for replica_id, tracked in list(self._replicas.items()):
+            if tracked.member_state is None and replica_id not in wanted:
+                self._drop(replica_id)
+        for url, (model, backend, grpc_target) in wanted.items():
+            self._upsert(url, model, url, backend, grpc_target, None)
+        for tracked in self._replicas.values():
+            tracked.block_size_tokens, tracked.max_loaded_adapters = self._model_knobs(tracked.model)
+        self._notify()
+
+    async def close(self) -> None:
+        """Cancel every background task and close the HTTP session if the tracker made it. Idempotent."""
+        self._closed = True
+        tasks = [t for r in self._replicas.values() for t in r.tasks]
+        if self._member_task is not None:
+            tasks.append(self._member_task)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for tracked in self._replicas.values():
+            tracked.tasks.clear()
+        if self._owns_http and self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    # ------------------------------------------------------------------------------------ the view
+
+    def view(self, model: str) -> ReplicaView:
+        """Every known replica of `model` (routable or not), with `self.prefixes` as prefix query."""
+        return ReplicaView.of((r.state() for r in self._replicas.values() if r.model == model), self.prefixes)
+
+    def num_ready(self, model: str) -> int:
+        """Replicas of `model` that take requests now."""
+        return sum(1 for r in self._replicas.values() if r.model == model and r.state().accepts_requests)
+
+    def url(self, replica_id: str) -> str:
+        """Base URL of a tracked replica; raises KeyError for an unknown one."""
+        return self._replicas[replica_id].url
+
+    async def wait_for_replica(self, model: str, timeout_s: float) -> bool:
+        """True as soon as `model` has a routable replica; False after `timeout_s` (on the clock)."""
+        deadline = self._clock.now() + timeout_s
+        while not self.num_ready(model):
+            remaining = deadline - self._clock.now()
+            if remaining <= 0 or self._closed:
+                return False
+            changed = asyncio.ensure_future(self._changed.wait())
+            timer = asyncio.ensure_future(self._clock.sleep(remaining))
+            try:
+                await asyncio.wait((changed, timer), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+                timer.cancel()
+        return True
+
+    # ------------------------------------------------------------------ the gateway's own signals
+
+    def begin(self, replica_id: str) -> None:
+        """One more request in flight there; unknown ids (a replica that just left) are ignored."""
+        tracked = self._replicas.get(replica_id)
+        if tracked is not None:
+            tracked.in_flight += 1
+
+    def end(self, replica_id: str) -> None:
+        tracked = self._replicas.get(replica_id)
+        if tracked is not None:
+            tracked.in_flight = max(0, tracked.in_flight - 1)
+
+    def report_success(self, replica_id: str) -> None:
+        tracked = self._replicas.get(replica_id)
+        if tracked is not None:
+            tracked.consecutive_failures = 0
+
+    def report_failure(self, replica_id: str) -> None:
+        """A request failed there (connect error, 5xx before the first byte). The Nth in a row ejects."""
+        tracked = self._replicas.get(replica_id)
+        if tracked is None:
+            return
+        tracked.consecutive_failures += 1
+        if tracked.consecutive_failures >= self._eject_after_failures and tracked.ejected_until is None:
+            tracked.ejected_until = self._clock.now() + self._eject_for_s
+            log.warning("replica %s ejected for %.1f s after %d failures in a row", replica_id,
+                        self._eject_for_s, tracked.consecutive_failures)
+            self._notify()
+
+    # ------------------------------------------------------------------------------ bookkeeping
+
+    def _model_knobs(self, model: str) -> tuple[int, int]:
+        doc = self._snapshot.models.get(model) if self._snapshot is not None else None
+        if doc is None:
+            return DEFAULT_BLOCK_SIZE_TOKENS, 0
+        return doc.spec.engine.block_size_tokens, doc.spec.engine.max_loaded_adapters
+
+    def _notify(self) -> None:
+        """Wake every wait_for_replica; they re-check and wait on a fresh event."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _upsert(self, replica_id: str, model: str, url: str, backend: Backend, grpc_target: str | None,
+                member_state: MemberState | None) -> None:
+        tracked = self._replicas.get(replica_id)
+        if tracked is not None and tracked.source_key == (url, backend, grpc_target) and tracked.model == model:
+            if tracked.member_state != member_state:
+                tracked.member_state = member_state
+                self._notify()
+            return
+        if tracked is not None:
+            self._drop(replica_id)
+        block_size, max_adapters = self._model_knobs(model)
+        tracked = _Tracked(replica_id, model, url.rstrip("/"), backend, grpc_target, member_state,
+                           block_size, max_adapters)
+        self._replicas[replica_id] = tracked
+        self.prefixes.ensure(replica_id, 0, block_size)
+        self._start_readers(tracked)
+        self._notify()
+
+    def _drop(self, replica_id: str) -> None:
+        tracked = self._replicas.pop(replica_id, None)
+        if tracked is None:
+            return
+        for task in tracked.tasks:
+            task.cancel()
+        self.prefixes.forget_replica(replica_id)
+        self._notify()
+
+    def _start_readers(self, tracked: _Tracked) -> None:
+        rid = tracked.replica_id
+        if tracked.grpc_target:
+            tracked.tasks.append(asyncio.create_task(watch_stream(
+                tracked.grpc_target, self._clock, lambda report: self._apply_stream(rid, report),
+                lambda: None), name=f"kvgate-stream-{rid}"))
+        elif tracked.backend is not Backend.OPENAI:
+            # vllm, sglang, and members without a gRPC target (foreign backends) publish /metrics.
+            tracked.tasks.append(asyncio.create_task(self._scrape_loop(tracked), name=f"kvgate-scrape-{rid}"))
+        tracked.tasks.append(asyncio.create_task(self._health_loop(tracked), name=f"kvgate-health-{rid}"))
+
+    # ------------------------------------------------------------------------------ membership
+
+    async def _member_loop(self) -> None:
+        while True:
+            await self._clock.sleep(self._poll_interval_s)
+            await self._poll_members()
+
+    async def _poll_members(self) -> None:
+        assert self._store is not None
+        try:
+            records = await self._store.list_members()
+        except Exception:  # StateStoreUnavailable or worse: keep the last known membership
+            log.warning("membership poll failed; keeping the last known members", exc_info=True)
+            return
+        self._apply_members(records)
+
+    def _apply_members(self, records: list[MemberRecord]) -> None:
+        seen = set()
+        for record in records:
+            seen.add(record.replica_id)
+            backend = Backend.KVGATE if record.grpc_target else Backend.VLLM
+            self._upsert(record.replica_id, record.model, record.url, backend, record.grpc_target, record.state)
+        for replica_id, tracked in list(self._replicas.items()):
+            if tracked.member_state is not None and replica_id not in seen:
+                self._drop(replica_id)
+
+    # ------------------------------------------------------------------------------ state readers
+
+    def _apply_load(self, replica_id: str, report: LoadReport) -> None:
+        tracked = self._replicas.get(replica_id)
+        if tracked is None:
+            return
+        was_routable = tracked.state().accepts_requests
+        tracked.load = report
+        self.prefixes.ensure(replica_id, report.kv_blocks_total, report.block_size_tokens or tracked.block_size_tokens)
+        if tracked.state().accepts_requests != was_routable:
+            self._notify()
+
+    def _apply_stream(self, replica_id: str, report: LoadReport) -> None:
+        tracked = self._replicas.get(replica_id)
+        if tracked is None:
+            return
+        previous = tracked.load
+        if previous.process_start_unix_ns and report.process_start_unix_ns != previous.process_start_unix_ns:
+            self.prefixes.forget_replica(replica_id)  # restarted: its KV cache is empty
+        elif report.process_start_unix_ns == previous.process_start_unix_ns and report.seq <= previous.seq:
+            return  # an older snapshot than one already applied
+        self._apply_load(replica_id, report)
+
+    async def _scrape_loop(self, tracked: _Tracked) -> None:
+        while True:
+            try:
+                async with self._http_session().get(f"{tracked.url}/metrics", timeout=self._timeout()) as response:
+                    text = await response.text() if response.status == 200 else None
+                if text is not None:
+                    self._apply_load(tracked.replica_id, parse_metrics(text))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the health check decides health; a failed scrape keeps the last load
+                log.debug("scrape %s/metrics failed: %r", tracked.url, exc)
+            await self._clock.sleep(self._poll_interval_s)
+
+    async def _health_loop(self, tracked: _Tracked) -> None:
+        while True:
+            try:
+                async with self._http_session().get(f"{tracked.url}/health", timeout=self._timeout()) as response:
+                    ok = response.status == 200
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("health check %s failed: %r", tracked.url, exc)
+                ok = False
+            self._apply_health(tracked.replica_id, ok)
+            await self._clock.sleep(self._health_interval_s)
+
+    def _apply_health(self, replica_id: str, ok: bool) -> None:
+        tracked = self._replicas.get(replica_id)
+        if tracked is None:
+            return
+        before = tracked.state().accepts_requests
+        tracked.health_ok = ok
+        if ok and tracked.ejected_until is not None and self._clock.now() >= tracked.ejected_until:
+            log.info("replica %s passed its probe after ejection", replica_id)
+            tracked.ejected_until = None
+            tracked.consecutive_failures = 0
+        if tracked.state().accepts_requests != before:
+            self._notify()
+
+    def _http_session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            raise RuntimeError("ReplicaTracker used before start()")
+        return self._http
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        # A probe or scrape never outlives its interval: a stalled replica is marked, not waited on.
+        return aiohttp.ClientTimeout(total=max(0.2, min(self._health_interval_s, self._poll_interval_s, 5.0)))

@@ -1,0 +1,173 @@
+"""Where a replica's load comes from: the engine's gRPC WatchState stream, or a foreign server's /metrics.
+
+Both readers turn what the backend says into one `LoadReport`, a frozen value the tracker folds into
+its replica record. The Prometheus parsing is a pure function (`parse_metrics`), so the names that
+vLLM and SGLang export are pinned by table tests, not by live servers.
+
+KV figures. vLLM exports only a usage fraction (`vllm:gpu_cache_usage_perc`, renamed
+`vllm:kv_cache_usage_perc` in v1), plus, when it has it, `vllm:cache_config_info` whose labels carry
+`num_gpu_blocks` and `block_size`. With both, free blocks = total x (1 - usage): 1,000 blocks at 0.25
+usage -> 750 free. Without block counts the report says 0 total ("unknown"), and
+`PrefixIndexes.ensure()` then sizes that replica's index to `prefix_index.DEFAULT_CAPACITY_CHUNKS`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from kvgate.clock import Clock
+from kvgate.v1 import replica_pb2, replica_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# gRPC reconnect backoff: 0.1 s doubling to 5 s, so a restarting engine is seen again within ~5 s and
+# a dead one costs one connect attempt per 5 s.
+STREAM_BACKOFF_MIN_S = 0.1
+STREAM_BACKOFF_MAX_S = 5.0
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One reading of a replica's load, from either source."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0  # 0: the backend gave no block counts
+    block_size_tokens: int | None = None  # None: not reported; the registry's figure stands
+    adapters_loaded: frozenset[str] = frozenset()
+    draining: bool = False
+    # Stream only: identify the engine process and order snapshots (see replica.proto).
+    process_start_unix_ns: int = 0
+    seq: int = 0
+
+
+# name{labels} value [timestamp]; names may hold colons (vllm:num_requests_waiting).
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+    def label(self, key: str) -> str | None:
+        return next((v for k, v in self.labels if k == key), None)
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """Every sample line of a Prometheus text exposition; comments and unparsable lines are skipped."""
+    samples = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        try:
+            value = float(match.group(4))
+        except ValueError:
+            continue
+        raw_labels = _LABEL.findall(match.group(3) or "")
+        labels = tuple((k, v.replace('\\"', '"').replace("\\\\", "\\")) for k, v in raw_labels)
+        samples.append(Sample(match.group(1), labels, value))
+    return samples
+
+
+def _sum(samples: list[Sample], *names: str) -> float | None:
+    """The sum over all label sets of the first name present (vLLM labels per model_name/engine)."""
+    for name in names:
+        values = [s.value for s in samples if s.name == name and math.isfinite(s.value)]
+        if values:
+            return sum(values)
+    return None
+
+
+def _mean(samples: list[Sample], *names: str) -> float | None:
+    for name in names:
+        values = [s.value for s in samples if s.name == name and math.isfinite(s.value)]
+        if values:
+            return sum(values) / len(values)
+    return None
+
+
+def _latest_lora_adapters(samples: list[Sample]) -> frozenset[str]:
+    # vllm:lora_requests_info is a gauge whose value is a timestamp; the newest sample is current.
+    infos = [s for s in samples if s.name == "vllm:lora_requests_info"]
+    if not infos:
+        return frozenset()
+    newest = max(infos, key=lambda s: s.value)
+    running = newest.label("running_lora_adapters") or ""
+    return frozenset(name for name in running.split(",") if name)
+
+
+def _int_label(samples: list[Sample], name: str, key: str) -> int:
+    for s in samples:
+        if s.name == name:
+            try:
+                return int(float(s.label(key) or 0))
+            except ValueError:
+                return 0
+    return 0
+
+
+def parse_metrics(text: str) -> LoadReport:
+    """The load of a vLLM or SGLang server from its /metrics text. Missing names read as 0 / unknown."""
+    samples = parse_samples(text)
+    waiting = _sum(samples, "vllm:num_requests_waiting", "sglang:num_queue_reqs") or 0.0
+    running = _sum(samples, "vllm:num_requests_running", "sglang:num_running_reqs") or 0.0
+    usage = _mean(samples, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+    total = _int_label(samples, "vllm:cache_config_info", "num_gpu_blocks")
+    block_size = _int_label(samples, "vllm:cache_config_info", "block_size")
+    free = 0
+    if total > 0:
+        free = round(total * (1.0 - min(max(usage or 0.0, 0.0), 1.0)))
+    return LoadReport(num_waiting=int(waiting), num_running=int(running), kv_blocks_free=free,
+                      kv_blocks_total=total, block_size_tokens=block_size or None,
+                      adapters_loaded=_latest_lora_adapters(samples))
+
+
+def report_from_state(state: replica_pb2.ReplicaState) -> LoadReport:
+    """The protobuf snapshot as a plain value; protobuf types stop here."""
+    return LoadReport(num_waiting=state.num_requests_waiting, num_running=state.num_requests_running,
+                      kv_blocks_free=state.num_kv_blocks_free, kv_blocks_total=state.num_kv_blocks_total,
+                      block_size_tokens=state.block_size_tokens or None,
+                      adapters_loaded=frozenset(state.adapters_loaded), draining=state.draining,
+                      process_start_unix_ns=state.process_start_unix_ns, seq=state.seq)
+
+
+async def _stream_once(target: str) -> AsyncIterator[LoadReport]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = replica_pb2_grpc.ReplicaStub(channel).WatchState(replica_pb2.WatchStateRequest())
+        async for state in call:
+            yield report_from_state(state)
+
+
+async def watch_stream(target: str, clock: Clock, on_report: Callable[[LoadReport], None],
+                       on_disconnect: Callable[[], None]) -> None:
+    """Follow a replica's WatchState stream until cancelled, reconnecting with backoff.
+
+    `on_report` gets every snapshot; `on_disconnect` is called each time the stream ends or fails to
+    connect. Never raises but CancelledError: every gRPC error is logged and retried."""
+    backoff_s = STREAM_BACKOFF_MIN_S
+    while True:
+        try:
+            async for report in _stream_once(target):
+                backoff_s = STREAM_BACKOFF_MIN_S
+                on_report(report)
+        except grpc.aio.AioRpcError as exc:
+            log.info("state stream %s: %s %s", target, exc.code().name, exc.details())
+        except Exception:  # a backend must never crash the tracker
+            log.exception("state stream %s failed", target)
+        on_disconnect()
+        await clock.sleep(backoff_s)
+        backoff_s = min(backoff_s * 2, STREAM_BACKOFF_MAX_S)

@@ -1,0 +1,347 @@
+"""The gateway end to end: the official openai SDK -> kvgate router -> simulated replicas on real sockets.
+
+Replicas are `loadtests.sim_replica` servers (an LRU prefix cache that reports cached_tokens, and
+failure injection), declared as a registry model's static replicas; the gateway runs with the real
+`ReplicaTracker`. Health checks run once at start and then every 60 s, so a failure mode switched on
+afterwards is seen by requests (and the proxy's retries), not hidden by a health check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from kvgate.clock import RealClock
+from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
+from loadtests.sim_replica_model import SchedulerSpec
+from registry.loader import load_registry
+from registry.watch import RegistryWatcher
+from router.app import GatewaySettings, build_app
+from router.proxy import REPLICA_HEADER
+from router.replicas import ReplicaTracker
+
+FAST_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=2000.0)
+LONG_PROMPT = "You are a careful assistant for the kvgate project. " * 40  # ~2,000 chars: 31 chunks of 64
+
+POOL = """apiVersion: kvgate/v1
+kind: Pool
+metadata: {name: here}
+spec:
+  provider: local
+  offers: [{instance_type: cpu, gpu_kind: cpu, gpu_count: 0, price_usd_per_hour: 0}]
+"""
+
+
+def write_registry(root: Path, urls: list[str], routing: str = "") -> None:
+    static = ", ".join(f"{{url: '{u}', backend: openai}}" for u in urls)
+    (root / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
+kind: Model
+metadata: {{name: m}}
+spec:
+  source: builtin:tiny-llama
+  routing: {{prefix_chunk_chars: 64, max_retries: 2, static_replicas: [{static}] {routing}}}
+---
+apiVersion: kvgate/v1
+kind: Adapter
+metadata: {{name: sql}}
+spec: {{base_model: m, source: /adapters/sql, rank: 8}}
+---
+apiVersion: kvgate/v1
+kind: Model
+metadata: {{name: cold}}
+spec:
+  source: builtin:tiny-llama
+  routing: {{max_queued_requests: 1}}
+  scaling: {{min_replicas: 0, max_queue_wait_s: 0.3}}
+---
+{POOL}""")
+
+
+@dataclass
+class Gateway:
+    url: str
+    tracker: ReplicaTracker
+    sims: list[SimReplicaServer]
+    client: openai.AsyncOpenAI
+
+    async def stats(self, sim: SimReplicaServer) -> dict:
+        async with aiohttp.ClientSession() as s, s.get(sim.url + "/stats") as r:
+            return await r.json()
+
+    async def fail(self, sim: SimReplicaServer, **spec: object) -> None:
+        async with aiohttp.ClientSession() as s, s.post(sim.url + "/admin/fail", json=spec) as r:
+            assert r.status == 200, await r.text()
+
+    async def post(self, path: str, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict, str]:
+        async with aiohttp.ClientSession() as s, s.post(self.url + path, data=data, headers=headers) as r:
+            return r.status, dict(r.headers), await r.text()
+
+
+@contextlib.asynccontextmanager
+async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
+                  settings: GatewaySettings | None = None, sim_spec: SchedulerSpec = FAST_SIM,
+                  other_urls: tuple[str, ...] = ()) -> AsyncIterator[Gateway]:
+    sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec))
+            for _ in range(num_replicas)]
+    write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing)
+    clock = RealClock()
+    watcher = await RegistryWatcher.open(tmp_path, clock)
+    tracker = ReplicaTracker(clock=clock, poll_interval_s=60.0, health_interval_s=60.0, prefix_chunk_chars=64)
+    runner = web.AppRunner(build_app(settings or GatewaySettings(), tracker, watcher, clock),
+                           handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    url = f"http://{host}:{port}"
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10.0)
+    await asyncio.sleep(0.1)  # the first health checks pass before any failure mode is switched on
+    try:
+        yield Gateway(url, tracker, sims, client)
+    finally:
+        await client.close()
+        await runner.cleanup()
+        for sim in sims:
+            await sim.close()
+
+
+def chat(content: str, **extra: object) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+
+
+async def test_non_streamed_chat_passes_through_the_sdk(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw:
+        reply = await gw.client.chat.completions.create(**chat("hello"))
+        assert reply.object == "chat.completion"
+        assert reply.choices[0].message.content
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+
+
+async def test_streamed_chat_and_completions_pass_through_the_sdk(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw:
+        stream = await gw.client.chat.completions.create(**chat("hello"), stream=True)
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason == "length"
+        text = await gw.client.completions.create(model="sql", prompt="SELECT", max_tokens=3, stream=True)
+        assert len([c async for c in text]) == 3
+
+
+async def test_the_body_reaches_the_replica_byte_for_byte(tmp_path: Path) -> None:
+    captured: list[bytes] = []
+
+    async def capture(request: web.Request) -> web.Response:
+        captured.append(await request.read())
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": []})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", capture)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    raw = json.dumps(chat("exact bytes", vendor_field={"kept": True}), indent=3).encode()
+    try:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(f"http://{host}:{port}",)) as gw:
+            status, _, _ = await gw.post("/v1/chat/completions", raw, {"Content-Type": "application/json"})
+    finally:
+        await runner.cleanup()
+    assert status == 200
+    assert captured == [raw]
+
+
+async def test_a_repeated_long_prompt_returns_to_its_replica_and_hits_the_cache(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw:
+        replicas, cached = set(), []
+        for _ in range(4):
+            raw = await gw.client.chat.completions.with_raw_response.create(**chat(LONG_PROMPT))
+            replicas.add(raw.headers[REPLICA_HEADER])
+            cached.append(raw.parse().usage.prompt_tokens_details.cached_tokens)
+        assert len(replicas) == 1
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+
+
+async def test_a_failing_replica_is_retried_elsewhere_and_never_twice(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw:
+        await gw.fail(gw.sims[0], mode="error500")
+        await gw.fail(gw.sims[1], mode="refuse")
+        for i in range(6):
+            before = [(await gw.stats(s))["num_failures_injected"] for s in gw.sims[:2]]
+            raw = await gw.client.chat.completions.with_raw_response.create(**chat(f"distinct prompt {i}"))
+            assert raw.headers[REPLICA_HEADER] == gw.sims[2].url
+            after = [(await gw.stats(s))["num_failures_injected"] for s in gw.sims[:2]]
+            assert all(a - b <= 1 for a, b in zip(after, before)), "a failed replica was tried twice"
+
+
+async def test_when_every_replica_fails_the_upstream_error_passes_through(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=2) as gw:
+        for sim in gw.sims:
+            await gw.fail(sim, mode="error500")
+        with pytest.raises(openai.InternalServerError) as caught:
+            await gw.client.chat.completions.create(**chat("doomed"))
+        assert caught.value.status_code == 500
+        assert "injected failure" in caught.value.message
+        assert sum([(await gw.stats(s))["num_failures_injected"] for s in gw.sims]) == 2
+
+
+async def test_a_stream_that_dies_mid_way_ends_with_an_error_event_then_done(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=1) as gw:
+        await gw.fail(gw.sims[0], mode="die_mid_stream", die_after_chunks=2)
+        body = json.dumps(chat("die", stream=True, max_tokens=8)).encode()
+        status, headers, text = await asyncio.wait_for(gw.post("/v1/chat/completions", body), 5.0)
+        assert status == 200
+        events = [e for e in text.split("\n\n") if e]
+        assert len(events) == 4  # two chunks from the replica, the error, [DONE]
+        assert json.loads(events[2].removeprefix("data: "))["error"]["code"] == "stream_broken"
+        assert events[3] == "data: [DONE]"
+        with pytest.raises(openai.APIError):  # the SDK surfaces it instead of hanging
+            await asyncio.wait_for(_drain(await gw.client.chat.completions.create(**chat("die"), stream=True)), 5.0)
+
+
+async def _drain(stream: openai.AsyncStream) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_a_stalled_replica_is_left_after_the_first_byte_timeout(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=2, routing=", first_byte_timeout_s: 0.3") as gw:
+        await gw.fail(gw.sims[0], mode="stall")
+        for i in range(3):
+            raw = await gw.client.chat.completions.with_raw_response.create(**chat(f"stall {i}"))
+            assert raw.headers[REPLICA_HEADER] == gw.sims[1].url
+
+
+async def test_a_stall_with_nowhere_to_retry_is_a_504(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=1, routing=", first_byte_timeout_s: 0.3") as gw:
+        await gw.fail(gw.sims[0], mode="stall")
+        status, _, text = await gw.post("/v1/chat/completions", json.dumps(chat("x")).encode())
+        assert status == 504
+        assert json.loads(text)["error"]["code"] == "upstream_timeout"
+
+
+@pytest.mark.parametrize("body,status,code", [
+    (b"{not json", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_type"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "missing"),
+    (json.dumps({"model": 7, "messages": []}).encode(), 400, "invalid_type"),
+    (json.dumps({"model": "m"}).encode(), 400, "missing"),
+    (json.dumps(chat("x") | {"model": "nope"}).encode(), 404, "model_not_found"),
+    (json.dumps(chat("x" * 5000)).encode(), 413, "request_too_large"),
+])
+async def test_bad_input_gets_an_openai_error_object(tmp_path: Path, body: bytes, status: int, code: str) -> None:
+    async with gateway(tmp_path, num_replicas=1, settings=GatewaySettings(max_body_bytes=4096)) as gw:
+        got, _, text = await gw.post("/v1/chat/completions", body)
+        assert got == status
+        error = json.loads(text)["error"]
+        assert error["code"] == code and set(error) == {"message", "type", "param", "code"}
+
+
+async def test_a_completions_request_without_prompt_is_400(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=1) as gw:
+        status, _, text = await gw.post("/v1/completions", json.dumps({"model": "m"}).encode())
+        assert status == 400 and json.loads(text)["error"]["param"] == "prompt"
+
+
+async def test_at_zero_replicas_a_request_waits_then_gets_503_with_retry_after(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=1) as gw:
+        body = json.dumps(chat("x") | {"model": "cold"}).encode()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        first = asyncio.create_task(gw.post("/v1/chat/completions", body))
+        await asyncio.sleep(0.1)
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+            assert 'kvgate_router_queue_depth{model="cold"} 1.0' in await r.text()
+        status_full, headers_full, _ = await gw.post("/v1/chat/completions", body)  # queue of 1 is full
+        assert status_full == 503 and "Retry-After" in headers_full
+        status, headers, text = await first
+        assert loop.time() - started >= 0.3
+        assert status == 503 and int(headers["Retry-After"]) >= 1
+        assert json.loads(text)["error"]["code"] == "no_capacity"
+
+
+async def test_a_waiting_request_is_served_once_a_replica_appears(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=1) as gw:
+        cold = await start_sim_replica(SimReplicaConfig(model="cold", scheduler=FAST_SIM))
+        try:
+            waiting = asyncio.create_task(gw.client.chat.completions.create(**chat("x") | {"model": "cold"}))
+            await asyncio.sleep(0.1)
+            assert not waiting.done()
+            text = (tmp_path / "registry.yaml").read_text()
+            (tmp_path / "registry.yaml").write_text(text.replace(
+                "routing: {max_queued_requests: 1}",
+                f"routing: {{max_queued_requests: 1, static_replicas: [{{url: '{cold.url}'}}]}}"))
+            gw.tracker.update_registry(load_registry(tmp_path))  # what the registry watcher does on reload
+            reply = await asyncio.wait_for(waiting, 5.0)
+            assert reply.model == "cold"
+        finally:
+            await cold.close()
+
+
+async def test_models_lists_models_and_adapters(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=1) as gw:
+        models = {m.id: m for m in (await gw.client.models.list()).data}
+        assert set(models) == {"m", "cold", "sql"}
+        assert models["sql"].model_extra["parent"] == "m"
+
+
+async def test_admin_stats_needs_the_token(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=2, settings=GatewaySettings(admin_token="s3cret")) as gw:
+        await gw.client.chat.completions.create(**chat(LONG_PROMPT))
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gw.url + "/admin/stats") as r:
+                assert r.status == 401
+            async with s.get(gw.url + "/admin/stats", headers={"Authorization": "Bearer wrong"}) as r:
+                assert r.status == 401
+            async with s.get(gw.url + "/admin/stats", headers={"Authorization": "Bearer s3cret"}) as r:
+                assert r.status == 200
+                stats = await r.json()
+        model = stats["models"]["m"]
+        assert model["adapters"] == ["sql"] and len(model["replicas"]) == 2
+        assert stats["recent_decisions"][0]["reason"] == "rendezvous"
+        assert sum(r["prefix_index_entries"] for r in model["replicas"]) > 0
+
+
+async def test_metrics_expose_the_router_series(tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=1) as gw:
+        stream = await gw.client.chat.completions.create(**chat(LONG_PROMPT), stream=True,
+                                                         stream_options={"include_usage": True})
+        await _drain(stream)
+        await gw.client.chat.completions.create(**chat(LONG_PROMPT))
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+            text = await r.text()
+        for name in ("kvgate_router_requests_total", "kvgate_router_decisions_total",
+                     "kvgate_router_decision_seconds_bucket", "kvgate_router_ttft_seconds_bucket",
+                     "kvgate_router_prefix_predicted_tokens_total", "kvgate_router_prefix_realised_tokens_total",
+                     "kvgate_router_in_flight", "kvgate_router_queue_depth"):
+            assert name in text, name
+        assert f'kvgate_router_requests_total{{model="m",outcome="success",replica="{gw.sims[0].url}"}} 2.0' in text
+        realised = next(line for line in text.splitlines()
+                        if line.startswith('kvgate_router_prefix_realised_tokens_total{model="m"}'))
+        assert float(realised.split()[-1]) > 0
+
+
+async def test_a_client_that_goes_away_aborts_the_upstream_request(tmp_path: Path) -> None:
+    slow = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=20.0)  # 200 tokens: 10 s
+    async with gateway(tmp_path, num_replicas=1, sim_spec=slow) as gw:
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(gw.url + "/v1/chat/completions", json=chat("bye", stream=True, max_tokens=200))
+            await r.content.readline()
+            r.close()  # the client leaves after the first event
+        for _ in range(100):
+            if (await gw.stats(gw.sims[0]))["num_aborted"] >= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert (await gw.stats(gw.sims[0]))["num_aborted"] == 1

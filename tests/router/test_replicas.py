@@ -1,0 +1,231 @@
+"""ReplicaTracker: static and member replicas, scraped and streamed load, health checks, ejection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvgate.clock import Clock, FakeClock, RealClock
+from kvgate.state.base import MemberRecord
+from kvgate.state.base import ReplicaState as MemberState
+from kvgate.state.memory import MemoryStateStore
+from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
+from loadtests.sim_replica_model import SchedulerSpec
+from registry.loader import load_registry
+from registry.snapshot import Snapshot
+from router.prefix_index import DEFAULT_CAPACITY_CHUNKS
+from router.replicas import ReplicaTracker
+from router.sources import LoadReport, parse_metrics
+
+FAST = {"poll_interval_s": 0.05, "health_interval_s": 0.05}
+
+
+def registry(tmp_path: Path, replicas: list[str], *, name: str = "m", backend: str = "vllm",
+             grpc_target: str | None = None) -> Snapshot:
+    grpc = f", grpc_target: '{grpc_target}'" if grpc_target else ""
+    static = ", ".join(f"{{url: '{url}', backend: {backend}{grpc}}}" for url in replicas)
+    (tmp_path / "models.yaml").write_text(
+        f"apiVersion: kvgate/v1\nkind: Model\nmetadata: {{name: {name}}}\nspec:\n  source: builtin:tiny-llama\n"
+        f"  engine: {{max_loaded_adapters: 3}}\n  routing:\n    static_replicas: [{static}]\n")
+    return load_registry(tmp_path)
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimReplicaServer]:
+    server = await start_sim_replica(SimReplicaConfig(model="m", scheduler=SchedulerSpec(max_batch=1)))
+    yield server
+    await server.close()
+
+
+@contextlib.asynccontextmanager
+async def tracking(snapshot: Snapshot, clock: Clock | None = None, **kwargs) -> AsyncIterator[ReplicaTracker]:
+    tracker = ReplicaTracker(clock=clock or RealClock(), **{**FAST, **kwargs})
+    await tracker.start(snapshot)
+    try:
+        yield tracker
+    finally:
+        await tracker.close()
+
+
+def only(tracker: ReplicaTracker, model: str = "m"):
+    (state,) = tracker.view(model).replicas
+    return state
+
+
+# ---------------------------------------------------------------------------------- /metrics parsing
+
+VLLM_V0 = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 3.0
+vllm:num_requests_waiting{model_name="m"} 5.0
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="old",waiting_lora_adapters=""} 1700000000.0
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters="x"} 1700000005.0
+"""
+VLLM_V1 = """vllm:num_requests_running{engine="0",model_name="m"} 1
+vllm:num_requests_running{engine="1",model_name="m"} 2
+vllm:num_requests_waiting{engine="0",model_name="m"} 0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:cache_config_info{block_size="32",num_gpu_blocks="1000",enable_prefix_caching="True"} 1.0
+"""
+SGLANG = """sglang:num_queue_reqs{model_name="m"} 7
+sglang:num_running_reqs{model_name="m"} 4
+sglang:token_usage{model_name="m"} 0.9
+"""
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # the newest lora_requests_info sample (largest timestamp value) names the running adapters
+    (VLLM_V0, LoadReport(num_waiting=5, num_running=3, adapters_loaded=frozenset({"sql", "chat"}))),
+    # two engines sum; 1,000 blocks at 0.5 usage -> 500 free, block size from cache_config_info
+    (VLLM_V1, LoadReport(num_waiting=0, num_running=3, kv_blocks_free=500, kv_blocks_total=1000,
+                         block_size_tokens=32)),
+    (SGLANG, LoadReport(num_waiting=7, num_running=4)),
+    ("", LoadReport()),
+    ("garbage {{\nvllm:num_requests_waiting{model_name=\"m\"} NaN\n# only a comment", LoadReport()),
+])
+def test_parse_metrics_reads_vllm_and_sglang_names(text: str, expected: LoadReport) -> None:
+    assert parse_metrics(text) == expected
+
+
+# ------------------------------------------------------------------------------------ static replicas
+
+async def test_static_sim_replica_is_healthy_with_scraped_waiting_and_running(tmp_path, sim) -> None:
+    async with tracking(registry(tmp_path, [sim.url])) as tracker, aiohttp.ClientSession() as http:
+        body = {"model": "m", "prompt": "hello", "max_tokens": 500, "stream": True}
+        requests = [asyncio.create_task(http.post(f"{sim.url}/v1/completions", json=body)) for _ in range(3)]
+        await eventually(lambda: (only(tracker).num_running, only(tracker).num_waiting) == (1, 2))
+        state = only(tracker)
+        assert (state.replica_id, state.url, state.healthy, state.draining) == (sim.url, sim.url, True, False)
+        assert state.max_loaded_adapters == 3 and tracker.num_ready("m") == 1 and tracker.url(sim.url) == sim.url
+        assert tracker.prefixes.get(sim.url).capacity == DEFAULT_CAPACITY_CHUNKS  # sim reports no block counts
+        for request in requests:
+            (await request).close()
+
+
+async def test_begin_and_end_change_in_flight_at_once(tmp_path, sim) -> None:
+    async with tracking(registry(tmp_path, [sim.url])) as tracker:
+        tracker.begin(sim.url)
+        tracker.begin(sim.url)
+        assert only(tracker).in_flight == 2
+        tracker.end(sim.url)
+        assert only(tracker).in_flight == 1
+        tracker.begin("gone")  # a replica that just left: ignored
+        tracker.end("gone")
+
+
+async def test_three_failures_in_a_row_eject_until_a_probe_after_eject_for_s(tmp_path, sim) -> None:
+    clock = FakeClock()
+    async with tracking(registry(tmp_path, [sim.url]), clock, poll_interval_s=1.0, health_interval_s=1.0,
+                        eject_for_s=10.0) as tracker:
+        await eventually(lambda: clock.num_sleepers >= 2)  # first health check and scrape done
+        tracker.report_failure(sim.url)
+        tracker.report_failure(sim.url)
+        tracker.report_success(sim.url)  # resets the run
+        tracker.report_failure(sim.url)
+        tracker.report_failure(sim.url)
+        assert only(tracker).healthy
+        tracker.report_failure(sim.url)
+        assert not only(tracker).healthy and tracker.num_ready("m") == 0
+        await clock.advance(5.0)  # probes pass, but the ejection has 5 s to go
+        await asyncio.sleep(0.1)
+        assert not only(tracker).healthy
+        for _ in range(50):  # a probe is real HTTP: give each one real time to answer before moving on
+            if only(tracker).healthy:
+                break
+            await clock.advance(1.0)
+            await asyncio.sleep(0.02)
+        assert only(tracker).healthy and tracker.num_ready("m") == 1
+        assert clock.now() <= 1_000.0 + 10.0 + 3.0  # probed back within a few health intervals of the end
+
+
+async def test_a_replica_failing_health_checks_turns_unhealthy_and_back(tmp_path, sim) -> None:
+    async with tracking(registry(tmp_path, [sim.url])) as tracker, aiohttp.ClientSession() as http:
+        await (await http.post(f"{sim.url}/admin/fail", json={"mode": "unavailable"})).release()
+        await eventually(lambda: not only(tracker).healthy)
+        await (await http.post(f"{sim.url}/admin/fail", json={"mode": "none"})).release()
+        await eventually(lambda: only(tracker).healthy)
+
+
+async def test_reload_adds_and_removes_static_replicas(tmp_path, sim) -> None:
+    async with tracking(registry(tmp_path, [sim.url])) as tracker:
+        tracker.update_registry(registry(tmp_path, ["http://127.0.0.1:1"]))
+        assert [r.replica_id for r in tracker.view("m").replicas] == ["http://127.0.0.1:1"]
+        assert tracker.prefixes.get(sim.url) is None
+        await eventually(lambda: not only(tracker).healthy)  # nothing listens on port 1
+
+
+# ------------------------------------------------------------------------------------------ membership
+
+def member(url: str, state: MemberState, replica_id: str = "m-1") -> MemberRecord:
+    return MemberRecord(replica_id=replica_id, model="m", url=url, state=state)
+
+
+async def test_members_appear_when_ready_stop_taking_requests_when_draining_and_vanish(sim) -> None:
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=60.0) as tracker:
+        assert tracker.view("m").replicas == ()
+        await store.put_member(member(sim.url, MemberState.STARTING), ttl_s=30)
+        await clock.advance(1.0)
+        assert [r.accepts_requests for r in tracker.view("m").replicas] == [False]
+        await store.put_member(member(sim.url, MemberState.READY), ttl_s=30)
+        await clock.advance(1.0)
+        assert tracker.num_ready("m") == 1 and only(tracker).url == sim.url
+        await store.put_member(member(sim.url, MemberState.DRAINING), ttl_s=30)
+        await clock.advance(1.0)
+        assert only(tracker).draining and tracker.view("m").candidates("m") == ()
+        tracker.prefixes.record("m-1", (1, 2))
+        await store.remove_member("m-1")
+        await clock.advance(1.0)
+        assert tracker.view("m").replicas == () and tracker.prefixes.get("m-1") is None
+
+
+async def test_wait_for_replica_returns_when_a_member_appears_and_times_out_otherwise(sim) -> None:
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=60.0) as tracker:
+        waiting = asyncio.create_task(tracker.wait_for_replica("m", timeout_s=5.0))
+        await clock.advance(2.0)
+        assert not waiting.done()
+        await store.put_member(member(sim.url, MemberState.READY), ttl_s=30)
+        await clock.advance(1.0)
+        assert await asyncio.wait_for(waiting, 1.0) is True
+        nobody = asyncio.create_task(tracker.wait_for_replica("other", timeout_s=5.0))
+        await clock.advance(5.0)
+        assert await asyncio.wait_for(nobody, 1.0) is False
+
+
+# ---------------------------------------------------------------------------------- a real engine
+
+async def test_a_kvgate_engine_reports_running_requests_and_kv_blocks_over_its_grpc_stream(tmp_path) -> None:
+    from tests.engine_server.test_process import SERVED, free_port, start_replica, stop
+
+    grpc_port = free_port()
+    engine = await asyncio.to_thread(start_replica, tmp_path, "--grpc-port", str(grpc_port))
+    try:
+        snapshot = registry(tmp_path, [engine.url], name=SERVED, backend="kvgate",
+                            grpc_target=f"127.0.0.1:{grpc_port}")
+        async with tracking(snapshot) as tracker, aiohttp.ClientSession() as http:
+            await eventually(lambda: only(tracker, SERVED).kv_blocks_total > 0, timeout_s=10)
+            state = only(tracker, SERVED)
+            assert state.healthy and state.num_running == 0 and state.kv_blocks_free == state.kv_blocks_total
+            assert tracker.prefixes.get(engine.url).capacity != DEFAULT_CAPACITY_CHUNKS  # sized from the stream
+            body = {"model": SERVED, "prompt": "count", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+            async with http.post(f"{engine.url}/v1/completions", json=body) as response:
+                await response.content.readline()
+                await eventually(lambda: only(tracker, SERVED).num_running == 1, timeout_s=10)
+            await eventually(lambda: only(tracker, SERVED).num_running == 0, timeout_s=10)  # client left: aborted
+    finally:
+        await asyncio.to_thread(stop, engine)
