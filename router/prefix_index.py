@@ -61,6 +61,10 @@ class PrefixIndex:
     def capacity(self) -> int:
         return self._capacity
 
+    @property
+    def chunk_chars(self) -> int:
+        return self._chunk_chars
+
     def match_length(self, hashes: tuple[int, ...]) -> int:
         """Leading hashes present, stopping at the first miss (a chain hash past a miss cannot be a hit
         in the engine either). A read: it does not refresh recency."""
@@ -118,7 +122,11 @@ class PrefixIndex:
 
 
 class PrefixIndexes:
-    """One PrefixIndex per replica id; implements `view.PrefixQuery` for the policies."""
+    """One PrefixIndex per replica id; implements `view.PrefixQuery` for the policies.
+
+    Each index has its own chunk size: a replica's is its model's `routing.prefix_chunk_chars` (the
+    size the request's hash chain was cut at), given to `ensure`. `chunk_chars` here is only the default
+    for a replica that `record` meets before any `ensure`."""
 
     def __init__(self, chunk_chars: int) -> None:
         self._chunk_chars = chunk_chars
@@ -129,12 +137,16 @@ class PrefixIndexes:
         index = self._by_replica.get(replica_id)
         return index.match_length(hashes) if index is not None else 0
 
-    def ensure(self, replica_id: str, kv_blocks_total: int, block_size_tokens: int) -> PrefixIndex:
-        """The replica's index, created or resized to its reported KV capacity. Idempotent."""
-        capacity = capacity_chunks(kv_blocks_total, block_size_tokens, self._chunk_chars)
+    def ensure(self, replica_id: str, kv_blocks_total: int, block_size_tokens: int,
+               chunk_chars: int | None = None) -> PrefixIndex:
+        """The replica's index, created or resized to its reported KV capacity, in chunks of
+        `chunk_chars` (default: the constructor's). Idempotent. A new chunk size (the model's
+        prefix_chunk_chars changed on reload) starts an empty index: hashes of other cuts never match."""
+        chunk_chars = chunk_chars or self._chunk_chars
+        capacity = capacity_chunks(kv_blocks_total, block_size_tokens, chunk_chars)
         index = self._by_replica.get(replica_id)
-        if index is None:
-            index = self._by_replica[replica_id] = PrefixIndex(capacity, self._chunk_chars)
+        if index is None or index.chunk_chars != chunk_chars:
+            index = self._by_replica[replica_id] = PrefixIndex(capacity, chunk_chars)
         elif index.capacity != capacity:
             index.resize(capacity)
         return index

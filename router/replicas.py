@@ -53,8 +53,14 @@ class _Tracked:
     member_state: MemberState | None  # None: a static replica from the registry
     block_size_tokens: int
     max_loaded_adapters: int
+    prefix_chunk_chars: int  # the model's routing.prefix_chunk_chars: the cut its prefix index counts in
     load: LoadReport = field(default_factory=LoadReport)
     in_flight: int = 0
+    # Requests this gateway finished there since the last load report: that report still counts them
+    # (an engine sends a snapshot at most every ~50 ms), so they come off its waiting + running until
+    # the next one. Without it, sequential requests see a phantom load of 1 on the replica that just
+    # served them and the load bound pushes a prefix hit elsewhere.
+    num_ended_since_report: int = 0
     health_ok: bool = True  # optimistic until the first check, so a READY member is routable at once
     consecutive_failures: int = 0
     ejected_until: float | None = None  # set while ejected; cleared by a passing probe after it
@@ -69,9 +75,12 @@ class _Tracked:
         healthy = (self.health_ok and self.ejected_until is None
                    and self.member_state in (None, MemberState.READY, MemberState.DRAINING))
         draining = self.load.draining or self.member_state is MemberState.DRAINING
+        ended = self.num_ended_since_report
+        num_running = max(self.load.num_running - ended, 0)  # what ended was running, or else waiting
+        num_waiting = max(self.load.num_waiting - max(ended - self.load.num_running, 0), 0)
         return ReplicaState(
             replica_id=self.replica_id, url=self.url, model=self.model, healthy=healthy, draining=draining,
-            in_flight=self.in_flight, num_waiting=self.load.num_waiting, num_running=self.load.num_running,
+            in_flight=self.in_flight, num_waiting=num_waiting, num_running=num_running,
             kv_blocks_free=self.load.kv_blocks_free, kv_blocks_total=self.load.kv_blocks_total,
             block_size_tokens=self.load.block_size_tokens or self.block_size_tokens,
             adapters_loaded=self.load.adapters_loaded, max_loaded_adapters=self.max_loaded_adapters)
@@ -80,7 +89,9 @@ class _Tracked:
 class ReplicaTracker:
     """Tracks static and member replicas of every registry model; see the module docstring.
 
-    `prefix_chunk_chars` sizes the shared prefix indexes (one `PrefixIndexes` per tracker)."""
+    Each replica's prefix index counts in its model's `routing.prefix_chunk_chars` (the size requests
+    are cut at), so capacities and `correct()` rounding match the hashes; `prefix_chunk_chars` is only
+    the fallback for a replica whose model the registry does not (or no longer) declare."""
 
     def __init__(self, *, clock: Clock, store: StateStore | None = None, http: aiohttp.ClientSession | None = None,
                  poll_interval_s: float = 1.0, health_interval_s: float = 2.0, eject_after_failures: int = 3,
@@ -93,6 +104,7 @@ class ReplicaTracker:
         self._health_interval_s = health_interval_s
         self._eject_after_failures = eject_after_failures
         self._eject_for_s = eject_for_s
+        self._default_chunk_chars = prefix_chunk_chars
         self.prefixes = PrefixIndexes(prefix_chunk_chars)
         self._replicas: dict[str, _Tracked] = {}
         self._snapshot: Snapshot | None = None
@@ -129,7 +141,9 @@ class ReplicaTracker:
         for url, (model, backend, grpc_target) in wanted.items():
             self._upsert(url, model, url, backend, grpc_target, None)
         for tracked in self._replicas.values():
-            tracked.block_size_tokens, tracked.max_loaded_adapters = self._model_knobs(tracked.model)
+            tracked.block_size_tokens, tracked.max_loaded_adapters, tracked.prefix_chunk_chars = (
+                self._model_knobs(tracked.model))
+            self._ensure_index(tracked)
         self._notify()
 
     async def close(self) -> None:
@@ -191,6 +205,7 @@ class ReplicaTracker:
         tracked = self._replicas.get(replica_id)
         if tracked is not None:
             tracked.in_flight = max(0, tracked.in_flight - 1)
+            tracked.num_ended_since_report += 1
 
     def report_success(self, replica_id: str) -> None:
         tracked = self._replicas.get(replica_id)
@@ -211,11 +226,18 @@ class ReplicaTracker:
 
     # ------------------------------------------------------------------------------ bookkeeping
 
-    def _model_knobs(self, model: str) -> tuple[int, int]:
+    def _model_knobs(self, model: str) -> tuple[int, int, int]:
+        """(block_size_tokens, max_loaded_adapters, prefix_chunk_chars) of a model."""
         doc = self._snapshot.models.get(model) if self._snapshot is not None else None
         if doc is None:
-            return DEFAULT_BLOCK_SIZE_TOKENS, 0
-        return doc.spec.engine.block_size_tokens, doc.spec.engine.max_loaded_adapters
+            return DEFAULT_BLOCK_SIZE_TOKENS, 0, self._default_chunk_chars
+        return (doc.spec.engine.block_size_tokens, doc.spec.engine.max_loaded_adapters,
+                doc.spec.routing.prefix_chunk_chars)
+
+    def _ensure_index(self, tracked: _Tracked) -> None:
+        """Create or resize the replica's prefix index to its KV capacity in its model's chunks."""
+        self.prefixes.ensure(tracked.replica_id, tracked.load.kv_blocks_total,
+                             tracked.load.block_size_tokens or tracked.block_size_tokens, tracked.prefix_chunk_chars)
 
     def _notify(self) -> None:
         """Wake every wait_for_replica; they re-check and wait on a fresh event."""
@@ -232,11 +254,11 @@ class ReplicaTracker:
             return
         if tracked is not None:
             self._drop(replica_id)
-        block_size, max_adapters = self._model_knobs(model)
+        block_size, max_adapters, chunk_chars = self._model_knobs(model)
         tracked = _Tracked(replica_id, model, url.rstrip("/"), backend, grpc_target, member_state,
-                           block_size, max_adapters)
+                           block_size, max_adapters, chunk_chars)
         self._replicas[replica_id] = tracked
-        self.prefixes.ensure(replica_id, 0, block_size)
+        self._ensure_index(tracked)
         self._start_readers(tracked)
         self._notify()
 
@@ -294,7 +316,8 @@ class ReplicaTracker:
             return
         was_routable = tracked.state().accepts_requests
         tracked.load = report
-        self.prefixes.ensure(replica_id, report.kv_blocks_total, report.block_size_tokens or tracked.block_size_tokens)
+        tracked.num_ended_since_report = 0
+        self._ensure_index(tracked)
         if tracked.state().accepts_requests != was_routable:
             self._notify()
 

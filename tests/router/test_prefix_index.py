@@ -102,3 +102,22 @@ def test_ensure_resizes_to_a_new_kv_capacity() -> None:
     indexes.record("r1", tuple(range(10)))
     index = indexes.ensure("r1", 4, 16)  # 4 x 16 x 4 / 64 = 4 chunks
     assert index.capacity == 4 and indexes.match_length("r1", tuple(range(10))) == 4
+
+
+def test_each_replica_index_counts_in_its_own_chunk_size() -> None:
+    indexes = PrefixIndexes(chunk_chars=256)
+    small = indexes.ensure("r64", 64, 16, chunk_chars=64)  # 64 x 16 x 4 / 64 = 64 chunks
+    default = indexes.ensure("r256", 64, 16)  # 64 x 16 x 4 / 256 = 16 chunks
+    assert (small.capacity, small.chunk_chars) == (64, 64)
+    assert (default.capacity, default.chunk_chars) == (16, 256)
+    small.record((1, 2, 3, 4))
+    # 20 tokens x 4 chars = 80 chars: ceil(80 / 64) = 2 chunks realised of 4 predicted -> 2 dropped
+    assert indexes.correct("r64", (1, 2, 3, 4), 4, 20) == 2
+
+
+def test_a_new_chunk_size_starts_the_replica_index_afresh() -> None:
+    indexes = PrefixIndexes(chunk_chars=64)
+    indexes.ensure("r1", 64, 16, chunk_chars=64)
+    indexes.record("r1", (1, 2))
+    index = indexes.ensure("r1", 64, 16, chunk_chars=128)  # hashes of another cut never match
+    assert index.chunk_chars == 128 and index.capacity == 32 and len(index) == 0

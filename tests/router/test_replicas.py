@@ -207,6 +207,40 @@ async def test_wait_for_replica_returns_when_a_member_appears_and_times_out_othe
         assert await asyncio.wait_for(nobody, 1.0) is False
 
 
+# ---------------------------------------------------------------------------------- prefix indexes
+
+def two_models(tmp_path: Path, chunk_a: int, chunk_b: int) -> Snapshot:
+    def model(name: str, chunk: int, port: int) -> str:
+        return (f"apiVersion: kvgate/v1\nkind: Model\nmetadata: {{name: {name}}}\nspec:\n"
+                f"  source: builtin:tiny-llama\n  routing:\n    prefix_chunk_chars: {chunk}\n"
+                f"    static_replicas: [{{url: 'http://127.0.0.1:{port}', backend: openai}}]\n")
+    (tmp_path / "models.yaml").write_text(model("a", chunk_a, 9) + "---\n" + model("b", chunk_b, 10))
+    return load_registry(tmp_path)
+
+
+async def test_each_replica_prefix_index_uses_its_model_chunk_size(tmp_path: Path) -> None:
+    async with tracking(two_models(tmp_path, 64, 1024), prefix_chunk_chars=256) as tracker:
+        a, b = tracker.prefixes.get("http://127.0.0.1:9"), tracker.prefixes.get("http://127.0.0.1:10")
+        assert (a.chunk_chars, b.chunk_chars) == (64, 1024)
+        tracker._apply_load("http://127.0.0.1:9", LoadReport(kv_blocks_total=100, block_size_tokens=16))
+        assert tracker.prefixes.get("http://127.0.0.1:9").capacity == 100  # 100 x 16 x 4 / 64
+        tracker.update_registry(two_models(tmp_path, 128, 1024))  # a reload changes model a's cut
+        a = tracker.prefixes.get("http://127.0.0.1:9")
+        assert (a.chunk_chars, a.capacity) == (128, 50)  # the reported KV figures still count
+
+
+async def test_a_request_the_gateway_ended_stops_counting_before_the_next_report(tmp_path: Path) -> None:
+    async with tracking(two_models(tmp_path, 64, 64)) as tracker:
+        rid = "http://127.0.0.1:9"
+        tracker.begin(rid)
+        tracker._apply_load(rid, LoadReport(num_waiting=1, num_running=1, kv_blocks_total=100))
+        tracker.end(rid)  # the report above still counts it: 2 - 1 ended = 1, taken off running first
+        state = next(r for r in tracker.view("a").replicas)
+        assert (state.num_running, state.num_waiting, state.load) == (0, 1, 1)
+        tracker._apply_load(rid, LoadReport(num_waiting=0, num_running=1, kv_blocks_total=100, seq=1))
+        assert next(r for r in tracker.view("a").replicas).load == 1  # a fresh report counts as it is
+
+
 # ---------------------------------------------------------------------------------- a real engine
 
 async def test_a_kvgate_engine_reports_running_requests_and_kv_blocks_over_its_grpc_stream(tmp_path) -> None:
