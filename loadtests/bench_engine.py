@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,13 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from loadtests.common import free_port, make_prompts
 WORK = REPO / "loadtests" / ".work"
-
-
-def make_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Stay clear of the low ids, where tokenizers keep their special tokens.
-    return [[rng.randrange(1000, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 def median_of(runs: int, fn) -> tuple[float, list[float]]:
@@ -134,12 +128,6 @@ def vllm_python() -> Path:
                        check=False)
         (venv / ".ready").touch()
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_vllm(model_dir: Path, dtype: str, batches: list[int], prompts: list[list[int]], new_tokens: int,

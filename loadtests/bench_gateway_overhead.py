@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loadtests.common import free_port  # noqa: E402  (after the path is set)
+
 WORK = ROOT / "loadtests" / ".work"
 MODEL = "m"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello, gateway"}],
@@ -137,12 +140,6 @@ def run_load(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------ driver
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 30.0) -> None:

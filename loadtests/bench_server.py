@@ -29,9 +29,7 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +40,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from loadtests.common import free_port, make_prompts
 WORK = REPO / "loadtests" / ".work"
 
 
@@ -50,13 +50,6 @@ class Sample:
     latency_s: float
     ttft_s: float
     num_tokens: int
-
-
-def make_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Stay clear of the lowest ids, where tokenizers keep their special tokens.
-    low = min(1000, vocab_size // 4)
-    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 async def drive(one: Callable[[list[int]], Awaitable[Sample]], prompts: list[list[int]], concurrency: int
@@ -116,12 +109,6 @@ async def bench_async_api(args: argparse.Namespace, prompts: list[list[int]], wa
 
 
 # ------------------------------------------------------------------------------------------ HTTP
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

@@ -29,11 +29,9 @@ def load_registry(source: str | Path, environ: Mapping[str, str] | None = None) 
     `environ` fills `${VAR}` references; it defaults to the process environment.
     Raises `RegistryInvalid` listing every problem when anything is wrong.
     """
-    documents, problems = load_documents(source, environment() if environ is None else environ)
+    documents, problems, invalid = load_documents(source, environment() if environ is None else environ)
     # Documents that failed the schema still declare a name; references to them are not reported
     # again as dangling, so one mistake yields one message.
-    invalid = frozenset((p.document.split("/", 1)[0], p.document.split("/", 1)[1]) for p in problems
-                        if "/" in p.document)
     problems += checks.cross_check(documents, declared_elsewhere=invalid)
     if problems:
         raise RegistryInvalid(str(source), problems)
@@ -54,17 +52,20 @@ def registry_files(root: Path) -> list[Path]:
     return sorted(files)
 
 
-def load_documents(source: str | Path, environ: Mapping[str, str]) -> tuple[list[LoadedDocument], list[Problem]]:
-    """Parse and schema-validate every document; returns the good ones and every problem found."""
+def load_documents(source: str | Path, environ: Mapping[str, str]
+                   ) -> tuple[list[LoadedDocument], list[Problem], frozenset[tuple[str, str]]]:
+    """Parse and schema-validate every document. Returns the good ones, every problem found, and the
+    (kind, name) that invalid documents declare."""
     root = Path(source)
     if not root.exists():
-        return [], [Problem(str(source), 0, "", (), "does not exist")]
+        return [], [Problem(str(source), 0, "", (), "does not exist")], frozenset()
     files = registry_files(root)
     if not files:
-        return [], [Problem(str(source), 0, "", (), "holds no registry files (*.yaml or *.yml)")]
+        return [], [Problem(str(source), 0, "", (), "holds no registry files (*.yaml or *.yml)")], frozenset()
 
     loaded: list[LoadedDocument] = []
     problems: list[Problem] = []
+    invalid: set[tuple[str, str]] = set()
     for path in files:
         display = str(path) if root.is_file() else str(Path(source) / path.relative_to(root))
         sources, file_problems = read_file(path, display, environ)
@@ -74,7 +75,17 @@ def load_documents(source: str | Path, environ: Mapping[str, str]) -> tuple[list
             problems += doc_problems
             if document is not None:
                 loaded.append(document)
-    return loaded, problems
+            elif (declared := _declared(src.data)) is not None:
+                invalid.add(declared)
+    return loaded, problems, frozenset(invalid)
+
+
+def _declared(data: Any) -> tuple[str, str] | None:
+    """The (kind, name) a document claims, valid or not; None when it names neither as strings."""
+    if not isinstance(data, dict) or not isinstance(data.get("metadata"), dict):
+        return None
+    kind, name = data.get("kind"), data["metadata"].get("name")
+    return (kind, name) if isinstance(kind, str) and isinstance(name, str) else None
 
 
 def _validate(src: SourceDocument) -> tuple[LoadedDocument | None, list[Problem]]:

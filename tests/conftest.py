@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.services import free_loopback_port, running
 
 
 def _redis_answers_ping(port: int) -> bool:
@@ -45,22 +38,10 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_path = workdir / "redis.log"
     command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     command += ["--dir", str(workdir), "--logfile", str(log_path)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 10.0  # a cold start takes ~10 ms; 10 s is for loaded CI hosts
-        while not _redis_answers_ping(port):
-            if process.poll() is not None or time.monotonic() > deadline:
-                log = log_path.read_text() if log_path.exists() else ""
-                pytest.fail(f"redis-server on port {port} did not start:\n{log}", pytrace=False)
-            time.sleep(0.01)
+    # a cold start takes ~10 ms; 10 s is for loaded CI hosts
+    with running(command, name=f"redis-server on port {port}", ready=lambda: _redis_answers_ping(port),
+                 timeout_s=10.0, log_path=log_path):
         yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _http_answers(url: str) -> bool:
@@ -74,30 +55,17 @@ def _http_answers(url: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def moto_endpoint_url() -> Iterator[str]:
+def moto_endpoint_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `moto` server (S3, EC2, ... APIs) on a free loopback port for the whole session; yields its
     endpoint URL. State is in memory: tests isolate themselves with unique bucket names. Clients need
     credentials, any will do: use the `moto_credentials` fixture."""
     port = free_loopback_port()
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30.0  # ~1 s to import moto on a quiet host
-        while not _http_answers(url + "/moto-api/"):
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                stderr = process.communicate()[1].decode(errors="replace")
-                pytest.fail(f"moto server on port {port} did not start:\n{stderr[-2000:]}", pytrace=False)
-            time.sleep(0.05)
+    # ~1 s to import moto on a quiet host
+    with running(command, name=f"moto server on port {port}", ready=lambda: _http_answers(url + "/moto-api/"),
+                 timeout_s=30.0, log_path=tmp_path_factory.mktemp("moto") / "moto.log"):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture

@@ -149,9 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
-    """The EngineConfig the arguments ask for. Multi-LoRA options pass only where EngineConfig has the
-    fields; asking for them on an engine without multi-LoRA is a usage error (exit 2)."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    """The EngineConfig the arguments ask for; an invalid combination is a usage error (exit 2)."""
     values: dict[str, Any] = {
         "model": args.model, "dtype": args.dtype, "device": args.device, "kv_cache_bytes": args.kv_cache_bytes,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -161,13 +159,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     }
     lora = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
             "adapters": tuple(args.adapter) or None, "s3_endpoint_url": args.s3_endpoint_url}
-    for name, value in lora.items():
-        if value is None:
-            continue
-        if name not in fields:
-            flag = "--adapter" if name == "adapters" else "--" + name.replace("_", "-")
-            parser.error(f"{flag}: this engine build has no multi-LoRA support")
-        values[name] = value
+    values.update({name: value for name, value in lora.items() if value is not None})
     try:
         return EngineConfig(**values)
     except (TypeError, ValueError) as exc:

@@ -67,7 +67,7 @@ class _EngineStatsCollector(Collector):
         self._draining = draining
 
     def describe(self) -> list[Metric]:
-        return []  # the families vary with what the engine reports (adapter counters arrive with multi-LoRA)
+        return []  # read at scrape time only: no registration-time collect
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -95,12 +95,9 @@ class _EngineStatsCollector(Collector):
                                   "(client gone, drain timeout).", value=s.num_requests_aborted_total)
         yield GaugeMetricFamily("kvgate_engine_adapters_loaded", "LoRA adapters resident in memory.",
                                 value=len(s.adapters_loaded))
-        # Reported once the engine counts them (multi-LoRA); absent rather than a misleading zero before.
-        for attribute, name, text in (
-                ("num_adapter_loads_total", "kvgate_engine_adapter_loads", "LoRA adapter loads into memory."),
-                ("num_adapter_evictions_total", "kvgate_engine_adapter_evictions", "LoRA adapters evicted.")):
-            value = getattr(s, attribute, None)
-            if value is not None:
-                yield CounterMetricFamily(name, text, value=value)
+        yield CounterMetricFamily("kvgate_engine_adapter_loads", "LoRA adapter loads into memory.",
+                                  value=s.num_adapter_loads_total)
+        yield CounterMetricFamily("kvgate_engine_adapter_evictions", "LoRA adapters evicted.",
+                                  value=s.num_adapter_evictions_total)
         yield GaugeMetricFamily("kvgate_engine_draining", "1 while the server drains before exiting.",
                                 value=float(self._draining()))

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from engine.async_llm import EngineDead
 from engine.core import TokenDelta
+from engine.lora import UnknownAdapter
 from engine.sequence import SamplingParams
 from engine.server.context import CONTEXT, ServerContext
 from engine.server.protocol import (
@@ -41,15 +42,8 @@ from engine.server.protocol import (
 )
 from engine.server.render import ChatRenderer, CompletionRenderer, Renderer, Usage
 
-try:  # multi-LoRA lives in engine.lora; an engine without it never raises UnknownAdapter
-    from engine.lora import UnknownAdapter
-
-    UNKNOWN_ADAPTER_ERRORS: tuple[type[Exception], ...] = (UnknownAdapter,)
-except ImportError:
-    UNKNOWN_ADAPTER_ERRORS = ()
-
 # What engine.generate raises for one request: before its first token (a refusal), or after.
-_ENGINE_REFUSALS = (ValueError, *UNKNOWN_ADAPTER_ERRORS)
+_ENGINE_REFUSALS = (ValueError, UnknownAdapter)
 _ENGINE_ERRORS = (EngineDead, *_ENGINE_REFUSALS)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -167,7 +161,7 @@ def engine_error(exc: Exception) -> ApiError:
     if isinstance(exc, EngineDead):
         return ApiError(503, f"The engine of this replica stopped: {exc}", type="ServiceUnavailableError",
                         code="engine_unavailable")
-    if isinstance(exc, UNKNOWN_ADAPTER_ERRORS):  # unloaded between our check and the engine's
+    if isinstance(exc, UnknownAdapter):  # unloaded between our check and the engine's
         return ApiError(404, f"The model adapter is not available: {exc}", type="NotFoundError", param="model",
                         code="model_not_found")
     # ValueError: the engine's own input checks behind ours, or an adapter that failed to load for it

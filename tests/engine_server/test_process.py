@@ -6,7 +6,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from engine.builtin import CACHE_DIR_ENV
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
+from tests.services import free_loopback_port
 from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir
 from tests.engine.peft_files import write_peft_dir
 
@@ -59,15 +59,9 @@ def kvgate_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "kvgate.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_replica(tmp_path: Path, *extra: str) -> Replica:
     tiny_llama_dir()  # built once, before the server looks for it
-    port = free_port()
+    port = free_loopback_port()
     log_path = tmp_path / f"engine-{port}.log"
     command = [*kvgate_command(), "engine", "--model", MODEL, "--port", str(port), "--kv-cache-bytes", "8MiB",
                "--cache-dir", str(shared_cache_dir()), *extra]
@@ -189,7 +183,7 @@ def replica_state(port: int) -> replica_pb2.ReplicaState:
 
 
 async def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_zero(tmp_path: Path) -> None:
-    grpc_port = free_port()
+    grpc_port = free_loopback_port()
     replica = start_replica(tmp_path, "--grpc-port", str(grpc_port), "--replica-id", "drain-test")
     try:
         state = replica_state(grpc_port)

@@ -25,7 +25,8 @@ from registry.watch import RegistryWatcher
 from router.app import GatewaySettings, build_app
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
-from tests.engine_server.test_process import SERVED, Replica, free_port, start_replica, stop
+from tests.services import free_loopback_port
+from tests.engine_server.test_process import SERVED, Replica, start_replica, stop
 
 # ~2,100 characters: dozens of 16-token KV blocks, so a repeat has a prefix the engine can serve from cache.
 LONG_PROMPT = "You are a careful assistant for the kvgate project, answering in short sentences. " * 26
@@ -48,7 +49,7 @@ class Engine:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
     work = tmp_path_factory.mktemp("engines")
-    grpc_ports = [free_port(), free_port()]
+    grpc_ports = [free_loopback_port(), free_loopback_port()]
     with ThreadPoolExecutor(2) as pool:  # both start at once: startup is mostly waiting on imports
         replicas = list(pool.map(lambda port: start_replica(work, "--grpc-port", str(port), "--kv-cache-bytes",
                                                             "4MiB"), grpc_ports))

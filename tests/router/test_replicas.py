@@ -244,9 +244,10 @@ async def test_a_request_the_gateway_ended_stops_counting_before_the_next_report
 # ---------------------------------------------------------------------------------- a real engine
 
 async def test_a_kvgate_engine_reports_running_requests_and_kv_blocks_over_its_grpc_stream(tmp_path) -> None:
-    from tests.engine_server.test_process import SERVED, free_port, start_replica, stop
+    from tests.services import free_loopback_port
+    from tests.engine_server.test_process import SERVED, start_replica, stop
 
-    grpc_port = free_port()
+    grpc_port = free_loopback_port()
     engine = await asyncio.to_thread(start_replica, tmp_path, "--grpc-port", str(grpc_port))
     try:
         snapshot = registry(tmp_path, [engine.url], name=SERVED, backend="kvgate",

@@ -1,0 +1,21 @@
+"""Helpers the benchmark scripts share: deterministic prompts and free loopback ports."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+
+def make_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` random token ids, the same for every run with the same seed."""
+    rng = random.Random(seed)
+    # Stay clear of the lowest ids, where tokenizers keep their special tokens.
+    low = min(1000, vocab_size // 4)
+    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the caller binds it soon after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
