@@ -253,17 +253,20 @@ class AsyncLLM:
             while True:
                 # Block for a command only when there is nothing to compute.
                 block = not self.core.has_unfinished()
+                applied = False
                 try:
                     command = self._commands.get(block=block)
                     while True:
                         if command is None:
                             return
                         self._apply(command)
+                        applied = True
                         command = self._commands.get_nowait()
                 except queue.Empty:
                     pass
-                self._publish_stats()
-                self._publish_kv_events()
+                if applied:  # otherwise nothing changed since the previous step's publish
+                    self._publish_stats()
+                    self._publish_kv_events()
                 deltas = self.core.step()
                 self._publish_stats()  # before the deltas: a consumer that saw its last token sees it counted
                 self._publish_kv_events()  # likewise its blocks: they were committed in this step
