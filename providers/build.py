@@ -1,0 +1,35 @@
+"""`build_provider`: the one place that maps a registry Pool to its `Provider` implementation.
+
+Each implementation module exposes `from_pool(pool_name, spec, *, cluster, clock, **options) -> Provider`.
+Modules are imported inside their branch, so a cloud SDK (boto3, kubernetes) is imported only when a
+pool uses that cloud.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvgate.clock import Clock
+from providers.base import Provider, ProviderError
+from registry.schema import PoolSpec, Provider as ProviderKind
+
+_MODULES = {
+    ProviderKind.FAKE: "providers.fake",
+    ProviderKind.LOCAL: "providers.local",
+    ProviderKind.AWS: "providers.aws",
+    ProviderKind.KUBERNETES: "providers.kubernetes",
+}
+
+
+def build_provider(pool_name: str, spec: PoolSpec, *, cluster: str, clock: Clock, **options: Any) -> Provider:
+    """The provider for pool `pool_name` of cluster `cluster`, chosen by `spec.provider`.
+
+    `options` go to the implementation's `from_pool` (e.g. `cache_dir` for local, a boto3 `session` for
+    aws). Raises ProviderError when the implementation is not installed or not built yet."""
+    module_name = _MODULES[spec.provider]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ProviderError(f"pool {pool_name!r}: provider {spec.provider.value!r} cannot be loaded: {exc}") from exc
+    return module.from_pool(pool_name, spec, cluster=cluster, clock=clock, **options)
