@@ -209,6 +209,34 @@ class Slo(_Strict):
     time_per_output_token_ms: float | None = Field(default=None, gt=0, description="Target time per output token.")
 
 
+class GpuPerformance(_Strict):
+    """How fast one replica of the model runs on one GPU kind: the simulator's service model, and a
+    hint for capacity planning. Prefill runs one request at a time; decode is shared by the batch."""
+
+    gpu_kind: str = Field(description="The GPU kind these figures are for, e.g. H100 (one of resources.gpu_kinds).")
+    prefill_tokens_per_s: float = Field(gt=0, description="Prompt tokens one replica prefills per second.")
+    decode_tokens_per_s: float = Field(gt=0, description="Output tokens one replica generates per second, summed "
+                                                         "over a full batch (each sequence gets this / max_batch).")
+    max_batch: int | None = Field(default=None, ge=1, description="Sequences decoded at once on this kind; "
+                                                                  "unset: engine.max_running_requests.")
+
+
+class Performance(_Strict):
+    model_load_s: float = Field(default=60.0, ge=0,
+                                description="From a usable node to a ready replica: weights fetch, load and warm-up. "
+                                            "A cold start on a new node takes the pool's node_boot_s plus this.")
+    gpu_kinds: tuple[GpuPerformance, ...] = Field(default=(), description="Throughput and batch limit per GPU kind.")
+
+    @field_validator("gpu_kinds")
+    @classmethod
+    def _one_entry_per_kind(cls, entries: tuple[GpuPerformance, ...]) -> tuple[GpuPerformance, ...]:
+        kinds = [entry.gpu_kind for entry in entries]
+        duplicates = sorted({kind for kind in kinds if kinds.count(kind) > 1})
+        if duplicates:
+            raise ValueError(f"gpu kinds listed more than once: {duplicates}; give one entry per kind")
+        return entries
+
+
 class ModelSpec(_Strict):
     source: str = Field(description="Weights: a local HF directory, s3://bucket/prefix, or builtin:NAME "
                                     f"({', '.join(BUILTIN_MODELS)}).")
@@ -219,6 +247,7 @@ class ModelSpec(_Strict):
     scaling: Scaling = Field(default_factory=Scaling)
     placement: Placement = Field(default_factory=Placement)
     slo: Slo = Field(default_factory=Slo)
+    performance: Performance = Field(default_factory=Performance)
 
     @field_validator("source")
     @classmethod

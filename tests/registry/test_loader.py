@@ -58,7 +58,7 @@ def test_one_run_lists_every_mistake_with_file_and_line(write_registry) -> None:
         "string as an integer; got 'sixteen'",
         f"{models}:9: Model/m1: spec.scaling.min_replicas: min_replicas (5) is greater than max_replicas (2)",
         f"{models}:11: Model/m1: spec.colour: unknown field 'colour'; allowed fields: source, description, "
-        "resources, engine, routing, scaling, placement, slo",
+        "resources, engine, routing, scaling, placement, slo, performance",
     ]
 
 
