@@ -1,0 +1,150 @@
+"""Node claims as durable, versioned records: what makes buying nodes crash-safe.
+
+The protocol (the reconciler follows it; the crash tests in tests/autoscaler/test_reconciler_crash.py
+kill the loop at each arrow):
+
+    write claim PENDING (expected_version 0)  ->  provider.create(claim)  ->  mark CONFIRMED(node_id)
+    mark DELETING                             ->  provider.delete(node)   ->  remove the claim record
+
+A claim record exists before any money is spent, and is removed only after the node is gone, so a
+node kvgate bought always has a claim (or is an orphan that recovery releases). Writing a new claim
+with expected_version 0 means the same claim id can never be written twice, and `create` is
+idempotent on the claim id, so re-driving a PENDING claim after a crash buys at most one node.
+
+Collection "claims", record id = the claim id. Data:
+    {"claim_id", "phase": "pending"|"confirmed"|"deleting", "claim": {...the NodeClaim as JSON...},
+     "node_id": str|null, "created_at": wall s, "updated_at": wall s, "holder": autoscaler id}
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvgate.state import StateStore, StoredRecord, VersionConflict
+from providers.base import CapacityType, NodeClaim, OfferingKey, ReplicaSpec
+
+CLAIMS = "claims"
+
+
+class ClaimPhase(enum.StrEnum):
+    PENDING = "pending"  # written, the provider may or may not have been called
+    CONFIRMED = "confirmed"  # the provider returned a node for it
+    DELETING = "deleting"  # its node is being released
+
+
+class ClaimConflict(Exception):
+    """Somebody else changed the claim record since it was read (a second autoscaler whose lease
+    overlapped, or an operator). The caller drops its view and re-reads on the next tick."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRecord:
+    """One claim as stored, with the version needed for the next conditional write."""
+
+    claim_id: str
+    phase: ClaimPhase
+    claim: NodeClaim  # what to buy: enough to re-drive create after a crash
+    node_id: str | None
+    created_at: float
+    updated_at: float
+    holder: str
+    version: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"claim_id": self.claim_id, "phase": self.phase.value, "claim": claim_to_json(self.claim),
+                "node_id": self.node_id, "created_at": self.created_at, "updated_at": self.updated_at,
+                "holder": self.holder}
+
+    @classmethod
+    def from_stored(cls, stored: StoredRecord) -> ClaimRecord:
+        data = stored.data
+        return cls(claim_id=data["claim_id"], phase=ClaimPhase(data["phase"]), claim=claim_from_json(data["claim"]),
+                   node_id=data.get("node_id"), created_at=float(data["created_at"]),
+                   updated_at=float(data["updated_at"]), holder=str(data.get("holder", "")),
+                   version=stored.version)
+
+
+class ClaimStore:
+    """Conditional reads and writes of claim records. Every method may raise `StateStoreUnavailable`;
+    writes raise `ClaimConflict` when the record changed under the caller."""
+
+    def __init__(self, store: StateStore, holder: str) -> None:
+        self._store = store
+        self._holder = holder
+
+    async def list(self) -> list[ClaimRecord]:
+        """Every claim, sorted by id. A record that does not parse is skipped (and left alone)."""
+        claims = []
+        for stored in await self._store.list_records(CLAIMS):
+            try:
+                claims.append(ClaimRecord.from_stored(stored))
+            except (KeyError, TypeError, ValueError):
+                continue
+        return claims
+
+    async def write_pending(self, claim: NodeClaim, now_wall_s: float) -> ClaimRecord:
+        """Write a new PENDING claim. Raises `ClaimConflict` if a claim with this id exists: a claim
+        id is bought at most once."""
+        record = ClaimRecord(claim.id, ClaimPhase.PENDING, claim, None, now_wall_s, now_wall_s, self._holder, 0)
+        return await self._write(record, expected_version=0)
+
+    async def confirm(self, record: ClaimRecord, node_id: str, now_wall_s: float) -> ClaimRecord:
+        """PENDING -> CONFIRMED with the node the provider returned."""
+        updated = replace(record, phase=ClaimPhase.CONFIRMED, node_id=node_id, updated_at=now_wall_s)
+        return await self._write(updated, expected_version=record.version)
+
+    async def mark_deleting(self, record: ClaimRecord, now_wall_s: float) -> ClaimRecord:
+        """Any phase -> DELETING, before the provider is asked to delete the node."""
+        updated = replace(record, phase=ClaimPhase.DELETING, updated_at=now_wall_s)
+        return await self._write(updated, expected_version=record.version)
+
+    async def remove(self, record: ClaimRecord) -> None:
+        """Delete the record (its node is gone). Absent already is fine; changed is a conflict."""
+        try:
+            await self._store.delete_record(CLAIMS, record.claim_id, expected_version=record.version)
+        except VersionConflict as exc:
+            if exc.current_version != 0:
+                raise ClaimConflict(str(exc)) from exc
+
+    async def _write(self, record: ClaimRecord, expected_version: int) -> ClaimRecord:
+        data = {**record.to_json(), "holder": self._holder}
+        try:
+            version = await self._store.put_record(CLAIMS, record.claim_id, data, expected_version)
+        except VersionConflict as exc:
+            raise ClaimConflict(str(exc)) from exc
+        return replace(record, holder=self._holder, version=version)
+
+
+
+def claim_to_json(claim: NodeClaim) -> dict[str, Any]:
+    """A NodeClaim as plain JSON (the inverse of `claim_from_json`)."""
+    key = claim.offering
+    replica = claim.replica
+    return {
+        "id": claim.id,
+        "offering": {"pool": key.pool, "instance_type": key.instance_type,
+                     "capacity_type": key.capacity_type.value, "zone": key.zone},
+        "model": claim.model,
+        "replica": None if replica is None else {
+            name: (list(map(list, value)) if name == "adapters" else value)
+            for name in ReplicaSpec.__slots__ for value in (getattr(replica, name),)},
+        "labels": dict(claim.labels),
+    }
+
+
+def claim_from_json(raw: Mapping[str, Any]) -> NodeClaim:
+    """The NodeClaim written by `claim_to_json`; raises KeyError/ValueError/TypeError when malformed."""
+    offering = raw["offering"]
+    key = OfferingKey(pool=offering["pool"], instance_type=offering["instance_type"],
+                      capacity_type=CapacityType(offering["capacity_type"]), zone=offering.get("zone", ""))
+    replica_raw = raw.get("replica")
+    replica = None
+    if replica_raw is not None:
+        fields = dict(replica_raw)
+        fields["adapters"] = tuple(tuple(pair) for pair in fields.get("adapters", ()))
+        replica = ReplicaSpec(**fields)
+    return NodeClaim(id=raw["id"], offering=key, model=raw.get("model"), replica=replica,
+                     labels=dict(raw.get("labels", {})))

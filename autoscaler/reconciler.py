@@ -1,0 +1,296 @@
+"""The node-level actuator: buys and releases nodes through the providers, crash-safely.
+
+It follows the claim protocol of `autoscaler.claims`:
+
+    create:  write claim PENDING -> provider.create(claim) -> mark CONFIRMED(node_id)
+    delete:  mark claim DELETING -> provider.delete(node_id) -> remove the claim record
+
+and `reconcile()` (run on start-up and then every tick: level-triggered, so a crash at any arrow is
+repaired by the next call, whoever makes it) compares what the providers list with the claims:
+
+| node listed (tagged for us) | claim                 | action                                              |
+|-----------------------------|-----------------------|-----------------------------------------------------|
+| yes                         | none                  | orphan: delete the node (nobody tracks it)          |
+| yes                         | PENDING               | adopt: confirm the claim with the node's id         |
+| yes                         | CONFIRMED             | owned: nothing to do                                |
+| yes                         | DELETING              | re-drive the delete, then remove the claim          |
+| no                          | PENDING               | re-drive create (idempotent on the claim id)        |
+| no                          | CONFIRMED             | gone (terminated outside us): remove the claim      |
+| no                          | DELETING              | done: remove the claim                              |
+
+Order matters: nodes are listed BEFORE claims are read. A claim is written before its node is
+bought, so every node in the list had its claim written before the claims were read, and a node is
+never taken for an orphan because its claim was written between the two reads.
+
+A pool whose provider cannot be reached this round is left alone entirely (nothing is released
+or re-driven on partial information). The fault hook lets tests kill the loop at each arrow.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from autoscaler.claims import ClaimConflict, ClaimPhase, ClaimRecord, ClaimStore
+from autoscaler.status import Event, EventKind
+from kvgate.clock import Clock
+from providers.base import (
+    InsufficientCapacity,
+    Node,
+    NodeClaim,
+    NodeState,
+    Provider,
+    ProviderError,
+    ReplicaHandle,
+)
+
+log = logging.getLogger("kvgate.autoscaler")
+
+# Fault points, in protocol order. A test's hook raises at one of them to "kill the process" there.
+CLAIM_WRITTEN = "claim_written"  # claim PENDING is stored; the provider has not been called
+PROVIDER_CALLED = "provider_called"  # create returned a node; the claim is still PENDING
+DELETE_MARKED = "delete_marked"  # claim DELETING is stored; the provider has not been asked to delete
+NODE_DELETED = "node_deleted"  # the provider deleted the node; the claim record still exists
+FaultHook = Callable[[str, str], None]  # (fault point, claim id)
+
+
+def _no_fault(point: str, claim_id: str) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """What the reconciler saw in one round, after repairing what it could."""
+
+    nodes: tuple[Node, ...]  # live (not TERMINATED), owned nodes of reachable pools, by id
+    replicas: tuple[ReplicaHandle, ...]  # every replica the reachable providers list, by id
+    claims: Mapping[str, ClaimRecord]  # claim id -> record, after this round's repairs
+    unreachable_pools: tuple[str, ...] = ()
+    events: tuple[Event, ...] = ()
+    insufficient: tuple[InsufficientCapacity, ...] = ()  # re-driven claims that hit a stockout
+
+    def claim_of_node(self, node_id: str) -> ClaimRecord | None:
+        for record in self.claims.values():
+            if record.node_id == node_id:
+                return record
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class CreateResult:
+    """What `create_node` did: the node bought (None if none), events, and the refusal if any."""
+
+    node: Node | None
+    events: tuple[Event, ...]
+    insufficient: InsufficientCapacity | None = None
+    error: ProviderError | None = None
+
+
+@dataclass
+class _Round:
+    """Scratch state of one reconcile round (never outlives the call)."""
+
+    events: list[Event] = field(default_factory=list)
+    insufficient: list[InsufficientCapacity] = field(default_factory=list)
+
+
+class Reconciler:
+    """Crash-safe node actuation over `providers` (one per pool, keyed by pool name).
+
+    All methods may raise `StateStoreUnavailable` (the claims cannot be read or written: the tick
+    is abandoned and nothing was bought without a claim) and `ClaimConflict`.
+    """
+
+    def __init__(self, providers: Mapping[str, Provider], claims: ClaimStore, clock: Clock, *,
+                 fault_hook: FaultHook | None = None) -> None:
+        self._providers = providers
+        self._claims = claims
+        self._clock = clock
+        self._fault = fault_hook or _no_fault
+
+    def set_providers(self, providers: Mapping[str, Provider]) -> None:
+        """Swap the providers (after a registry reload added or removed pools)."""
+        self._providers = providers
+
+    # -- the level-triggered repair --------------------------------------------------------------
+
+    async def reconcile(self) -> Fleet:
+        """List nodes and claims, repair every mismatch (table in the module docstring), and return
+        what is now there. Provider errors on one claim or node are logged as events and left for
+        the next round; they do not stop the round."""
+        scratch = _Round()
+        listed: dict[str, list[Node]] = {}
+        unreachable: list[str] = []
+        for pool, provider in sorted(self._providers.items()):
+            try:
+                listed[pool] = await provider.list()
+            except ProviderError as exc:
+                unreachable.append(pool)
+                scratch.events.append(self._event(None, EventKind.PROVIDER_ERROR, f"pool {pool}: list failed: {exc}"))
+        claims = {record.claim_id: record for record in await self._claims.list()}  # after the node lists
+        live: list[Node] = []
+        nodes_by_claim: dict[str, list[Node]] = {}
+        for nodes in listed.values():
+            for node in nodes:
+                if node.state is not NodeState.TERMINATED:
+                    nodes_by_claim.setdefault(node.claim_id, []).append(node)
+        for claim_id, nodes in sorted(nodes_by_claim.items()):
+            record = claims.get(claim_id)
+            for extra in nodes[1:] if record is not None else ():
+                # Never expected (create is idempotent), but if a provider broke that promise the
+                # extra node is untracked: release it rather than pay for it.
+                await self._release_orphan(extra, scratch, why="a second node for one claim")
+            node = nodes[0]
+            if record is None:
+                for orphan in nodes:
+                    await self._release_orphan(orphan, scratch, why="no claim")
+            elif record.phase is ClaimPhase.PENDING:
+                claims[claim_id] = await self._claims.confirm(record, node.id, self._clock.wall())
+                scratch.events.append(self._event(node.model, EventKind.NODE_ADOPTED,
+                                                  f"adopted node {node.id} of pending claim {claim_id}"))
+                live.append(node)
+            elif record.phase is ClaimPhase.DELETING:
+                if await self._finish_delete(record, node.id, scratch):
+                    claims.pop(claim_id)
+            else:
+                live.append(node)
+        for claim_id, record in sorted(claims.items()):
+            if claim_id in nodes_by_claim or record.claim.pool not in listed:
+                continue  # has a node, or its pool is unreachable/unknown: leave it for a later round
+            if record.phase is ClaimPhase.PENDING:
+                created = await self._drive_create(record, scratch)
+                if created is None:
+                    if record.claim.pool in listed and not await self._still_pending(record):
+                        claims.pop(claim_id, None)
+                    continue
+                live.append(created[0])
+                claims[claim_id] = created[1]
+            else:
+                # CONFIRMED without a node: terminated outside kvgate (spot reclaim finished, an
+                # operator). DELETING without a node: the delete went through before a crash.
+                await self._claims.remove(record)
+                claims.pop(claim_id)
+                if record.phase is ClaimPhase.CONFIRMED:
+                    scratch.events.append(self._event(record.claim.model, EventKind.PREEMPTED,
+                                                      f"node {record.node_id} of claim {claim_id} is gone"))
+        replicas: list[ReplicaHandle] = []
+        for pool in sorted(listed):
+            try:
+                replicas.extend(await self._providers[pool].list_replicas())
+            except ProviderError as exc:
+                scratch.events.append(self._event(None, EventKind.PROVIDER_ERROR,
+                                                  f"pool {pool}: list_replicas failed: {exc}"))
+        return Fleet(nodes=tuple(sorted(live, key=lambda n: n.id)),
+                     replicas=tuple(sorted(replicas, key=lambda r: r.id)),
+                     claims=dict(claims), unreachable_pools=tuple(unreachable),
+                     events=tuple(scratch.events), insufficient=tuple(scratch.insufficient))
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    async def create_node(self, claim: NodeClaim) -> CreateResult:
+        """Buy one node for `claim`: claim first, then the provider, then confirm. Never raises a
+        provider error: the result says what happened.
+
+        A claim id that already has a record is not bought again (node None, no error). A stockout
+        removes the claim and sets `insufficient` (the caller notes it so the planner picks another
+        offering); a final refusal (quota, unknown offering) removes the claim and sets `error`; a
+        retryable error sets `error` and leaves the claim PENDING for the next `reconcile` to
+        re-drive. Raises `StateStoreUnavailable`: then nothing was bought.
+        """
+        if claim.pool not in self._providers:
+            error = ProviderError(f"claim {claim.id}: no provider for pool {claim.pool!r}")
+            return CreateResult(None, (self._event(claim.model, EventKind.PROVIDER_ERROR, str(error)),), error=error)
+        try:
+            record = await self._claims.write_pending(claim, self._clock.wall())
+        except ClaimConflict:
+            return CreateResult(None, ())
+        self._fault(CLAIM_WRITTEN, claim.id)
+        scratch = _Round()
+        try:
+            created = await self._drive_create(record, scratch, raise_errors=True)
+        except InsufficientCapacity as exc:
+            return CreateResult(None, tuple(scratch.events), insufficient=exc)
+        except ProviderError as exc:
+            return CreateResult(None, tuple(scratch.events), error=exc)
+        return CreateResult(created[0] if created else None, tuple(scratch.events))
+
+    async def delete_node(self, node_id: str, fleet: Fleet, reason: str) -> list[Event]:
+        """Release a node: mark its claim DELETING, delete at the provider, remove the claim.
+        Deleting a node with no claim (or one already gone) just asks the provider."""
+        scratch = _Round()
+        record = fleet.claim_of_node(node_id)
+        if record is None:
+            node = next((n for n in fleet.nodes if n.id == node_id), None)
+            if node is not None:
+                await self._providers[node.pool].delete(node_id)
+            return scratch.events
+        if record.phase is not ClaimPhase.DELETING:
+            record = await self._claims.mark_deleting(record, self._clock.wall())
+        self._fault(DELETE_MARKED, record.claim_id)
+        await self._finish_delete(record, node_id, scratch, reason=reason, raise_errors=True)
+        return scratch.events
+
+    # -- protocol steps --------------------------------------------------------------------------
+
+    async def _drive_create(self, record: ClaimRecord, scratch: _Round, *,
+                            raise_errors: bool = False) -> tuple[Node, ClaimRecord] | None:
+        claim = record.claim
+        provider = self._providers[claim.pool]
+        try:
+            node = await provider.create(claim)
+        except InsufficientCapacity as exc:
+            await self._claims.remove(record)
+            scratch.insufficient.append(exc)
+            scratch.events.append(self._event(claim.model, EventKind.INSUFFICIENT_CAPACITY,
+                                              f"{claim.offering}: {exc}"))
+            if raise_errors:
+                raise
+            return None
+        except ProviderError as exc:
+            if not exc.retryable:  # quota, unknown offering: this claim will never be bought
+                await self._claims.remove(record)
+            scratch.events.append(self._event(claim.model, EventKind.PROVIDER_ERROR,
+                                              f"create {claim.id} ({claim.offering}): {exc}"))
+            if raise_errors:
+                raise
+            return None
+        self._fault(PROVIDER_CALLED, claim.id)
+        confirmed = await self._claims.confirm(record, node.id, self._clock.wall())
+        scratch.events.append(self._event(claim.model, EventKind.NODE_CREATE,
+                                          f"node {node.id}: {claim.offering} at ${node.price_usd_per_hour:.2f}/h"))
+        return node, confirmed
+
+    async def _finish_delete(self, record: ClaimRecord, node_id: str, scratch: _Round, *,
+                             reason: str = "re-driven after restart", raise_errors: bool = False) -> bool:
+        try:
+            await self._providers[record.claim.pool].delete(node_id)
+        except ProviderError as exc:
+            scratch.events.append(self._event(record.claim.model, EventKind.PROVIDER_ERROR,
+                                              f"delete {node_id}: {exc}"))
+            if raise_errors:
+                raise
+            return False  # the claim stays DELETING; the next round re-drives it
+        self._fault(NODE_DELETED, record.claim_id)
+        await self._claims.remove(record)
+        scratch.events.append(self._event(record.claim.model, EventKind.NODE_DELETE, f"node {node_id}: {reason}"))
+        return True
+
+    async def _release_orphan(self, node: Node, scratch: _Round, *, why: str) -> None:
+        try:
+            await self._providers[node.pool].delete(node.id)
+        except ProviderError as exc:
+            scratch.events.append(self._event(node.model, EventKind.PROVIDER_ERROR,
+                                              f"release orphan {node.id}: {exc}"))
+            return
+        scratch.events.append(self._event(node.model, EventKind.ORPHAN_RELEASED,
+                                          f"released node {node.id} of claim {node.claim_id}: {why}"))
+
+    async def _still_pending(self, record: ClaimRecord) -> bool:
+        # After a failed re-drive the claim is either removed (a final refusal) or left PENDING (a
+        # retryable error): the Fleet must show which.
+        return any(r.claim_id == record.claim_id for r in await self._claims.list())
+
+    def _event(self, model: str | None, kind: EventKind, message: str) -> Event:
+        log.info("%s%s: %s", f"{model}: " if model else "", kind.value, message)
+        return Event(self._clock.wall(), model, kind, message)

@@ -1,0 +1,187 @@
+"""Crash-restart reconciliation: the loop is killed at each arrow of the claim protocol, a new
+reconciler (a restarted process: new objects, same state store, same cloud) takes over, and
+afterwards no node is leaked and no claim is bought twice.
+
+Asserted on the providers fake's call log (`create` calls per claim id) and its node list. Every test
+runs on the memory store and on a real redis-server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from autoscaler.claims import ClaimPhase, ClaimStore
+from autoscaler.reconciler import (
+    CLAIM_WRITTEN,
+    DELETE_MARKED,
+    NODE_DELETED,
+    PROVIDER_CALLED,
+    Reconciler,
+)
+from kvgate.clock import FakeClock
+from kvgate.state import StateStore
+from providers.fake import FakeCloud
+from tests.autoscaler.fleet_helpers import POOL, Killed, claim, creates, fake_provider, kill_at, open_store
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[StateStore]:
+    redis_url = request.getfixturevalue("redis_url") if request.param == "redis" else None
+    async with open_store(request.param, clock, redis_url) as opened:
+        yield opened
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def reconciler(provider, store: StateStore, clock: FakeClock, hook=None, holder: str = "first") -> Reconciler:
+    return Reconciler({POOL: provider}, ClaimStore(store, holder), clock, fault_hook=hook)
+
+
+async def test_killed_after_claim_written_restart_buys_it_exactly_once(store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    with pytest.raises(Killed):
+        await reconciler(provider, store, clock, kill_at(CLAIM_WRITTEN)).create_node(claim("c1"))
+    assert creates(provider) == []  # died before the provider was called: nothing bought yet
+    [pending] = await ClaimStore(store, "x").list()
+    assert pending.phase is ClaimPhase.PENDING
+
+    restarted = reconciler(provider, store, clock, holder="second")
+    fleet = await restarted.reconcile()
+    again = await restarted.reconcile()  # a second round changes nothing
+
+    nodes = await provider.list()
+    assert [n.claim_id for n in nodes] == ["c1"]
+    assert creates(provider) == ["c1"]  # re-driven once, never twice
+    assert fleet.claims["c1"].phase is ClaimPhase.CONFIRMED and fleet.claims["c1"].node_id == nodes[0].id
+    assert [n.id for n in again.nodes] == [nodes[0].id]
+
+
+async def test_killed_after_provider_called_restart_adopts_without_buying_again(
+        store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    with pytest.raises(Killed):
+        await reconciler(provider, store, clock, kill_at(PROVIDER_CALLED)).create_node(claim("c1"))
+    [bought] = await provider.list()
+    [pending] = await ClaimStore(store, "x").list()
+    assert pending.phase is ClaimPhase.PENDING and pending.node_id is None  # the confirm never happened
+
+    fleet = await reconciler(provider, store, clock, holder="second").reconcile()
+
+    assert [n.id for n in await provider.list()] == [bought.id]  # not released, not bought again
+    assert creates(provider) == ["c1"]
+    assert fleet.claims["c1"].phase is ClaimPhase.CONFIRMED and fleet.claims["c1"].node_id == bought.id
+    assert [e.kind.value for e in fleet.events] == ["node_adopted"]
+
+
+async def test_killed_after_delete_marked_restart_finishes_the_delete(store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    first = reconciler(provider, store, clock, kill_at(DELETE_MARKED))
+    node = (await first.create_node(claim("c1"))).node
+    with pytest.raises(Killed):
+        await first.delete_node(node.id, await first.reconcile(), "empty")
+    assert [n.id for n in await provider.list()] == [node.id]  # still there (and still paid for)
+
+    fleet = await reconciler(provider, store, clock, holder="second").reconcile()
+
+    assert await provider.list() == [] and fleet.nodes == ()
+    assert await ClaimStore(store, "x").list() == []
+
+
+async def test_killed_after_node_deleted_restart_removes_the_claim(store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    first = reconciler(provider, store, clock, kill_at(NODE_DELETED))
+    node = (await first.create_node(claim("c1"))).node
+    with pytest.raises(Killed):
+        await first.delete_node(node.id, await first.reconcile(), "empty")
+
+    fleet = await reconciler(provider, store, clock, holder="second").reconcile()
+
+    assert await provider.list() == [] and fleet.claims == {}
+    assert creates(provider) == ["c1"]
+
+
+async def test_a_tagged_node_without_a_claim_is_released_as_an_orphan(store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    orphan = await provider.create(claim("nobody-wrote-this"))  # bought behind the claim store's back
+
+    fleet = await reconciler(provider, store, clock).reconcile()
+
+    assert await provider.list() == []
+    assert ("delete", (orphan.id,)) in provider.calls
+    assert [e.kind.value for e in fleet.events] == ["orphan_released"]
+
+
+async def test_another_clusters_nodes_are_never_touched(store: StateStore, clock: FakeClock) -> None:
+    cloud = FakeCloud()
+    ours, theirs = fake_provider(clock, cloud), fake_provider(clock, cloud, cluster="other")
+    foreign = await theirs.create(claim("theirs"))
+
+    await reconciler(ours, store, clock).reconcile()
+
+    assert [n.id for n in await theirs.list()] == [foreign.id]
+    assert [m for m, _ in ours.calls if m == "delete"] == []
+
+
+async def test_a_claim_id_is_never_bought_twice(store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    first = reconciler(provider, store, clock)
+    node = (await first.create_node(claim("c1"))).node
+    again = await first.create_node(claim("c1"))  # e.g. a planner that repeated itself
+    assert node is not None and again.node is None and again.events == () and again.error is None
+    assert creates(provider) == ["c1"] and len(await provider.list()) == 1
+
+
+async def test_stockout_removes_the_claim_and_reports_the_offering(store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    provider.set_stockout("g6.xlarge")
+    result = await reconciler(provider, store, clock).create_node(claim("c1"))
+    assert result.node is None and result.insufficient is not None
+    assert result.insufficient.offering.instance_type == "g6.xlarge"
+    assert [e.kind.value for e in result.events] == ["insufficient_capacity"]
+    assert await ClaimStore(store, "x").list() == [] and await provider.list() == []
+
+
+async def test_provider_outage_on_create_leaves_the_claim_pending_for_the_next_round(
+        store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    provider.fail_next(1, methods=["create"])
+    rec = reconciler(provider, store, clock)
+    result = await rec.create_node(claim("c1"))
+    assert result.node is None and result.error is not None and result.error.retryable
+    [pending] = await ClaimStore(store, "x").list()
+    assert pending.phase is ClaimPhase.PENDING
+
+    fleet = await rec.reconcile()
+
+    assert creates(provider) == ["c1", "c1"] and len(await provider.list()) == 1
+    assert fleet.claims["c1"].phase is ClaimPhase.CONFIRMED
+
+
+async def test_unreachable_pool_releases_and_redrives_nothing(store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    rec = reconciler(provider, store, clock, kill_at(CLAIM_WRITTEN))
+    with pytest.raises(Killed):
+        await rec.create_node(claim("c1"))
+    provider.fail_next(1, methods=["list"])
+
+    fleet = await reconciler(provider, store, clock).reconcile()
+
+    assert fleet.unreachable_pools == (POOL,)
+    assert creates(provider) == []  # the pending claim waits for a round that can see the pool
+    assert fleet.claims["c1"].phase is ClaimPhase.PENDING
+
+
+async def test_a_node_terminated_outside_kvgate_drops_its_claim(store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    rec = reconciler(provider, store, clock)
+    node = (await rec.create_node(claim("c1"))).node
+    del provider.cloud.nodes[node.id]  # the cloud finished reclaiming it
+
+    fleet = await rec.reconcile()
+
+    assert fleet.claims == {} and [e.kind.value for e in fleet.events] == ["preempted"]
