@@ -9,6 +9,7 @@ registry source can be subscribed to (a `registry.watch.RegistryWatcher`). Serve
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,10 +19,12 @@ import aiohttp
 from aiohttp import web
 
 from kvgate.clock import Clock
+from kvgate.state.base import StateStore
 from registry.snapshot import Snapshot
+from router.dashboard import Dashboard
 from router.handlers import error_middleware, install_routes
-from router.keys import (CLOCK_KEY, METRICS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY,
-                         TRACKER_KEY, GatewaySettings)
+from router.keys import (CLOCK_KEY, DASHBOARD_KEY, METRICS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY, SEQUENCE_KEY,
+                         SETTINGS_KEY, TRACKER_KEY, GatewaySettings)
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, Tracker
 from router.queueing import WaitQueues
@@ -46,8 +49,11 @@ class StaticSnapshot:
     current: Snapshot
 
 
-def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSource, clock: Clock) -> web.Application:
-    """The gateway app. Nothing starts until the app does (tracker, client session, registry follow)."""
+def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSource, clock: Clock,
+              store: StateStore | None = None) -> web.Application:
+    """The gateway app. Nothing starts until the app does (tracker, client session, registry follow,
+    the dashboard's sampler). `store`, when given, is where the dashboard reads the autoscaler's
+    status record and replica placement (the tracker reads membership from its own)."""
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
     metrics = RouterMetrics()
     app[SETTINGS_KEY] = settings
@@ -58,7 +64,12 @@ def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSou
     app[QUEUES_KEY] = WaitQueues(tracker.wait_for_replica,
                                  lambda model, depth: metrics.queue_depth.labels(model).set(depth))
     app[SEQUENCE_KEY] = collections.Counter()
+    app[DASHBOARD_KEY] = Dashboard(metrics=metrics, queues=app[QUEUES_KEY], clock=clock, ready_count=tracker.num_ready,
+                                   model_names=lambda: registry.current.models, store=store,
+                                   sample_interval_s=settings.dashboard_sample_interval_s,
+                                   history_s=settings.dashboard_history_s)
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(_dashboard_sampler)
     install_routes(app)
     return app
 
@@ -78,3 +89,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             unsubscribe()
         await tracker.close()
         await session.close()
+
+
+async def _dashboard_sampler(app: web.Application) -> AsyncIterator[None]:
+    sampler = asyncio.create_task(app[DASHBOARD_KEY].run_sampler(), name="kvgate-dashboard-sampler")
+    try:
+        yield
+    finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)

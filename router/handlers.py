@@ -17,8 +17,9 @@ from aiohttp import web
 from registry.snapshot import Snapshot, UnknownName
 from router.errors import GatewayError, bad_request, error_response, model_not_found
 from router.features import build_route_request
-from router.keys import (CLOCK_KEY, METRICS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY,
-                         TRACKER_KEY)
+from router.dashboard import dashboard_page
+from router.keys import (CLOCK_KEY, DASHBOARD_KEY, METRICS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY, SEQUENCE_KEY,
+                         SETTINGS_KEY, TRACKER_KEY)
 from router.policies import RoutingKnobs
 from router.proxy import ProxyRequest
 
@@ -51,6 +52,8 @@ def install_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/stats", admin_stats)
+    app.router.add_get("/admin/history", admin_history)
+    app.router.add_get("/dashboard", dashboard)
 
 
 def _snapshot(request: web.Request) -> Snapshot:
@@ -135,6 +138,7 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
                                     routing.prefix_chunk_chars, sequence[model])
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+    app[DASHBOARD_KEY].note_request(model, route.estimated_prompt_tokens)
     queue_wait_s = model_doc.spec.scaling.max_queue_wait_s or app[SETTINGS_KEY].default_queue_wait_s
     # kvgate engines serve the base under its registry name and each adapter under its own, as do vLLM
     # and SGLang with --lora-modules, so the body goes upstream byte for byte.
@@ -220,5 +224,18 @@ async def admin_stats(request: web.Request) -> web.Response:
             "in_flight": sum(r["in_flight"] for r in replicas),
             "replicas": replicas,
         }
-    return web.json_response({"registry_version": snapshot.version, "models": models,
-                              "recent_decisions": list(proxy.recent_decisions)})
+    payload = {"registry_version": snapshot.version, "models": models,
+               "recent_decisions": list(proxy.recent_decisions)}
+    return web.json_response(await app[DASHBOARD_KEY].extend_stats(payload))
+
+
+async def admin_history(request: web.Request) -> web.Response:
+    """The dashboard's time series (`router.dashboard.StatsHistory.series`)."""
+    _check_admin(request)
+    return web.json_response(request.app[DASHBOARD_KEY].history.series())
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    """The operator dashboard: one self-contained page that polls /admin/stats and /admin/history.
+    Open to all (it holds no data); it asks for the admin token, or takes ?token=, when one is set."""
+    return web.Response(text=dashboard_page(), content_type="text/html", headers={"Cache-Control": "no-cache"})

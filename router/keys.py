@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvgate.clock import Clock
+from router.dashboard import Dashboard
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, Tracker
 from router.queueing import WaitQueues
@@ -20,6 +21,8 @@ class GatewaySettings:
     max_body_bytes: int = 8 * 1024 * 1024  # a request body over this gets 413
     admin_token: str | None = None  # when set, /admin/* needs `Authorization: Bearer <token>`
     default_queue_wait_s: float = 30.0  # wait at zero replicas when the model sets no max_queue_wait_s
+    dashboard_sample_interval_s: float = 2.0  # one history sample per this many seconds ...
+    dashboard_history_s: float = 600.0  # ... kept for this long (the dashboard's charts)
 
 
 SETTINGS_KEY = web.AppKey("kvgate_settings", GatewaySettings)
@@ -30,3 +33,4 @@ METRICS_KEY = web.AppKey("kvgate_metrics", RouterMetrics)
 QUEUES_KEY = web.AppKey("kvgate_queues", WaitQueues)
 PROXY_KEY = web.AppKey("kvgate_proxy", Proxy)
 SEQUENCE_KEY = web.AppKey("kvgate_request_seq", collections.Counter)  # per model: round robin's counter
+DASHBOARD_KEY = web.AppKey("kvgate_dashboard", Dashboard)

@@ -52,7 +52,7 @@ async def serve(args: argparse.Namespace) -> int:
     store = open_state_store(args.state, clock) if args.state else None
     tracker = ReplicaTracker(clock=clock, store=store)
     settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None)
-    runner = web.AppRunner(build_app(settings, tracker, watcher, clock), handler_cancellation=True,
+    runner = web.AppRunner(build_app(settings, tracker, watcher, clock, store), handler_cancellation=True,
                            access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

@@ -1,0 +1,225 @@
+"""The dashboard's data: quantiles from histogram buckets, windowed rates, the bounded history on a
+fake clock, and what /admin/stats and /admin/history serve from a real gateway (in-process, real
+sockets, simulated replicas published in a real MemoryStateStore; see tests/e2e/dashboard_stack.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvgate.clock import FakeClock
+from kvgate.state import MemberRecord, MemoryStateStore, ReplicaState
+from router.dashboard import (Dashboard, ModelTotals, StatsHistory, collect_totals, dashboard_page,
+                              histogram_quantile, window_stats)
+from router.metrics import RouterMetrics
+from router.queueing import WaitQueues
+from tests.e2e.dashboard_stack import MODEL, dashboard_stack, write_autoscaler_status
+
+# ------------------------------------------------------------------------------------ quantiles
+
+
+def test_quantile_interpolates_within_the_bucket_it_falls_in() -> None:
+    # bounds (0.1, 0.5), 2 under 0.1, 6 in (0.1, 0.5], 2 above: p50 is rank 5 -> 0.1 + 0.4 * 3/6 = 0.3
+    assert histogram_quantile(0.5, (0.1, 0.5), (2, 8, 10)) == pytest.approx(0.3)
+    # p10 is rank 1 of the 2 in (0, 0.1] -> 0.05
+    assert histogram_quantile(0.1, (0.1, 0.5), (2, 8, 10)) == pytest.approx(0.05)
+
+
+def test_a_quantile_past_the_last_bound_reports_the_last_bound() -> None:
+    assert histogram_quantile(0.99, (0.1, 0.5), (0, 0, 10)) == 0.5
+
+
+def test_an_empty_histogram_has_no_quantile_and_bad_arguments_raise() -> None:
+    assert histogram_quantile(0.5, (0.1, 0.5), (0, 0, 0)) is None
+    with pytest.raises(ValueError, match="quantile"):
+        histogram_quantile(1.0, (0.1,), (1, 1))
+    with pytest.raises(ValueError, match="one more"):
+        histogram_quantile(0.5, (0.1, 0.5), (1, 1))
+
+
+# ---------------------------------------------------------------------------------- window stats
+
+
+def test_window_rates_come_from_the_difference_of_two_totals() -> None:
+    older = ModelTotals(requests=10, prompt_tokens=1000, predicted_tokens=400, realised_tokens=300,
+                        ttft_bounds=(0.1, 1.0), ttft_counts=(5, 10, 10), decisions={"prefix_hit": 4})
+    newer = ModelTotals(requests=30, prompt_tokens=3000, predicted_tokens=1600, realised_tokens=1300,
+                        ttft_bounds=(0.1, 1.0), ttft_counts=(5, 30, 30),
+                        decisions={"prefix_hit": 14, "load_fallback": 10, "rendezvous": 0})
+    stats = window_stats(older, newer, seconds=4.0)
+    assert stats.request_rate == 5.0  # 20 requests in 4 s
+    assert stats.predicted_hit_rate == pytest.approx(0.6)  # 1200 of 2000 prompt tokens
+    assert stats.realised_hit_rate == pytest.approx(0.5)  # 1000 of 2000
+    assert stats.decision_rates == {"prefix_hit": 2.5, "load_fallback": 2.5}
+    # all 20 new first bytes fell in (0.1, 1.0]: p50 is rank 10 of 20 there -> 0.1 + 0.9 * 0.5
+    assert stats.ttft_p50_s == pytest.approx(0.55)
+
+
+def test_window_with_no_traffic_has_no_quantiles_or_hit_rates_and_resets_count_as_zero() -> None:
+    older = ModelTotals(requests=50, prompt_tokens=100, ttft_bounds=(0.1,), ttft_counts=(3, 3))
+    newer = ModelTotals(requests=20, prompt_tokens=100, ttft_bounds=(0.1,), ttft_counts=(3, 3))
+    stats = window_stats(older, newer, seconds=2.0)
+    assert stats.request_rate == 0.0
+    assert stats.ttft_p50_s is None and stats.predicted_hit_rate is None and stats.realised_hit_rate is None
+
+
+def test_realised_hit_rate_is_capped_at_one_when_replicas_count_more_tokens_than_the_estimate() -> None:
+    stats = window_stats(ModelTotals(), ModelTotals(prompt_tokens=100, realised_tokens=130), seconds=1.0)
+    assert stats.realised_hit_rate == 1.0
+
+
+# ------------------------------------------------------------------------------------ the history
+
+
+def _dashboard(clock: FakeClock, metrics: RouterMetrics, store: MemoryStateStore | None = None,
+               ready: dict[str, int] | None = None) -> Dashboard:
+    async def never(model: str, timeout_s: float) -> bool:
+        return False
+    return Dashboard(metrics=metrics, queues=WaitQueues(never), clock=clock,
+                     ready_count=lambda m: (ready or {}).get(m, 0), model_names=lambda: ["a", "b"], store=store,
+                     sample_interval_s=2.0, history_s=10.0)
+
+
+def _traffic(metrics: RouterMetrics, dash: Dashboard, n: int, ttft_s: float) -> None:
+    for _ in range(n):
+        metrics.requests.labels("a", "r1", "success").inc()
+        metrics.decisions.labels("a", "prefix_hit").inc()
+        metrics.ttft_seconds.labels("a").observe(ttft_s)
+        dash.note_request("a", 100)
+    metrics.prefix_predicted_tokens.labels("a").inc(40 * n)
+    metrics.prefix_realised_tokens.labels("a").inc(30 * n)
+
+
+async def test_samples_on_a_fake_clock_give_one_point_per_interval_with_rates() -> None:
+    clock, metrics = FakeClock(), RouterMetrics()
+    dash = _dashboard(clock, metrics, ready={"a": 2})
+    dash.take_sample(None)
+    _traffic(metrics, dash, 10, ttft_s=0.2)  # 10 requests in the first 2 s
+    await clock.advance(2.0)
+    dash.take_sample({"models": {"a": {"desired": 3}}})
+    _traffic(metrics, dash, 2, ttft_s=0.02)  # then 2 in the next 2 s
+    await clock.advance(2.0)
+    dash.take_sample({"models": {"a": {"desired": 3}}})
+    series = dash.history.series()
+    assert series["t"] == [clock.wall() - 2.0, clock.wall()]
+    a = series["models"]["a"]
+    assert a["request_rate"] == [5.0, 1.0]
+    assert a["predicted_hit_rate"] == [0.4, 0.4] and a["realised_hit_rate"] == [0.3, 0.3]
+    assert a["decision_rates"] == {"prefix_hit": [5.0, 1.0]}
+    assert 0.1 < a["ttft_p50_s"][0] <= 0.25 and a["ttft_p50_s"][1] <= 0.025  # buckets (0.1, 0.25], (0.01, 0.025]
+    assert a["ready"] == [2, 2] and a["desired"] == [3, 3]
+    # a model with no traffic is still listed, with zero rates and no quantiles
+    assert series["models"]["b"]["request_rate"] == [0.0, 0.0]
+    assert series["models"]["b"]["ttft_p99_s"] == [None, None]
+
+
+async def test_the_history_keeps_only_its_horizon() -> None:
+    clock, metrics = FakeClock(), RouterMetrics()
+    dash = _dashboard(clock, metrics)  # 10 s at one per 2 s: 6 samples, 5 points
+    for _ in range(40):
+        dash.take_sample(None)
+        await clock.advance(2.0)
+    assert len(dash.history) == 6
+    assert len(dash.history.series()["t"]) == 5
+
+
+async def test_latest_window_reaches_back_at_least_the_window() -> None:
+    clock, metrics = FakeClock(), RouterMetrics()
+    history = StatsHistory(interval_s=1.0, horizon_s=60.0)
+    dash = _dashboard(clock, metrics)
+    dash.history = history
+    for second in range(12):
+        if second >= 6:
+            _traffic(metrics, dash, 3, ttft_s=0.05)  # 3 per second from t=6 on
+        dash.take_sample(None)
+        await clock.advance(1.0)
+    latest = history.latest(window_s=4.0)
+    assert latest["a"].seconds == 4.0
+    assert latest["a"].request_rate == 3.0
+
+
+async def test_a_sample_at_the_same_instant_replaces_the_last() -> None:
+    clock, metrics = FakeClock(), RouterMetrics()
+    dash = _dashboard(clock, metrics)
+    dash.take_sample(None)
+    dash.take_sample(None)
+    assert len(dash.history) == 1
+
+
+def test_collect_totals_reads_the_gateway_metrics_and_skips_no_replica_decisions() -> None:
+    metrics = RouterMetrics()
+    metrics.requests.labels("a", "r1", "success").inc(3)
+    metrics.requests.labels("a", "", "no_capacity").inc(2)
+    metrics.decisions.labels("a", "no_replica").inc(5)
+    metrics.decisions.labels("a", "rendezvous").inc(1)
+    totals = collect_totals(metrics, ["a", "b"], {"a": 77.0}, {"a": (4, 1, 2)}, {"b": 1})
+    assert totals["a"].requests == 5 and totals["a"].prompt_tokens == 77.0
+    assert totals["a"].decisions == {"rendezvous": 1.0}
+    assert (totals["a"].queue_depth, totals["a"].in_flight, totals["a"].ready) == (4, 1, 2)
+    assert totals["b"] == ModelTotals(desired=1)
+
+
+async def test_sampler_task_survives_a_closed_store() -> None:
+    clock, metrics = FakeClock(), RouterMetrics()
+    store = MemoryStateStore(clock)
+    await store.close()  # every read now raises StateStoreUnavailable
+    dash = _dashboard(clock, metrics, store=store)
+    task = asyncio.create_task(dash.run_sampler())
+    await clock.advance(6.0)
+    assert not task.done()
+    assert len(dash.history) == 4  # at 0, 2, 4 and 6 s
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+# ------------------------------------------------------------------------ served by a real gateway
+
+
+def test_the_page_is_self_contained() -> None:
+    page = dashboard_page()
+    assert "<svg" in page or "drawChart" in page
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!data:|#)""", page), "the page loads an external asset"
+    assert not re.search(r"https?://", page), "the page names a remote URL"
+    assert "@import" not in page
+
+
+async def test_gateway_serves_the_page_and_admin_endpoints_need_the_token(tmp_path: Path) -> None:
+    async with dashboard_stack(tmp_path, admin_token="s3cret", num_replicas=1) as stack:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(stack.url + "/dashboard") as r:
+                assert r.status == 200 and r.content_type == "text/html"
+                assert "kvgate" in await r.text()
+            for path in ("/admin/stats", "/admin/history"):
+                async with s.get(stack.url + path) as r:
+                    assert r.status == 401
+                    assert (await r.json())["error"]["code"] == "invalid_admin_token"
+        history = await stack.get_json("/admin/history")
+        assert history["interval_s"] == 0.5 and history["horizon_s"] == 600.0
+
+
+async def test_admin_stats_carries_windows_placement_and_the_autoscaler_record(tmp_path: Path) -> None:
+    async with dashboard_stack(tmp_path, num_replicas=2) as stack:
+        stats = await stack.get_json("/admin/stats")
+        assert stats["autoscaler"] is None  # no record yet: the page says "no autoscaler"
+        async with aiohttp.ClientSession() as s:
+            first = await stack.chat(s, "question 0")  # puts the shared system prompt in one replica's cache
+            statuses = [first] + list(await asyncio.gather(*(stack.chat(s, f"question {i}") for i in range(1, 12))))
+        assert statuses == [200] * 12
+        await asyncio.sleep(1.2)  # at least two samples after the traffic
+        await write_autoscaler_status(stack.store, wall=stats["wall"], desired=3, ready=2)
+        stats = await stack.get_json("/admin/stats")
+    chat = stats["models"][MODEL]
+    assert chat["requests_total"] == 12
+    assert chat["window"]["request_rate"] > 0
+    assert chat["window"]["ttft_p50_s"] is not None
+    assert chat["window"]["realised_hit_rate"] > 0  # one shared system prompt: later requests hit
+    assert chat["desired"] == 3
+    assert {(r["replica_id"], r["pool"], r["node"]) for r in chat["replicas"]} == {
+        ("sim-0", "local", "node-a"), ("sim-1", "local", "node-a")}
+    assert all(r["kv_usage"] is None for r in chat["replicas"])  # simulated replicas report no KV block count
+    assert stats["autoscaler"]["models"][MODEL]["reason"] == "queue 6 / target 2"
+    assert stats["models"]["idle"]["window"]["request_rate"] == 0.0
