@@ -14,7 +14,7 @@ Not done: a seasonal (daily) component; the trend term covers the minutes-ahead 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +23,10 @@ class ForecastSettings:
 
     level_time_constant_s: float = 15.0
     trend_time_constant_s: float = 60.0
+    # The trend counts only when its extrapolation beats this many standard deviations of the
+    # one-step surprise (sample minus prediction): on noisy steady load the smoothed slope is never
+    # exactly 0, and 120 s of a noise slope would add a replica now and remove it 30 s later.
+    min_trend_sigmas: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,35 +39,43 @@ class ForecastState:
     level_rps: float | None = None
     trend_rps_per_s: float = 0.0
     updated_at: float | None = None
+    surprise_var: float = 0.0  # smoothed variance of (sample - prediction), (requests/s)^2
 
 
 def observe_rate(state: ForecastState, arrivals_per_s: float, now: float,
                  settings: ForecastSettings = ForecastSettings()) -> ForecastState:
     """Feed one arrival-rate sample taken at `now`; returns the new state.
 
-    A sample at or before the last one (a clock that did not move, or a replayed tick) only updates
-    the level, never the trend, since a slope over 0 s means nothing. Negative or non-finite rates are
+    A sample at or before the last one (a clock that did not move, or a replayed tick) is ignored:
+    a slope over 0 s means nothing. Negative or non-finite rates are
     read as 0 (a counter reset at a gateway must not produce a negative forecast).
     """
     x = arrivals_per_s if math.isfinite(arrivals_per_s) and arrivals_per_s > 0 else 0.0
     if state.level_rps is None or state.updated_at is None:
-        return ForecastState(level_rps=x, trend_rps_per_s=0.0, updated_at=now)
+        return ForecastState(level_rps=x, trend_rps_per_s=0.0, updated_at=now, surprise_var=0.0)
     dt = now - state.updated_at
     if dt <= 0:
-        return replace(state, level_rps=x if state.level_rps == 0 else state.level_rps)
+        return state
     alpha = 1.0 - math.exp(-dt / settings.level_time_constant_s)
     beta = 1.0 - math.exp(-dt / settings.trend_time_constant_s)
     predicted = state.level_rps + state.trend_rps_per_s * dt
     level = alpha * x + (1.0 - alpha) * predicted
     trend = beta * (level - state.level_rps) / dt + (1.0 - beta) * state.trend_rps_per_s
-    return ForecastState(level_rps=level, trend_rps_per_s=trend, updated_at=now)
+    surprise_var = beta * (x - predicted) ** 2 + (1.0 - beta) * state.surprise_var
+    return ForecastState(level_rps=level, trend_rps_per_s=trend, updated_at=now, surprise_var=surprise_var)
 
 
-def forecast_rate(state: ForecastState, horizon_s: float) -> float | None:
+def forecast_rate(state: ForecastState, horizon_s: float,
+                  settings: ForecastSettings = ForecastSettings()) -> float | None:
     """The arrival rate expected `horizon_s` seconds after the last sample (>= 0), or None with no data.
 
-    Worked numbers: level 10 rps, trend +0.05 rps/s, horizon 120 s -> 10 + 0.05 x 120 = 16 rps.
+    Worked numbers: level 10 rps, trend +0.05 rps/s, horizon 120 s -> 10 + 0.05 x 120 = 16 rps, when
+    the samples' surprise deviation is below 6 / 2 = 3 rps; with noisier samples the trend is noise
+    and the forecast is the level, 10 rps.
     """
     if state.level_rps is None:
         return None
-    return max(0.0, state.level_rps + state.trend_rps_per_s * max(0.0, horizon_s))
+    gain = state.trend_rps_per_s * max(0.0, horizon_s)
+    if abs(gain) < settings.min_trend_sigmas * math.sqrt(state.surprise_var):
+        gain = 0.0
+    return max(0.0, state.level_rps + gain)

@@ -152,14 +152,14 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     forecast_rps: float | None = None
     forecast_desired = 0
     if s.forecast_enabled and spec.cold_start_s > 0:
-        forecast_rps = forecast_rate(fstate, spec.cold_start_s)
+        forecast_rps = forecast_rate(fstate, spec.cold_start_s, spec.forecast)
         mean_rps = _mean([x.arrivals_per_s for x in samples])
         if forecast_rps is not None and mean_rps > 0:
             # Little's law: concurrency = arrival rate x time in system; the window gives the latter.
             forecast_desired = bound(_ceil_div(forecast_rps * stable_conc / mean_rps, s.target_ongoing_requests))
 
     # Panic: KPA enters (and extends) when panic desire / ready >= threshold, leaves a stable window later.
-    over = panic_desired / ready >= s.panic_threshold and panic_desired > current
+    over = panic_desired / ready >= s.panic_threshold
     panic_over_at = now if over else state.panic_over_at
     if panic_over_at is not None and not over and now - panic_over_at > s.stable_window_s:
         panic_over_at = None
