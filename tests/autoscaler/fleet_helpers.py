@@ -78,3 +78,73 @@ async def open_store(kind: str, clock: FakeClock, redis_url: str | None = None,
         yield store
     finally:
         await store.close()
+
+
+MODEL_YAML = """\
+apiVersion: kvgate/v1
+kind: Model
+metadata: {{name: m}}
+spec:
+  source: builtin:tiny-llama
+  resources: {{gpu_kinds: [L4], gpu_count: 1}}
+  scaling:
+    min_replicas: {min_replicas}
+    max_replicas: 4
+    target_ongoing_requests: 4
+    stable_window_s: 20
+    max_queue_wait_s: 60
+    scale_down_delay_s: 0
+    scale_to_zero_grace_s: 30
+    forecast_enabled: false
+  placement: {{pools: [gpu], allow_spot: {allow_spot}}}
+  performance: {{model_load_s: 5}}
+---
+apiVersion: kvgate/v1
+kind: Pool
+metadata: {{name: gpu}}
+spec:
+  provider: fake
+  node_boot_s: {node_boot_s}
+  offers:
+    - {{instance_type: g6.xlarge, gpu_kind: L4, gpu_count: 1, gpu_memory_gib: 24, capacity_type: on_demand,
+       price_usd_per_hour: 0.80}}
+    - {{instance_type: g6.xlarge, gpu_kind: L4, gpu_count: 1, gpu_memory_gib: 24, capacity_type: spot,
+       price_usd_per_hour: 0.35}}
+"""
+
+
+def write_registry(directory, *, min_replicas: int = 0, node_boot_s: float = 0, allow_spot: bool = False):
+    """A registry with one GPU model `m` (target 4 ongoing per replica, 0..4 replicas, stable window
+    20 s) on pool `gpu`."""
+    (directory / "registry.yaml").write_text(MODEL_YAML.format(
+        min_replicas=min_replicas, node_boot_s=node_boot_s, allow_spot=str(allow_spot).lower()))
+    return directory
+
+
+def load_test_registry(directory, **options):
+    from registry import load_registry
+
+    return load_registry(write_registry(directory, **options))
+
+
+async def observe(store: StateStore, clock: FakeClock, *, queued: int = 0, in_flight: int = 0,
+                  arrivals_per_s: float = 0.0, model: str = "m", gateway: str = "g1") -> None:
+    """Write one gateway's observation record, as a router gateway does every second."""
+    await store.put_record("observations", f"{model}@{gateway}", {
+        "model": model, "gateway_id": gateway, "queued": queued, "in_flight": in_flight,
+        "arrivals_per_s": arrivals_per_s, "ttft_p99_s": None, "updated_at": clock.wall()})
+
+
+def make_autoscaler(snapshot, store: StateStore, clock: FakeClock, provider: FakeProvider, *,
+                    holder: str = "a", fault_hook=None, **settings):
+    """An Autoscaler over one fake pool, 1 s ticks, short planner graces so tests stay small."""
+    from autoscaler.loop import Autoscaler, AutoscalerSettings, FixedSnapshot
+    from autoscaler.planner import PlannerSettings
+
+    planner = settings.pop("planner", PlannerSettings(empty_node_grace_s=5.0, consolidation_enabled=False))
+    return Autoscaler(FixedSnapshot(snapshot), store, clock, providers={POOL: provider}, holder=holder,
+                      fault_hook=fault_hook, settings=AutoscalerSettings(planner=planner, **settings))
+
+
+async def members(store: StateStore) -> list[tuple[str, str]]:
+    return [(m.replica_id, m.state.value) for m in await store.list_members()]

@@ -1,0 +1,532 @@
+"""The live autoscaler: observe -> decide -> actuate, once per tick, by one active copy.
+
+`Autoscaler` is the library entry that `kvgate autoscaler` runs and `kvgate up` embeds:
+
+    autoscaler = Autoscaler(watcher, store, clock, provider_factory=provider_factory_for("demo", clock))
+    await autoscaler.start()        # runs ticks every settings.interval_s in a task
+    ...
+    await autoscaler.stop()         # releases the lease; leaves nodes and replicas running
+
+One tick:
+1. **Lease.** `acquire_lease("autoscaler", holder, ttl)` takes or renews the lease; a standby that
+   does not get it does nothing else (it retries next tick and takes over once the holder's lease
+   expires: ttl after its last renewal).
+2. **Reconcile** (`autoscaler.reconciler`): list nodes, repair claims (adopt, release orphans,
+   re-drive pending), list replicas. Failed replicas are reported, stopped and their model's starts
+   backed off exponentially; replicas past their drain notice are stopped.
+3. **Observe**: gateway observations from the state store (`autoscaler.observe`).
+4. **Decide**: `decide_replicas` per autoscaled model, then `plan_nodes` over the whole fleet. If a
+   pool could not be listed this tick, nothing is planned: deciding on a partial view would buy
+   twice what is already running there.
+5. **Actuate**: create/delete nodes through the reconciler (claims first), start replicas, drain
+   replicas (DRAINING in the membership record, then `stop_replica` after `drain_notice_s`).
+6. **Publish**: membership records (TTL'd heartbeats) for routers, and the status record for the
+   dashboard.
+
+Stopping (SIGTERM) releases the lease and leaves every node and replica running: the next
+autoscaler adopts them through their claims. Nothing is deleted on the way out, because a restart
+(an upgrade, a reschedule) must not cost a fleet's cold starts.
+
+Errors: a tick that hits `StateStoreError`, `ProviderError` or a claim conflict logs it, records an
+event when it can, and the next tick starts afresh; ticks are spaced `interval_s` apart whatever
+happens, so nothing spins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from autoscaler.claims import ClaimConflict, ClaimStore
+from autoscaler.fleet import Backoff, autoscaled_models, cold_start_s, member_record, model_observation, node_statuses
+from autoscaler.observe import DEFAULT_MAX_AGE_S, read_gateway_totals
+from autoscaler.planner import (
+    CreateNode,
+    DeleteNode,
+    NodeAction,
+    PlannerInputs,
+    PlannerSettings,
+    PlannerState,
+    StartReplica,
+    StopReplica,
+    Unschedulable,
+    note_insufficient_capacity,
+    plan_nodes,
+)
+from autoscaler.reconciler import FaultHook, Fleet, Reconciler
+from autoscaler.scaler import ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
+from autoscaler.status import (
+    STATUS_COLLECTION,
+    STATUS_ID,
+    Event,
+    EventKind,
+    ModelStatus,
+    accrue_cost,
+    append_events,
+    build_status,
+    cost_per_hour,
+)
+from kvgate.clock import Clock
+from kvgate.state import StateStore, StateStoreError
+from providers.base import NodeState, Offering, Provider, ProviderError, ReplicaHandle, ReplicaState, replica_spec_for
+from registry.schema import PoolDoc
+from registry.snapshot import Snapshot
+
+log = logging.getLogger("kvgate.autoscaler")
+
+LEASE_NAME = "autoscaler"
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalerSettings:
+    """Knobs of the live loop. Times in seconds."""
+
+    interval_s: float = 1.0  # one tick per second: gateways write observations about as often
+    lease_ttl_s: float = 10.0  # a dead leader is replaced this long after its last renewal
+    member_ttl_s: float = 10.0  # membership heartbeats: a dead autoscaler's records expire after this
+    drain_notice_s: float = 2.0  # routers see DRAINING this long before the replica is told to stop
+    drain_timeout_s: float = 30.0  # how long stop_replica lets in-flight requests finish
+    observation_max_age_s: float = DEFAULT_MAX_AGE_S
+    backoff_base_s: float = 5.0  # first retry after a failed replica start; doubles per failure
+    backoff_max_s: float = 300.0
+    offerings_refresh_s: float = 60.0  # prices and availability are re-read this often per pool
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+        if self.lease_ttl_s < 2 * self.interval_s:
+            raise ValueError(f"lease_ttl_s ({self.lease_ttl_s}) must be at least two ticks "
+                             f"(2 x interval_s = {2 * self.interval_s}) or the lease lapses between renewals")
+
+
+class SnapshotSource(Protocol):
+    """Anything with a `current` registry snapshot: a `RegistryWatcher` (hot reload, read every
+    tick) or a `FixedSnapshot`."""
+
+    @property
+    def current(self) -> Snapshot: ...
+
+
+@dataclass
+class FixedSnapshot:
+    """A snapshot source that never changes (tests, and callers that reload by assigning `current`)."""
+
+    current: Snapshot
+
+
+ProviderFactory = Callable[[str, PoolDoc], Provider]
+
+
+def provider_factory_for(cluster: str, clock: Clock, **options: object) -> ProviderFactory:
+    """A factory that builds each pool's provider with `providers.build.build_provider`."""
+    from providers.build import build_provider
+
+    def build(pool_name: str, pool: PoolDoc) -> Provider:
+        return build_provider(pool_name, pool.spec, cluster=cluster, clock=clock, **options)
+    return build
+
+
+def default_holder() -> str:
+    """host-pid-random: unique per process, readable on the dashboard."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True, slots=True)
+class TickReport:
+    """What one tick did (for tests and logs)."""
+
+    leader: bool
+    actions: tuple[NodeAction, ...] = ()
+    decisions: Mapping[str, ReplicaDecision] = field(default_factory=dict)
+    events: tuple[Event, ...] = ()
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Draining:
+    replica: ReplicaHandle
+    pool: str
+    stop_at: float  # monotonic seconds
+
+
+class Autoscaler:
+    """One autoscaler process's control loop. See the module docstring.
+
+    `providers` are ready providers by pool name; `provider_factory` builds one for any pool of the
+    snapshot that has none (also after a reload adds a pool). Providers of pools removed by a reload
+    are kept, so their nodes stay tracked. The caller owns the store and the providers and closes
+    them after `stop()`.
+    """
+
+    def __init__(self, snapshots: SnapshotSource, store: StateStore, clock: Clock, *,
+                 providers: Mapping[str, Provider] | None = None, provider_factory: ProviderFactory | None = None,
+                 settings: AutoscalerSettings | None = None, holder: str | None = None,
+                 fault_hook: FaultHook | None = None) -> None:
+        self.settings = settings or AutoscalerSettings()
+        self.holder = holder or default_holder()
+        self._snapshots = snapshots
+        self._store = store
+        self._clock = clock
+        self._providers: dict[str, Provider] = dict(providers or {})
+        self._factory = provider_factory
+        self._failed_pools: dict[str, str] = {}  # pool -> why its provider could not be built
+        self._reconciler = Reconciler(self._providers, ClaimStore(store, self.holder), clock, fault_hook=fault_hook)
+        self.id_prefix = f"kvg-{uuid.uuid4().hex[:6]}"  # claim/replica ids unique per incarnation
+        self._task: asyncio.Task[None] | None = None
+        self.is_leader = False
+        self._reset_leadership()
+
+    def _reset_leadership(self) -> None:
+        # Everything a leader learns; a new term starts from the store and the providers again.
+        self._scaler: dict[str, ScalerState] = {}
+        self._planner = PlannerState()
+        self._backoff: dict[str, Backoff] = {}
+        self._failed_seen: set[str] = set()
+        self._draining: dict[str, _Draining] = {}
+        self._published: set[str] = set()
+        self._offerings: dict[str, tuple[float, list[Offering]]] = {}
+        self._events: tuple[Event, ...] = ()
+        self._unschedulable: dict[str, str] = {}
+        self._cost_total = 0.0
+        self._cost_rate = 0.0
+        self._last_tick: float | None = None
+        self._fresh_term = True
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Run the loop in a background task. Idempotent."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.run(), name=f"kvgate-autoscaler-{self.holder}")
+
+    async def stop(self) -> None:
+        """Stop ticking and release the lease (a standby takes over at once). Nodes and replicas keep
+        running for the next autoscaler to adopt. Idempotent; store errors on release are logged."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.is_leader:
+            try:
+                await self._store.release_lease(LEASE_NAME, self.holder)
+            except StateStoreError as exc:
+                log.warning("could not release the autoscaler lease (it expires by itself): %s", exc)
+        self.is_leader = False
+
+    async def run(self) -> None:
+        """Tick every `interval_s` until cancelled."""
+        while True:
+            await self.tick()
+            await self._clock.sleep(self.settings.interval_s)
+
+    # -- one tick --------------------------------------------------------------------------------
+
+    async def tick(self) -> TickReport:
+        """One observe -> decide -> actuate round. Never raises for store or provider trouble."""
+        try:
+            held = await self._store.acquire_lease(LEASE_NAME, self.holder, self.settings.lease_ttl_s)
+        except StateStoreError as exc:
+            log.warning("state store unreachable; acting as standby this tick: %s", exc)
+            return TickReport(leader=False, error=str(exc))
+        if not held:
+            if self.is_leader:
+                log.warning("lost the autoscaler lease to %s", await self._holder_or_unknown())
+                self.is_leader = False
+                self._reset_leadership()
+            return TickReport(leader=False)
+        events: list[Event] = []
+        if not self.is_leader:
+            self.is_leader = True
+            self._reset_leadership()
+            events.append(self._event(None, EventKind.LEASE_ACQUIRED, f"{self.holder} is the active autoscaler"))
+        try:
+            return await self._lead(events)
+        except (StateStoreError, ProviderError, ClaimConflict) as exc:
+            log.warning("autoscaler tick abandoned: %s", exc)
+            return TickReport(leader=True, events=tuple(events), error=str(exc))
+        except Exception as exc:  # a bug must not end the control loop; the next tick starts afresh
+            log.exception("autoscaler tick failed")
+            return TickReport(leader=True, events=tuple(events), error=f"{type(exc).__name__}: {exc}")
+
+    async def _lead(self, events: list[Event]) -> TickReport:
+        now, wall = self._clock.now(), self._clock.wall()
+        snapshot = self._snapshots.current
+        self._ensure_providers(snapshot, events)
+        if self._fresh_term:
+            await self._resume_status()
+        fleet = await self._reconciler.reconcile()
+        events.extend(fleet.events)
+        for exc in fleet.insufficient:
+            self._planner = note_insufficient_capacity(self._planner, exc.offering, wall,
+                                                       self.settings.planner.ice_ttl_s)
+        pool_of = {node.id: node.pool for node in fleet.nodes}
+        await self._handle_failed(fleet, pool_of, now, events)
+        stopped = await self._finish_drains(now, events)  # still in this tick's listing: skip them below
+        if self._fresh_term:
+            await self._drop_stale_members(fleet)
+            self._fresh_term = False
+
+        read = await read_gateway_totals(self._store, wall, self.settings.observation_max_age_s)
+        pending_by_model: dict[str, int] = {}
+        listed = set(pool_of)
+        for record in fleet.claims.values():
+            if record.node_id not in listed and record.claim.model:
+                pending_by_model[record.claim.model] = pending_by_model.get(record.claim.model, 0) + 1
+        draining = frozenset(self._draining)
+        decisions: dict[str, ReplicaDecision] = {}
+        observations = {}
+        for name in autoscaled_models(snapshot):
+            doc = snapshot.models[name]
+            obs = model_observation(name, read.totals.get(name), fleet.replicas, draining,
+                                    pending_by_model.get(name, 0))
+            spec = ScalerSpec.of(doc, cold_start_s(snapshot, doc))
+            previous = self._scaler.get(name)
+            self._scaler[name], decision = decide_replicas(spec, previous or ScalerState(), obs, now)
+            decisions[name], observations[name] = decision, obs
+            before = (previous.desired if previous is not None and previous.desired is not None
+                      else obs.ready_replicas + obs.starting_replicas)
+            if decision.desired != before:
+                kind = EventKind.SCALE_UP if decision.desired > before else EventKind.SCALE_DOWN
+                events.append(self._event(name, kind, f"{before} -> {decision.desired}: {decision.reason}"))
+
+        actions: list[NodeAction] = []
+        just_started: set[str] = set()
+        if fleet.unreachable_pools:
+            log.warning("not planning: pools %s could not be listed", ", ".join(fleet.unreachable_pools))
+        else:
+            inputs = PlannerInputs(
+                snapshot=snapshot, desired={name: d.desired for name, d in decisions.items()},
+                nodes=fleet.nodes,
+                replicas=tuple(r for r in fleet.replicas
+                               if r.id not in self._draining and r.id not in stopped
+                               and r.state in (ReplicaState.STARTING, ReplicaState.READY)),
+                offerings=tuple(await self._all_offerings(now, events)),
+                claims=tuple(r.claim for r in fleet.claims.values() if r.node_id not in listed),
+                settings=self.settings.planner, id_prefix=self.id_prefix)
+            self._planner, actions = plan_nodes(inputs, self._planner, wall)
+            for action in actions:
+                started = await self._perform(action, snapshot, fleet, now, wall, events)
+                if started is not None:
+                    just_started.add(started)
+
+        await self._publish_members(fleet, pool_of, just_started, stopped)
+        self._events = append_events(self._events, events)
+        await self._write_status(fleet, decisions, observations, now, wall)
+        return TickReport(leader=True, actions=tuple(actions), decisions=decisions, events=tuple(events))
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    async def _perform(self, action: NodeAction, snapshot: Snapshot, fleet: Fleet, now: float, wall: float,
+                       events: list[Event]) -> str | None:
+        """Perform one planner action; returns the id of a replica it started, if any."""
+        if isinstance(action, CreateNode):
+            result = await self._reconciler.create_node(action.claim)
+            events.extend(result.events)
+            if result.insufficient is not None:
+                self._planner = note_insufficient_capacity(self._planner, result.insufficient.offering, wall,
+                                                           self.settings.planner.ice_ttl_s)
+        elif isinstance(action, DeleteNode):
+            for replica in fleet.replicas:
+                if replica.node_id == action.node_id:
+                    await self._unpublish(replica.id)
+                    self._draining.pop(replica.id, None)
+            try:
+                events.extend(await self._reconciler.delete_node(action.node_id, fleet, action.reason))
+            except ProviderError as exc:  # the claim stays DELETING; reconcile re-drives it
+                events.append(self._event(None, EventKind.PROVIDER_ERROR, f"delete {action.node_id}: {exc}"))
+        elif isinstance(action, StartReplica):
+            return await self._start_replica(action, snapshot, fleet, now, events)
+        elif isinstance(action, StopReplica):
+            replica = next((r for r in fleet.replicas if r.id == action.replica_id), None)
+            pool = next((n.pool for n in fleet.nodes if n.id == action.node_id), None)
+            if replica is not None and pool is not None and replica.id not in self._draining:
+                self._draining[replica.id] = _Draining(replica, pool, now + self.settings.drain_notice_s)
+                events.append(self._event(action.model, EventKind.REPLICA_DRAIN,
+                                          f"draining {replica.id}: {action.reason}"))
+        elif isinstance(action, Unschedulable):
+            if self._unschedulable.get(action.model) != action.reason:
+                self._unschedulable[action.model] = action.reason
+                events.append(self._event(action.model, EventKind.INSUFFICIENT_CAPACITY,
+                                          f"{action.replicas} replica(s) fit nowhere: {action.reason}"))
+        return None
+
+    async def _start_replica(self, action: StartReplica, snapshot: Snapshot, fleet: Fleet, now: float,
+                             events: list[Event]) -> str | None:
+        backoff = self._backoff.get(action.model, Backoff())
+        if not backoff.may_start(now) or action.model not in snapshot.models:
+            return None  # backing off after failures (the status record's reason says so)
+        node = next((n for n in fleet.nodes if n.id == action.node_id), None)
+        if node is None:
+            return None
+        spec = replica_spec_for(snapshot.models[action.model], snapshot.adapters_of(action.model))
+        try:
+            handle = await self._providers[node.pool].start_replica(node.id, spec, action.replica_id)
+        except ProviderError as exc:
+            if not exc.retryable:
+                self._backoff[action.model] = backoff.after_failure(now, self.settings.backoff_base_s,
+                                                                    self.settings.backoff_max_s)
+            events.append(self._event(action.model, EventKind.REPLICA_FAILED,
+                                      f"start {action.replica_id} on {node.id}: {exc}"))
+            return None
+        events.append(self._event(action.model, EventKind.REPLICA_START,
+                                  f"{handle.id} on {node.id} ({node.instance_type}): {action.reason}"))
+        record = member_record(handle, node.pool, draining=False)
+        if record is not None:
+            await self._store.put_member(record, self.settings.member_ttl_s)
+            self._published.add(handle.id)
+        return handle.id
+
+    async def _handle_failed(self, fleet: Fleet, pool_of: Mapping[str, str], now: float,
+                             events: list[Event]) -> None:
+        interrupted = {n.id for n in fleet.nodes if n.state is NodeState.INTERRUPTED}
+        for replica in fleet.replicas:
+            if replica.state is ReplicaState.READY:
+                self._backoff.pop(replica.model, None)
+            if replica.state is not ReplicaState.FAILED or replica.id in self._failed_seen:
+                continue
+            self._failed_seen.add(replica.id)
+            await self._unpublish(replica.id)
+            self._draining.pop(replica.id, None)
+            if replica.node_id in interrupted:
+                continue  # the node was preempted: not the replica's fault, no back-off
+            backoff = self._backoff.get(replica.model, Backoff()).after_failure(
+                now, self.settings.backoff_base_s, self.settings.backoff_max_s)
+            self._backoff[replica.model] = backoff
+            events.append(self._event(replica.model, EventKind.REPLICA_FAILED,
+                                      f"{replica.id} failed: {replica.reason or 'no reason given'}; "
+                                      f"next start in {backoff.retry_at - now:.0f}s"))
+            pool = pool_of.get(replica.node_id)
+            if pool is not None:
+                try:
+                    await self._providers[pool].stop_replica(replica.id, 0.0)
+                except ProviderError as exc:
+                    events.append(self._event(replica.model, EventKind.PROVIDER_ERROR,
+                                              f"clean up failed replica {replica.id}: {exc}"))
+
+    async def _finish_drains(self, now: float, events: list[Event]) -> set[str]:
+        """Stop replicas whose drain notice is over; returns their ids."""
+        stopped = set()
+        for replica_id, entry in sorted(self._draining.items()):
+            if now < entry.stop_at:
+                continue
+            try:
+                await self._providers[entry.pool].stop_replica(replica_id, self.settings.drain_timeout_s)
+            except ProviderError as exc:
+                events.append(self._event(entry.replica.model, EventKind.PROVIDER_ERROR, f"stop {replica_id}: {exc}"))
+                continue
+            del self._draining[replica_id]
+            stopped.add(replica_id)
+            await self._unpublish(replica_id)
+            events.append(self._event(entry.replica.model, EventKind.REPLICA_STOP, f"stopped {replica_id}"))
+        return stopped
+
+    # -- publishing ------------------------------------------------------------------------------
+
+    async def _publish_members(self, fleet: Fleet, pool_of: Mapping[str, str], just_started: set[str],
+                               stopped: set[str]) -> None:
+        # Replicas started this tick are not in this tick's listing; their record is already out.
+        present = set(just_started)
+        for replica in fleet.replicas:
+            if replica.id in stopped:
+                continue
+            record = member_record(replica, pool_of.get(replica.node_id), draining=replica.id in self._draining)
+            if record is None:
+                continue
+            present.add(replica.id)
+            await self._store.put_member(record, self.settings.member_ttl_s)
+            self._published.add(replica.id)
+        for gone in sorted(self._published - present):
+            await self._unpublish(gone)
+
+    async def _unpublish(self, replica_id: str) -> None:
+        await self._store.remove_member(replica_id)
+        self._published.discard(replica_id)
+
+    async def _drop_stale_members(self, fleet: Fleet) -> None:
+        # A previous leader may have died with records out for replicas that are gone; they would
+        # expire by TTL anyway, this makes it immediate. Only our pools' records are touched.
+        live = {r.id for r in fleet.replicas}
+        for member in await self._store.list_members():
+            if member.pool in self._providers and member.replica_id not in live:
+                await self._store.remove_member(member.replica_id)
+
+    async def _resume_status(self) -> None:
+        # The dashboard's running cost and event log continue across leaders.
+        previous = await self._store.get_record(STATUS_COLLECTION, STATUS_ID)
+        if previous is None:
+            return
+        try:
+            self._cost_total = float(previous.data.get("cost_usd_total", 0.0))
+            self._events = tuple(Event(float(e["t"]), e.get("model"), EventKind(e["kind"]), str(e["message"]))
+                                 for e in previous.data.get("events", ()))
+        except (KeyError, TypeError, ValueError):
+            self._cost_total, self._events = 0.0, ()
+
+    async def _write_status(self, fleet: Fleet, decisions: Mapping[str, ReplicaDecision],
+                            observations: Mapping, now: float, wall: float) -> None:
+        if self._last_tick is not None:
+            self._cost_total = accrue_cost(self._cost_total, self._cost_rate, now - self._last_tick)
+        self._last_tick = now
+        nodes = node_statuses(fleet.nodes, fleet.replicas)
+        self._cost_rate = cost_per_hour(nodes)
+        models = {}
+        for name, decision in decisions.items():
+            obs = observations[name]
+            reason = decision.reason
+            backoff = self._backoff.get(name)
+            if backoff is not None and not backoff.may_start(now):
+                reason += f"; starts backed off {backoff.retry_at - now:.0f}s after {backoff.failures} failure(s)"
+            models[name] = ModelStatus(desired=decision.desired, ready=obs.ready_replicas,
+                                       starting=obs.starting_replicas, panic=decision.panic,
+                                       forecast_rps=decision.forecast_rps, arrivals_per_s=obs.arrivals_per_s,
+                                       queued=obs.queued_at_gateways, reason=reason)
+        data = build_status(updated_at=wall, holder=self.holder, models=models, events=self._events,
+                            nodes=nodes, cost_usd_total=self._cost_total)
+        await self._store.put_record(STATUS_COLLECTION, STATUS_ID, data)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _ensure_providers(self, snapshot: Snapshot, events: list[Event]) -> None:
+        if self._factory is None:
+            return
+        for name, pool in sorted(snapshot.pools.items()):
+            if name in self._providers or self._failed_pools.get(name) == snapshot.version:
+                continue
+            try:
+                self._providers[name] = self._factory(name, pool)
+            except ProviderError as exc:
+                self._failed_pools[name] = snapshot.version  # retried after the next reload only
+                events.append(self._event(None, EventKind.PROVIDER_ERROR, f"pool {name}: {exc}"))
+        self._reconciler.set_providers(self._providers)
+
+    async def _all_offerings(self, now: float, events: list[Event]) -> list[Offering]:
+        result: list[Offering] = []
+        for pool, provider in sorted(self._providers.items()):
+            cached = self._offerings.get(pool)
+            if cached is None or now - cached[0] >= self.settings.offerings_refresh_s:
+                try:
+                    cached = (now, await provider.offerings())
+                    self._offerings[pool] = cached
+                except ProviderError as exc:
+                    events.append(self._event(None, EventKind.PROVIDER_ERROR, f"pool {pool}: offerings: {exc}"))
+                    if cached is None:
+                        continue
+            result.extend(cached[1])
+        return result
+
+    async def _holder_or_unknown(self) -> str:
+        try:
+            return await self._store.lease_holder(LEASE_NAME) or "nobody"
+        except StateStoreError:
+            return "unknown"
+
+    def _event(self, model: str | None, kind: EventKind, message: str) -> Event:
+        log.info("%s%s: %s", f"{model}: " if model else "", kind.value, message)
+        return Event(self._clock.wall(), model, kind, message)

@@ -1,0 +1,170 @@
+"""The live loop on a fake clock: observations in the state store -> decisions -> the providers fake ->
+membership records and the status record. One tick per simulated second, driven by `tick()`.
+
+Registry (tests/autoscaler/fleet_helpers.py): model `m` needs one L4, target 4 ongoing per replica,
+0..4 replicas, stable window 20 s, scale-to-zero grace 30 s, no scale-down delay; pool `gpu` sells g6.xlarge at $0.80/h
+on demand. The fake provider's replicas become ready `replica_start_latency_s` after they start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoscaler.status import STATUS_COLLECTION, STATUS_ID
+from kvgate.clock import FakeClock
+from kvgate.state import MemoryStateStore
+from tests.autoscaler.fleet_helpers import load_test_registry, make_autoscaler, members, observe
+from providers.fake import FakeProvider
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(clock: FakeClock) -> MemoryStateStore:
+    return MemoryStateStore(clock)
+
+
+@pytest.fixture
+def snapshot(tmp_path: Path):
+    return load_test_registry(tmp_path)
+
+
+@pytest.fixture
+def provider(snapshot, clock: FakeClock) -> FakeProvider:
+    return FakeProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock, replica_start_latency_s=3)
+
+
+def calls(provider: FakeProvider, method: str) -> list[tuple]:
+    return [args for name, args in provider.calls if name == method]
+
+
+async def run_ticks(autoscaler, clock: FakeClock, seconds: int, before_tick=None) -> list:
+    reports = []
+    for _ in range(seconds):
+        if before_tick is not None:
+            await before_tick()
+        reports.append(await autoscaler.tick())
+        await clock.advance(1)
+    return reports
+
+
+async def test_a_waiting_request_brings_a_model_from_zero_to_a_ready_member(snapshot, store, clock, provider) -> None:
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    seen: list[list[tuple[str, str]]] = []
+
+    async def gateway_holds_three() -> None:
+        await observe(store, clock, queued=3)  # 3 requests held at the gateway: ceil(3 / 4) = 1 replica
+        seen.append(await members(store))
+
+    reports = await run_ticks(autoscaler, clock, 6, gateway_holds_three)
+
+    assert reports[0].decisions["m"].desired == 1 and reports[0].error is None
+    [node] = await provider.list()
+    [replica] = await provider.list_replicas()
+    # tick 0 buys the node, tick 1 starts the replica (STARTING), 3 s later it is READY
+    assert [s for s in seen if s] == [[(replica.id, "starting")]] * 3 + [[(replica.id, "ready")]]
+    [member] = await store.list_members()
+    assert (member.node_id, member.pool, member.url) == (node.id, "gpu", replica.url)
+    status = (await store.get_record(STATUS_COLLECTION, STATUS_ID)).data
+    assert dict(status["models"]["m"]) | {"reason": ""} == {
+        "desired": 1, "ready": 1, "starting": 0, "panic": False, "forecast_rps": None,
+        "arrivals_per_s": 0.0, "queued": 3, "reason": ""}
+    assert [(n["id"], n["price_usd_per_hour"], tuple(n["replicas"])) for n in status["nodes"]] == [
+        (node.id, 0.80, (replica.id,))]
+    assert status["cost_usd_per_hour"] == 0.80 and status["holder"] == "a"
+    kinds = [e["kind"] for e in status["events"]]
+    assert kinds[:4] == ["lease_acquired", "scale_up", "node_create", "replica_start"]
+
+
+async def test_an_idle_model_is_drained_before_it_is_stopped_then_its_node_released(
+        snapshot, store, clock, provider) -> None:
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 6, lambda: observe(store, clock, in_flight=2))
+    [replica] = await provider.list_replicas()
+    history: list[tuple[list, int]] = []
+
+    async def idle() -> None:
+        await observe(store, clock)  # nothing queued, running or arriving
+        history.append((await members(store), len(calls(provider, "stop_replica"))))
+
+    await run_ticks(autoscaler, clock, 60, idle)
+
+    draining_at = next(i for i, (m, _) in enumerate(history) if m == [(replica.id, "draining")])
+    stopped_at = next(i for i, (_, stops) in enumerate(history) if stops)
+    # grace 30 s of idleness, then DRAINING for drain_notice_s (2 s) before the replica is told to stop
+    assert 28 <= draining_at and stopped_at - draining_at >= 2
+    assert all(stops == 0 for _, stops in history[:draining_at + 1])
+    assert calls(provider, "stop_replica") == [(replica.id, 30.0)]
+    assert await store.list_members() == []
+    assert await provider.list() == []  # the empty node was released after the planner's 5 s grace
+    status = (await store.get_record(STATUS_COLLECTION, STATUS_ID)).data
+    assert status["models"]["m"]["desired"] == 0 and status["nodes"] == ()
+
+
+async def test_a_replica_that_keeps_failing_is_retried_with_exponential_backoff(
+        snapshot, store, clock, provider) -> None:
+    provider.fail_next_replicas(4, reason="engine exited: CUDA out of memory")
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    start_times: list[float] = []
+
+    async def demand() -> None:
+        await observe(store, clock, queued=1)
+        start_times.extend([clock.now()] * (len(calls(provider, "start_replica")) - len(start_times)))
+
+    await run_ticks(autoscaler, clock, 120, demand)
+
+    gaps = [b - a for a, b in zip(start_times, start_times[1:])]
+    # start latency 3 s, then back-off 5, 10, 20, 40 s: each gap = 3 s to fail + the back-off (+1 tick)
+    assert len(start_times) == 5, start_times
+    assert [round(g) for g in gaps] == [8, 13, 23, 43]
+    status = (await store.get_record(STATUS_COLLECTION, STATUS_ID)).data
+    failures = [e["message"] for e in status["events"] if e["kind"] == "replica_failed"]
+    assert len(failures) == 4 and all("CUDA out of memory" in m for m in failures)
+    assert status["models"]["m"]["ready"] == 1  # the fifth start worked
+
+
+async def test_a_preempted_spot_node_is_replaced_on_demand_without_backoff(tmp_path: Path, store, clock) -> None:
+    snapshot = load_test_registry(tmp_path, allow_spot=True)
+    provider = FakeProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock, replica_start_latency_s=3)
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 6, lambda: observe(store, clock, in_flight=2))
+    [node] = await provider.list()
+    assert node.capacity_type.value == "spot"  # $0.35/h beats $0.80/h
+    provider.preempt(node.id)
+
+    await run_ticks(autoscaler, clock, 6, lambda: observe(store, clock, in_flight=2))
+
+    [replacement] = await provider.list()
+    # the interrupted spot offering is skipped for 180 s, so the replacement is on demand
+    assert replacement.id != node.id and replacement.capacity_type.value == "on_demand"
+    assert [r.state.value for r in await provider.list_replicas()] == ["ready"]
+    status = (await store.get_record(STATUS_COLLECTION, STATUS_ID)).data
+    assert not [e for e in status["events"] if e["kind"] == "replica_failed"]
+
+
+async def test_the_running_cost_accrues_per_tick(snapshot, store, clock, provider) -> None:
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 91, lambda: observe(store, clock, in_flight=2))
+    status = (await store.get_record(STATUS_COLLECTION, STATUS_ID)).data
+    # bought at tick 0 and listed from tick 1: 89 s between the first tick that saw it and tick 90,
+    # at $0.80/h -> $0.80 x 89 / 3600 = $0.019778
+    assert status["cost_usd_total"] == pytest.approx(0.80 * 89 / 3600)
+
+
+async def test_start_and_stop_run_ticks_on_the_clock_and_release_the_lease(snapshot, store, clock, provider) -> None:
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await observe(store, clock, queued=1)
+    await autoscaler.start()
+    await clock.advance(5)
+    assert await store.lease_holder("autoscaler") == "a" and len(await provider.list()) == 1
+
+    await autoscaler.stop()
+
+    assert await store.lease_holder("autoscaler") is None
+    assert len(await provider.list()) == 1 and len(await provider.list_replicas()) == 1  # left running
+    assert clock.num_sleepers == 0

@@ -1,0 +1,57 @@
+"""Reading the gateways' observation records: summed across gateways, stale and malformed ones
+skipped. Table-driven over `totals_by_model` (pure) plus one read through a real memory store."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import pytest
+
+from autoscaler.observe import GatewayTotals, read_gateway_totals, totals_by_model
+from kvgate.clock import FakeClock
+from kvgate.state import MemoryStateStore, StoredRecord
+
+NOW = 1_700_000_100.0
+
+
+def rec(model: str, gateway: str, age_s: float = 1.0, **fields) -> StoredRecord:
+    data = {"model": model, "gateway_id": gateway, "queued": 0, "in_flight": 0, "arrivals_per_s": 0.0,
+            "ttft_p99_s": None, "updated_at": NOW - age_s, **fields}
+    return StoredRecord("observations", f"{model}@{gateway}", 1, MappingProxyType(data))
+
+
+@pytest.mark.parametrize("records,expected", [
+    # two fresh gateways: counts add, rates add, p99 is the worst gateway's (p99s do not add)
+    ([rec("m", "g1", queued=2, in_flight=5, arrivals_per_s=3.0, ttft_p99_s=0.4),
+      rec("m", "g2", queued=1, in_flight=4, arrivals_per_s=1.5, ttft_p99_s=0.9)],
+     {"m": GatewayTotals("m", 3, 9, 4.5, 0.9, 2)}),
+    # a gateway silent for 10 s or more is gone: its last load no longer counts
+    ([rec("m", "g1", in_flight=5), rec("m", "g2", age_s=10.0, in_flight=50)],
+     {"m": GatewayTotals("m", 0, 5, 0.0, None, 1)}),
+    # 9.9 s old still counts
+    ([rec("m", "g1", age_s=9.9, queued=1)], {"m": GatewayTotals("m", 1, 0, 0.0, None, 1)}),
+    # models are kept apart
+    ([rec("a", "g1", queued=1), rec("b", "g1", queued=2)],
+     {"a": GatewayTotals("a", 1, 0, 0.0, None, 1), "b": GatewayTotals("b", 2, 0, 0.0, None, 1)}),
+    # a record from slightly in the future (another host's clock runs ahead) counts
+    ([rec("m", "g1", age_s=-2.0, in_flight=1)], {"m": GatewayTotals("m", 0, 1, 0.0, None, 1)}),
+])
+def test_totals_are_summed_over_fresh_gateways(records, expected) -> None:
+    assert dict(totals_by_model(records, NOW).totals) == expected
+
+
+def test_malformed_and_stale_records_are_counted_not_raised() -> None:
+    read = totals_by_model([rec("m", "g1", queued=-1), rec("m", "g2", in_flight="many"), rec("", "g3"),
+                            rec("m", "g4", age_s=30), rec("m", "g5", queued=2)], NOW)
+    assert (read.num_malformed, read.num_stale) == (3, 1)
+    assert read.totals["m"].queued == 2
+
+
+async def test_read_through_the_store_uses_the_given_wall_time() -> None:
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    await store.put_record("observations", "m@g1", {"model": "m", "gateway_id": "g1", "queued": 4, "in_flight": 1,
+                                                    "arrivals_per_s": 2.0, "ttft_p99_s": 0.2,
+                                                    "updated_at": clock.wall()})
+    assert (await read_gateway_totals(store, clock.wall() + 5)).totals["m"].queued == 4
+    assert (await read_gateway_totals(store, clock.wall() + 10)).totals == {}
