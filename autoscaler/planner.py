@@ -29,11 +29,15 @@ Pure: no clock reads, no I/O, no randomness. Claim and replica ids come from a c
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Union
 
-from providers.base import NodeClaim, Node, Offering, OfferingKey, ReplicaHandle
+from autoscaler.offers import PoolUsage, cheapest, compatible, node_units, units_per_replica
+from providers.base import (CapacityType, Node, NodeClaim, NodeState, Offering, OfferingKey, ReplicaHandle,
+                            ReplicaState)
+from registry.schema import ModelDoc
 from registry.snapshot import Snapshot
 
 # The claim label that says how many replicas of `claim.model` the node was bought for, so a
@@ -164,12 +168,372 @@ def note_insufficient_capacity(state: PlannerState, offering: OfferingKey, now: 
     return replace(state, unavailable_until=until)
 
 
+# ------------------------------------------------------------------------------------------ the tick
+
+
+@dataclass(slots=True)
+class _Host:
+    """A node (or a claim not yet a node) as one tick sees it. Mutable scratch; never leaves the call."""
+
+    id: str  # node id, or "claim:<id>" for a claim with no node listed yet
+    pool: str
+    offering: Offering | None  # None: its offering is no longer listed (no room is offered on it)
+    capacity_type: CapacityType
+    price_usd_per_hour: float
+    running: bool  # replicas may start on it now
+    launched_at: float | None
+    units: int
+    replicas: list[ReplicaHandle] = field(default_factory=list)
+    planned_model: str | None = None
+    planned_n: int = 0
+    disrupting: bool = False
+    used: int = 0  # units taken by live replicas, this tick's starts, and (pending hosts) reservations
+
+    def unfilled(self) -> int:
+        have = sum(1 for r in self.replicas if r.model == self.planned_model)
+        return max(0, self.planned_n - have)
+
+
+@dataclass(slots=True)
+class _Tick:
+    """One call's working set: inputs indexed, the usage per pool, the actions so far."""
+
+    inputs: PlannerInputs
+    now: float
+    unavailable: dict[OfferingKey, float]
+    seq: int
+    hosts: dict[str, _Host] = field(default_factory=dict)
+    usage: dict[str, PoolUsage] = field(default_factory=dict)
+    actions: list[NodeAction] = field(default_factory=list)
+    stopped: set[str] = field(default_factory=set)  # replica ids stopped this tick
+
+    def mint(self, kind: str) -> str:
+        self.seq += 1
+        return f"{self.inputs.id_prefix}-{kind}{self.seq - 1}"
+
+    def model(self, name: str) -> ModelDoc | None:
+        return self.inputs.snapshot.models.get(name)
+
+    def live(self, host: _Host, model: str | None = None) -> list[ReplicaHandle]:
+        return [r for r in host.replicas if r.id not in self.stopped and (model is None or r.model == model)]
+
+
+def _find_offering(offerings: tuple[Offering, ...], pool: str, instance_type: str,
+                   capacity_type: CapacityType, zone: str) -> Offering | None:
+    # A node lands in a concrete zone even when its offering was "any zone" (zone "").
+    exact = loose = None
+    for o in offerings:
+        if o.pool == pool and o.instance_type == instance_type and o.capacity_type is capacity_type:
+            if o.zone == zone:
+                exact = o
+            elif o.zone == "" and loose is None:
+                loose = o
+    return exact or loose
+
+
+def _index_hosts(tick: _Tick) -> None:
+    """Hosts from listed nodes and node-less claims; interrupted nodes are deleted and ICE-noted."""
+    inputs, cpu = tick.inputs, tick.inputs.settings.cpu_replicas_per_node
+    listed_claims = {n.claim_id for n in inputs.nodes}
+    for node in sorted(inputs.nodes, key=lambda n: n.id):
+        offering = _find_offering(inputs.offerings, node.pool, node.instance_type, node.capacity_type, node.zone)
+        if node.state is NodeState.INTERRUPTED:
+            key = offering.key if offering else OfferingKey(node.pool, node.instance_type, node.capacity_type, node.zone)
+            tick.unavailable[key] = max(tick.unavailable.get(key, 0.0), tick.now + inputs.settings.ice_ttl_s)
+            tick.actions.append(DeleteNode(node.id, node.pool, f"preempted: {node.reason or 'spot interruption'}"))
+            continue
+        if node.state not in (NodeState.PENDING, NodeState.RUNNING):
+            continue
+        host = _Host(node.id, node.pool, offering, node.capacity_type, node.price_usd_per_hour,
+                     node.state is NodeState.RUNNING, node.launched_at,
+                     node_units(offering, cpu) if offering else 0,
+                     planned_model=node.model, planned_n=_planned(node.tags))
+        tick.hosts[host.id] = host
+    for claim in sorted(inputs.claims, key=lambda c: c.id):
+        if claim.id in listed_claims:
+            continue
+        k = claim.offering
+        offering = _find_offering(inputs.offerings, k.pool, k.instance_type, k.capacity_type, k.zone)
+        host = _Host(f"claim:{claim.id}", k.pool, offering, k.capacity_type,
+                     offering.price_usd_per_hour if offering else 0.0, False, None,
+                     node_units(offering, cpu) if offering else 0,
+                     planned_model=claim.model, planned_n=_planned(claim.labels))
+        tick.hosts[host.id] = host
+    for host in tick.hosts.values():
+        usage = tick.usage.setdefault(host.pool, PoolUsage())
+        usage.num_nodes += 1
+        usage.num_gpus += host.offering.gpu_count if host.offering else 0
+        usage.usd_per_hour += host.price_usd_per_hour
+
+
+def _planned(tags: Mapping[str, str]) -> int:
+    try:
+        return max(0, int(tags.get(LABEL_PLANNED_REPLICAS, "1")))
+    except ValueError:
+        return 1
+
+
+def _index_replicas(tick: _Tick) -> None:
+    """Attach live replicas to their hosts; failed replicas are stopped (their model re-placed)."""
+    for replica in sorted(tick.inputs.replicas, key=lambda r: r.id):
+        host = tick.hosts.get(replica.node_id)
+        if replica.state is ReplicaState.FAILED:
+            tick.actions.append(StopReplica(replica.id, replica.model, replica.node_id,
+                                            f"failed: {replica.reason or 'no reason given'}"))
+            continue
+        if replica.state in (ReplicaState.STARTING, ReplicaState.READY) and host is not None:
+            host.replicas.append(replica)
+    for host in tick.hosts.values():
+        model = tick.model(host.planned_model) if host.planned_model else None
+        reserved = host.unfilled() * units_per_replica(model) if (model and not host.running) else 0
+        host.used = reserved + sum(_units_of(tick, r.model) for r in host.replicas)
+
+
+def _units_of(tick: _Tick, model_name: str) -> int:
+    model = tick.model(model_name)
+    return units_per_replica(model) if model else 1
+
+
+def _supply(tick: _Tick, model: str) -> tuple[int, int]:
+    """(replicas counted for `model`, of them on on-demand capacity): live replicas on hosts not being
+    disrupted, plus unfilled reservations on hosts still booting."""
+    total = on_demand = 0
+    for host in tick.hosts.values():
+        if host.disrupting:
+            continue
+        n = len(tick.live(host, model))
+        if not host.running and host.planned_model == model:
+            n += host.unfilled()
+        total += n
+        on_demand += n if host.capacity_type is CapacityType.ON_DEMAND else 0
+    return total, on_demand
+
+
+def _place(tick: _Tick, model: ModelDoc, count: int, on_demand_only: bool, reason: str,
+           exclude: str | None = None) -> tuple[list[NodeAction], int, str]:
+    """Place `count` replicas: free room on running hosts first, then new nodes at the cheapest offering.
+
+    Returns (actions, replicas left unplaced, why). Updates the tick's hosts and usage as it goes, so a
+    caller that wants a dry run works on a copy (see `_consolidate`).
+    """
+    name, need = model.metadata.name, units_per_replica(model)
+    actions: list[NodeAction] = []
+    rooms = [h for h in tick.hosts.values()
+             if h.running and not h.disrupting and h.id != exclude and h.offering is not None
+             and compatible(model, h.offering, on_demand_only=on_demand_only) and h.units - h.used >= need]
+    # Room reserved for this model first (it was bought for it), then the cheapest room per unit.
+    rooms.sort(key=lambda h: (h.planned_model != name, h.price_usd_per_hour / max(1, h.units), h.id))
+    for host in rooms:
+        while count > 0 and host.units - host.used >= need:
+            replica_id = tick.mint("r")
+            actions.append(StartReplica(name, host.id, replica_id, reason))
+            host.used += need
+            host.replicas.append(ReplicaHandle(replica_id, name, host.id, "", None, ReplicaState.STARTING, tick.now))
+            count -= 1
+    while count > 0:
+        choice = cheapest(model, count, tick.inputs.offerings, unavailable=tick.unavailable, now=tick.now,
+                          usage=tick.usage, pools={k: v.spec for k, v in tick.inputs.snapshot.pools.items()},
+                          on_demand_only=on_demand_only,
+                          cpu_replicas_per_node=tick.inputs.settings.cpu_replicas_per_node)
+        if choice.offering is None:
+            return actions, count, choice.why_not
+        offering = choice.offering
+        claim = NodeClaim(tick.mint("n"), offering.key, model=name,
+                          labels={LABEL_PLANNED_REPLICAS: str(choice.replicas)})
+        actions.append(CreateNode(claim, offering.price_usd_per_hour,
+                                  f"{reason}: {choice.replicas} replica(s) of {name} on {offering.key} "
+                                  f"at ${offering.price_usd_per_hour:.2f}/h"))
+        tick.usage.setdefault(offering.pool, PoolUsage()).add(offering)
+        tick.hosts[f"claim:{claim.id}"] = _Host(
+            f"claim:{claim.id}", offering.pool, offering, offering.capacity_type, offering.price_usd_per_hour,
+            False, None, node_units(offering, tick.inputs.settings.cpu_replicas_per_node),
+            planned_model=name, planned_n=choice.replicas, used=choice.replicas * need)
+        count -= choice.replicas
+    return actions, 0, ""
+
+
+def _scale_models(tick: _Tick) -> None:
+    """Per model: place the deficit (on-demand base first), stop the surplus."""
+    desired = dict(tick.inputs.desired)
+    names = sorted(set(desired) | {r.model for h in tick.hosts.values() for r in h.replicas})
+    for name in names:
+        model = tick.model(name)
+        want = max(0, desired.get(name, 0))
+        if model is None:
+            # Removed from the registry (or never there): nothing may run for it.
+            want = 0
+        have, on_demand = _supply(tick, name)
+        if have < want and model is not None:
+            base = min(model.spec.placement.on_demand_base_replicas, want) if model.spec.placement.allow_spot else 0
+            need_od = min(want - have, max(0, base - on_demand))
+            left_total, why = 0, ""
+            for count, od_only, label in ((need_od, True, "on-demand base"), (want - have - need_od, False, "scale up")):
+                if count <= 0:
+                    continue
+                actions, left, why_part = _place(tick, model, count, od_only, f"{label} {have} -> {want}")
+                tick.actions.extend(actions)
+                left_total += left
+                why = why or why_part
+            if left_total:
+                tick.actions.append(Unschedulable(name, left_total, why))
+        elif have > want:
+            _stop_surplus(tick, name, model, have - want, want)
+
+
+def _stop_surplus(tick: _Tick, name: str, model: ModelDoc | None, surplus: int, want: int) -> None:
+    """Stop `surplus` live replicas: not-yet-ready ones first, then those on the emptiest and priciest
+    nodes (so whole nodes free up), never taking on-demand below the model's on-demand base."""
+    base = min(model.spec.placement.on_demand_base_replicas, want) if model else 0
+    _, on_demand = _supply(tick, name)
+    candidates = [(h, r) for h in tick.hosts.values() if not h.disrupting for r in tick.live(h, name)]
+    candidates.sort(key=lambda hr: (hr[1].state is ReplicaState.READY, len(tick.live(hr[0])),
+                                    -hr[0].price_usd_per_hour / max(1, hr[0].units), hr[1].id))
+    for host, replica in candidates:
+        if surplus <= 0:
+            break
+        if host.capacity_type is CapacityType.ON_DEMAND:
+            if on_demand - 1 < base:
+                continue
+            on_demand -= 1
+        tick.stopped.add(replica.id)
+        host.used -= _units_of(tick, name)
+        tick.actions.append(StopReplica(replica.id, name, host.id, f"scale down to {want}"))
+        surplus -= 1
+
+
+def _finish_disruptions(tick: _Tick, disruptions: tuple[Disruption, ...]) -> tuple[Disruption, ...]:
+    """Keep disruptions whose node still exists and that have not timed out; complete those whose
+    replacements are ready: stop the old replicas, then delete the node."""
+    kept: list[Disruption] = []
+    for d in disruptions:
+        host = tick.hosts.get(d.node_id)
+        if host is None or tick.now - d.started_at > tick.inputs.settings.disruption_timeout_s:
+            if host is not None:
+                host.disrupting = False  # timed out: its replicas count again; the spares become surplus
+            continue
+        host.disrupting = True
+        kept.append(d)
+    return tuple(kept)
+
+
+def _complete_disruptions(tick: _Tick, disruptions: tuple[Disruption, ...]) -> tuple[Disruption, ...]:
+    kept: list[Disruption] = []
+    desired = tick.inputs.desired
+    for d in disruptions:
+        host = tick.hosts[d.node_id]
+        models = {r.model for r in tick.live(host)}
+        ready = {m: sum(1 for h in tick.hosts.values() if not h.disrupting for r in tick.live(h, m)
+                        if r.state is ReplicaState.READY) for m in models}
+        if all(ready[m] >= desired.get(m, 0) for m in models):
+            for r in tick.live(host):
+                tick.stopped.add(r.id)
+                tick.actions.append(StopReplica(r.id, r.model, host.id, f"consolidated: {d.reason}"))
+            tick.actions.append(DeleteNode(host.id, host.pool, f"consolidated: {d.reason}"))
+            del tick.hosts[host.id]
+        else:
+            kept.append(d)
+    return tuple(kept)
+
+
+def _release_empty(tick: _Tick, empty_since: Mapping[str, float]) -> dict[str, float]:
+    """Running nodes with no replica: note since when; delete those empty for the grace period."""
+    grace = tick.inputs.settings.empty_node_grace_s
+    result: dict[str, float] = {}
+    for host in sorted(tick.hosts.values(), key=lambda h: h.id):
+        if not host.running or host.disrupting or tick.live(host):
+            continue
+        since = empty_since.get(host.id, tick.now)
+        if tick.now - since >= grace:
+            tick.actions.append(DeleteNode(host.id, host.pool, f"empty for {tick.now - since:.0f}s >= {grace:g}s"))
+            if host.offering is not None:
+                tick.usage[host.pool].remove(host.offering)
+        else:
+            result[host.id] = since
+    return result
+
+
+def _consolidate(tick: _Tick, disruptions: tuple[Disruption, ...]) -> tuple[Disruption, ...]:
+    """Start at most one consolidation, when the fleet is steady and the disruption budget allows."""
+    s = tick.inputs.settings
+    steady = not any(isinstance(a, (CreateNode, StartReplica, Unschedulable)) for a in tick.actions)
+    if not (s.consolidation_enabled and steady and len(disruptions) < s.disruption_budget_nodes):
+        return disruptions
+    if any(not h.running for h in tick.hosts.values()):
+        return disruptions  # something is still booting: judge the fleet once it has settled
+    candidates = [h for h in tick.hosts.values()
+                  if not h.disrupting and tick.live(h) and h.launched_at is not None
+                  and tick.now - h.launched_at >= s.consolidation_min_age_s
+                  and all(r.state is ReplicaState.READY for r in tick.live(h))]
+    if any(r.state is not ReplicaState.READY for h in tick.hosts.values() for r in tick.live(h)):
+        return disruptions
+    candidates.sort(key=lambda h: (-h.price_usd_per_hour, len(tick.live(h)), h.id))
+    for host_id in [h.id for h in candidates]:
+        # A dry run on copies: a candidate that does not pay leaves the tick exactly as it was.
+        saved = (copy.deepcopy(tick.hosts), copy.deepcopy(tick.usage), tick.seq)
+        host = tick.hosts[host_id]
+        host.disrupting = True
+        actions, ok = _replace_host(tick, host)
+        new_cost = sum(a.price_usd_per_hour for a in actions if isinstance(a, CreateNode))
+        if ok and new_cost <= host.price_usd_per_hour * (1.0 - s.consolidation_min_saving) + 1e-9:
+            reason = (f"node {host.id} (${host.price_usd_per_hour:.2f}/h) -> "
+                      f"{'free room elsewhere' if new_cost == 0 else f'${new_cost:.2f}/h'}")
+            tick.actions.extend(_relabel(a, reason) for a in actions)
+            return disruptions + (Disruption(host.id, tick.now, reason),)
+        tick.hosts, tick.usage, tick.seq = saved
+    return disruptions
+
+
+def _replace_host(tick: _Tick, host: _Host) -> tuple[list[NodeAction], bool]:
+    """Place `host`'s replicas elsewhere (free room, else new nodes), keeping each model's on-demand base."""
+    actions: list[NodeAction] = []
+    by_model: dict[str, int] = {}
+    for r in tick.live(host):
+        by_model[r.model] = by_model.get(r.model, 0) + 1
+    for name, count in sorted(by_model.items()):
+        model = tick.model(name)
+        if model is None:
+            return actions, False
+        _, on_demand = _supply(tick, name)  # host is marked disrupting: its replicas do not count
+        base = min(model.spec.placement.on_demand_base_replicas, tick.inputs.desired.get(name, 0))
+        need_od = min(count, max(0, base - on_demand)) if model.spec.placement.allow_spot else 0
+        for n, od_only in ((need_od, True), (count - need_od, False)):
+            if n <= 0:
+                continue
+            placed, left, _ = _place(tick, model, n, od_only, "consolidation", exclude=host.id)
+            actions.extend(placed)
+            if left:
+                return actions, False
+    return actions, True
+
+
+def _relabel(action: NodeAction, reason: str) -> NodeAction:
+    if isinstance(action, (CreateNode, StartReplica)):
+        return replace(action, reason=f"consolidation: {reason}")
+    return action
+
+
 def plan_nodes(inputs: PlannerInputs, state: PlannerState,
                now: float) -> tuple[PlannerState, list[NodeAction]]:
     """One planning tick: the new state and the actions, in the order to perform them.
 
+    Order: deletes of interrupted nodes, stops of failed replicas, replacements and scale-up (starts,
+    then node creations), scale-down stops, completed consolidations (stops, then the delete), empty
+    node releases, then at most one new consolidation (its starts/creations).
+
     Contract: never returns a CreateNode for capacity already covered by a listed node or an input
-    claim; never stops the last replicas of a model before their replacements are ready during
-    consolidation; every action names ids present in `inputs` (or minted in this call).
+    claim (claims carry LABEL_PLANNED_REPLICAS); a node being consolidated keeps its replicas until
+    its models have `desired` ready replicas elsewhere; StartReplica only names RUNNING nodes; ids it
+    mints (`{id_prefix}-n{seq}`, `{id_prefix}-r{seq}`) never repeat within one state lineage.
     """
-    raise NotImplementedError("landing next: signatures first so the reconciler and simulator can code against them")
+    unavailable = {k: t for k, t in state.unavailable_until.items() if t > now}
+    tick = _Tick(inputs, now, unavailable, state.next_seq)
+    _index_hosts(tick)
+    _index_replicas(tick)
+    disruptions = _finish_disruptions(tick, state.disruptions)
+    _scale_models(tick)
+    disruptions = _complete_disruptions(tick, disruptions)
+    empty_since = _release_empty(tick, state.empty_since)
+    disruptions = _consolidate(tick, disruptions)
+    new_state = PlannerState(unavailable_until=tick.unavailable, empty_since=empty_since,
+                             disruptions=disruptions, next_seq=tick.seq)
+    return new_state, tick.actions
