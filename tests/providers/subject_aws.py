@@ -47,11 +47,12 @@ def ec2_error(code: str, message: str = "injected by the test", status: int = 50
 
 class ErrorInjector:
     """A botocore `before-send` hook on a boto3 Session: `rules` map an EC2 action to a function of the
-    request's form fields that returns an error code to answer with (or None to let it through to moto).
-    `seen` counts the requests per action that the hook looked at."""
+    request's form fields that returns an error code to answer with, a whole answer (AWSResponse), or
+    None to let the request through to moto. `seen` counts the requests per action the hook looked at.
+    Register it before the clients are made (they copy the session's hooks); rules may change later."""
 
     def __init__(self, session: boto3.Session) -> None:
-        self.rules: dict[str, Callable[[dict[str, str]], str | None]] = {}
+        self.rules: dict[str, Callable[[dict[str, str]], str | AWSResponse | None]] = {}
         self.seen: dict[str, int] = {}
         session.events.register("before-send.ec2", self._before_send)
 
@@ -61,8 +62,10 @@ class ErrorInjector:
         action = fields.get("Action", "")
         self.seen[action] = self.seen.get(action, 0) + 1
         rule = self.rules.get(action)
-        code = rule(fields) if rule else None
-        return ec2_error(code, status=503 if code in ("RequestLimitExceeded", "Throttling") else 500) if code else None
+        answer = rule(fields) if rule else None
+        if isinstance(answer, str):
+            return ec2_error(answer, status=503 if answer in ("RequestLimitExceeded", "Throttling") else 500)
+        return answer
 
 
 def moto_session() -> boto3.Session:
