@@ -11,7 +11,7 @@ STAMP := $(VENV)/.kvgate-installed
 # torch first, pinned: 2.13.0 resolves to the CPU build on disk; anything unpinned pulls several GB of CUDA.
 TORCH_SPEC := torch==2.13.0
 # Debian packages the tests need, as "command:package" pairs; installed only when the command is missing.
-SYSTEM_DEPS := redis-server:redis-server
+SYSTEM_DEPS := redis-server:redis-server chromium:chromium
 PYTEST_ARGS ?=
 
 .PHONY: run test setup system-deps proto clean help
