@@ -199,6 +199,11 @@ class Autoscaler:
         self._last_tick: float | None = None
         self._fresh_term = True
 
+    @property
+    def providers(self) -> Mapping[str, Provider]:
+        """The providers in use, by pool (given ones and those the factory built)."""
+        return dict(self._providers)
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
         "router", add_help=False, help="run the cache-aware OpenAI gateway",
         description="Run `kvgate router --help` for the gateway's options.")
     router.set_defaults(run=_run_router)
+    autoscaler = commands.add_parser(
+        "autoscaler", add_help=False, help="run the control loops: replicas per model, nodes per pool",
+        description="Run `kvgate autoscaler --help` for the autoscaler's options.")
+    autoscaler.set_defaults(run=_run_autoscaler)
     return parser
 
 
@@ -44,10 +48,16 @@ def _run_router(args: argparse.Namespace) -> int:
     return router_main(args.forwarded)
 
 
+def _run_autoscaler(args: argparse.Namespace) -> int:
+    from autoscaler.main import main as autoscaler_main
+
+    return autoscaler_main(args.forwarded)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("engine", "router"):
+    if args.command in ("engine", "router", "autoscaler"):
         args.forwarded = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

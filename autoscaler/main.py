@@ -1,0 +1,125 @@
+"""`kvgate autoscaler` / `python -m autoscaler`: the control loops, one active copy per cluster.
+
+    kvgate autoscaler --registry DIR --state redis://host:6379/0 [--cluster NAME] [--interval-s 1]
+
+Run as many copies as you like for availability: they share a lease in the state store, one acts and
+the others wait, taking over within --lease-ttl-s of the active one dying (at once when it stops
+cleanly). SIGTERM or Ctrl-C stops the loop and releases the lease; nodes and replicas are left
+running on purpose, and the next autoscaler adopts them through their claim records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from autoscaler.loop import Autoscaler, AutoscalerSettings, default_holder, provider_factory_for
+from kvgate.clock import RealClock
+from kvgate.state import StateStoreError, open_state_store
+from registry.problems import RegistryInvalid
+from registry.watch import RegistryWatcher
+
+log = logging.getLogger("kvgate.autoscaler")
+
+EPILOG = """\
+Stopping (SIGTERM, Ctrl-C) releases the lease and leaves every node and replica running: the next
+autoscaler of the same --cluster on the same --state adopts them. To release a fleet, set its models'
+min_replicas to 0 (or remove its pools) and let the autoscaler scale it down.
+"""
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate autoscaler", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Scale replicas per model from gateway queue depth and buy and release nodes across "
+                    "pools by price and availability. One copy is active at a time (a lease in --state).")
+    parser.add_argument("--registry", required=True, metavar="DIR", help="registry directory (hot-reloaded)")
+    parser.add_argument("--state", required=True, metavar="URL",
+                        help="state store shared with the gateways: redis://host:port/db, or memory:// "
+                             "(this process only: for trying it out)")
+    parser.add_argument("--cluster", default="default",
+                        help="cluster name, tagged on every node bought; an autoscaler only ever touches "
+                             "nodes of its own cluster (default: %(default)s)")
+    parser.add_argument("--key-prefix", default="kvgate:",
+                        help="key prefix in Redis, so several clusters can share one (default: %(default)s)")
+    parser.add_argument("--interval-s", type=_positive, default=1.0, help="seconds between ticks (default: 1)")
+    parser.add_argument("--lease-ttl-s", type=_positive, default=None,
+                        help="a dead active copy is replaced this long after its last tick "
+                             "(default: max(10, 3 x interval))")
+    parser.add_argument("--holder", default=None, help="this copy's name in the lease (default: host-pid-random)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> int:
+    clock = RealClock()
+    try:
+        watcher = await RegistryWatcher.open(args.registry, clock)
+    except RegistryInvalid as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
+        store = open_state_store(args.state, clock, prefix=args.key_prefix)
+    except ValueError as exc:
+        print(f"kvgate autoscaler: --state: {exc}", file=sys.stderr)
+        return 2
+    try:
+        holder = await store.lease_holder("autoscaler")  # fail fast on an unreachable store
+    except StateStoreError as exc:
+        print(f"kvgate autoscaler: cannot reach the state store {args.state}: {exc}", file=sys.stderr)
+        await store.close()
+        return 1
+    lease_ttl_s = args.lease_ttl_s or max(10.0, 3 * args.interval_s)
+    try:
+        settings = AutoscalerSettings(interval_s=args.interval_s, lease_ttl_s=lease_ttl_s,
+                                      member_ttl_s=max(10.0, 3 * args.interval_s))
+    except ValueError as exc:
+        print(f"kvgate autoscaler: {exc}", file=sys.stderr)
+        await store.close()
+        return 2
+    autoscaler = Autoscaler(watcher, store, clock, provider_factory=provider_factory_for(args.cluster, clock),
+                            settings=settings, holder=args.holder or default_holder())
+    log.info("kvgate autoscaler %s: cluster %r, registry %s (version %s), state %s%s", autoscaler.holder,
+             args.cluster, args.registry, watcher.current.version, args.state,
+             f"; {holder} is active, waiting as standby" if holder else "")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(watcher.watch(), name="kvgate-registry-watch")
+    await autoscaler.start()
+    try:
+        await stop.wait()
+    finally:
+        await autoscaler.stop()
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        for provider in autoscaler.providers.values():
+            await provider.close()  # closes clients only: nodes and replicas keep running
+        await store.close()
+    log.info("kvgate autoscaler %s stopped; lease released, nodes and replicas left running for the next "
+             "autoscaler to adopt", autoscaler.holder)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""`kvgate autoscaler` as a real process against a real redis-server: it takes the lease, scales a model
+from a gateway observation, reloads the registry while running, and on SIGTERM releases the lease and
+exits 0 leaving its nodes. Bad input gets one clear line and a non-zero exit, never a traceback.
+
+The pool in the test registry uses the `fake` provider (in memory, inside the autoscaler process): the
+closest honest stand-in for a cloud here; the state store and the process are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from kvgate.clock import RealClock
+from kvgate.state import RedisStateStore
+from tests.autoscaler.fleet_helpers import write_registry
+from tests.services import free_loopback_port
+
+SECOND_MODEL = """\
+apiVersion: kvgate/v1
+kind: Model
+metadata: {name: m2}
+spec:
+  source: builtin:tiny-llama
+  resources: {gpu_kinds: [L4], gpu_count: 1}
+  scaling: {min_replicas: 0, max_replicas: 1, max_queue_wait_s: 30}
+  placement: {pools: [gpu]}
+"""
+
+
+def in_redis(url: str, prefix: str, action):
+    async def run():
+        store = RedisStateStore.from_url(url, RealClock(), prefix=prefix)
+        try:
+            return await action(store)
+        finally:
+            await store.close()
+    return asyncio.run(run())
+
+
+def wait_for(condition, timeout_s: float, what: str, log_path: Path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; autoscaler log:\n{log_path.read_text()[-3000:]}")
+
+
+def status_of(url: str, prefix: str):
+    async def get(store):
+        record = await store.get_record("autoscaler", "status")
+        return None if record is None else record.data
+    return in_redis(url, prefix, get)
+
+
+def test_the_process_scales_reloads_and_stops_cleanly_on_sigterm(tmp_path: Path, redis_url: str) -> None:
+    (tmp_path / "registry").mkdir()
+    registry = write_registry(tmp_path / "registry")
+    prefix = f"test-{uuid.uuid4().hex[:12]}:"
+    log_path = tmp_path / "autoscaler.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "autoscaler", "--registry", str(registry), "--state", redis_url,
+             "--key-prefix", prefix, "--cluster", "cli-test", "--interval-s", "0.2", "--holder", "cli"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async def gateway_holds_three(store):
+            await store.put_record("observations", "m@g1", {
+                "model": "m", "gateway_id": "g1", "queued": 3, "in_flight": 0, "arrivals_per_s": 0.0,
+                "ttft_p99_s": None, "updated_at": time.time()})
+
+        in_redis(redis_url, prefix, gateway_holds_three)
+        status = wait_for(lambda: (s := status_of(redis_url, prefix)) and s["models"]["m"]["ready"] == 1 and s,
+                          20, "model m to have a ready replica", log_path)
+        assert status["holder"] == "cli" and len(status["nodes"]) == 1
+        members = in_redis(redis_url, prefix, lambda store: store.list_members("m"))
+        assert [m.state.value for m in members] == ["ready"]
+
+        (registry / "second.yaml").write_text(SECOND_MODEL)  # hot reload: a new model appears
+        wait_for(lambda: "m2" in (status_of(redis_url, prefix) or {}).get("models", {}), 20,
+                 "the reloaded registry's model m2 in the status record", log_path)
+
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert in_redis(redis_url, prefix, lambda store: store.lease_holder("autoscaler")) is None
+    # the node was not deleted on the way out: its claim is still there for the next autoscaler to adopt
+    claims = in_redis(redis_url, prefix, lambda store: store.list_records("claims"))
+    assert [(c.data["phase"], c.data["node_id"]) for c in claims] == [("confirmed", status["nodes"][0]["id"])]
+    assert "left running for the next autoscaler to adopt" in log_path.read_text()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoscaler", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_an_invalid_registry_is_reported_with_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text("apiVersion: kvgate/v1\nkind: Model\nmetadata: {name: m}\nspec:\n"
+                                       "  source: builtin:tiny-llama\n  scaling: {min_replicas: -1}\n")
+    done = run_cli("--registry", str(tmp_path), "--state", "memory://")
+    assert done.returncode == 2
+    assert "bad.yaml:" in done.stderr and "min_replicas" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_bad_state_url_and_an_unreachable_redis_are_one_line_errors(tmp_path: Path) -> None:
+    registry = write_registry(tmp_path)
+    unknown = run_cli("--registry", str(registry), "--state", "postgres://db/0")
+    assert unknown.returncode == 2 and "unknown scheme 'postgres'" in unknown.stderr
+    port = free_loopback_port()
+    unreachable = run_cli("--registry", str(registry), "--state", f"redis://127.0.0.1:{port}/0")
+    assert unreachable.returncode == 1 and "cannot reach the state store" in unreachable.stderr
+    for done in (unknown, unreachable):
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_kvgate_command_forwards_to_the_autoscaler_help() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvgate.cli", "autoscaler", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "--registry DIR" in done.stdout and "leaves every node" in done.stdout
