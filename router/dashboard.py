@@ -148,14 +148,23 @@ def window_stats(older: ModelTotals, newer: ModelTotals, seconds: float) -> Wind
 class StatsHistory:
     """A ring of samples covering the last `horizon_s` at one per `interval_s` (600 s at 2 s: 301
     samples, the +1 so the oldest point still has a neighbour to take a rate against). Not thread-safe;
-    one event loop adds and reads."""
+    one event loop adds and reads.
+
+    Each chart point (the window between two neighbouring samples) is computed once, when its later
+    sample arrives, and the assembled `series()` is cached until the next sample: a page polling every
+    1.5 s, or ten of them, costs the gateway's event loop only the JSON encoding."""
 
     def __init__(self, interval_s: float = 2.0, horizon_s: float = 600.0) -> None:
         if interval_s <= 0 or horizon_s < interval_s:
             raise ValueError(f"need 0 < interval_s <= horizon_s, got interval {interval_s}, horizon {horizon_s}")
         self.interval_s = interval_s
         self.horizon_s = horizon_s
-        self._samples: collections.deque[Sample] = collections.deque(maxlen=math.ceil(horizon_s / interval_s) + 1)
+        num_samples = math.ceil(horizon_s / interval_s) + 1
+        self._samples: collections.deque[Sample] = collections.deque(maxlen=num_samples)
+        # (wall, {model: (window stats, the later sample's totals)}), one per neighbouring pair of samples
+        self._points: collections.deque[tuple[float, dict[str, tuple[WindowStats, ModelTotals]]]] = \
+            collections.deque(maxlen=num_samples - 1)
+        self._series: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -167,9 +176,17 @@ class StatsHistory:
     def add(self, sample: Sample) -> None:
         """Append `sample`; one not after the newest (a clock that did not move) replaces it."""
         if self._samples and sample.now <= self._samples[-1].now:
-            self._samples[-1] = sample
-        else:
-            self._samples.append(sample)
+            self._samples.pop()
+            if self._points and len(self._samples) >= 1:
+                self._points.pop()
+        if self._samples:
+            old = self._samples[-1]
+            seconds = sample.now - old.now
+            self._points.append((sample.wall, {
+                name: (window_stats(old.models.get(name, ModelTotals()), totals, seconds), totals)
+                for name, totals in sample.models.items()}))
+        self._samples.append(sample)
+        self._series = None
 
     def latest(self, window_s: float) -> dict[str, WindowStats]:
         """Per model, rates between the newest sample and the newest one at least `window_s` older
@@ -189,29 +206,36 @@ class StatsHistory:
     def series(self) -> dict[str, Any]:
         """The history as JSON for the page's charts: `t` (wall seconds, one per point) and per model
         lists aligned with it. Point i is the window from sample i to sample i+1; gauges are sample
-        i+1's values. N samples give N-1 points."""
-        samples = self._samples
-        points = list(zip(samples, list(samples)[1:]))
+        i+1's values. N samples give N-1 points. The caller must not modify the result (it is cached)."""
+        if self._series is None:
+            self._series = self._assemble()
+        return self._series
+
+    def _assemble(self) -> dict[str, Any]:
+        names = sorted({name for _, point in self._points for name in point})
         models: dict[str, dict[str, Any]] = {}
-        names = sorted({m for s in samples for m in s.models})
         for name in names:
-            rows = {"request_rate": [], "ttft_p50_s": [], "ttft_p99_s": [], "predicted_hit_rate": [],
-                    "realised_hit_rate": [], "queue_depth": [], "in_flight": [], "ready": [], "desired": []}
-            decisions: dict[str, list[float]] = {}
-            for i, (old, new) in enumerate(points):
-                totals = new.models.get(name, ModelTotals())
-                stats = window_stats(old.models.get(name, ModelTotals()), totals, new.now - old.now)
-                for key in ("request_rate", "ttft_p50_s", "ttft_p99_s", "predicted_hit_rate", "realised_hit_rate"):
+            rows: dict[str, list[Any]] = {key: [] for key in (*_WINDOW_KEYS, *_GAUGE_KEYS)}
+            decisions: dict[str, list[float | None]] = {}
+            for i, (_, point) in enumerate(self._points):
+                stats, totals = point.get(name, (_NO_TRAFFIC, ModelTotals()))
+                for key in _WINDOW_KEYS:
                     rows[key].append(_rounded(getattr(stats, key)))
-                for key in ("queue_depth", "in_flight", "ready", "desired"):
+                for key in _GAUGE_KEYS:
                     rows[key].append(getattr(totals, key))
-                for reason, rate in stats.decision_rates.items():
+                for reason in stats.decision_rates:
                     decisions.setdefault(reason, [0.0] * i)
                 for reason, row in decisions.items():
                     row.append(_rounded(stats.decision_rates.get(reason, 0.0)))
             models[name] = {**rows, "decision_rates": decisions}
         return {"interval_s": self.interval_s, "horizon_s": self.horizon_s,
-                "t": [round(new.wall, 3) for _, new in points], "models": models}
+                "t": [round(wall, 3) for wall, _ in self._points], "models": models}
+
+
+_WINDOW_KEYS = ("request_rate", "ttft_p50_s", "ttft_p99_s", "predicted_hit_rate", "realised_hit_rate")
+_GAUGE_KEYS = ("queue_depth", "in_flight", "ready", "desired")
+_NO_TRAFFIC = WindowStats(seconds=0.0, request_rate=0.0, ttft_p50_s=None, ttft_p99_s=None, predicted_hit_rate=None,
+                          realised_hit_rate=None, decision_rates={})
 
 
 def _rounded(value: float | None) -> float | None:

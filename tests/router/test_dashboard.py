@@ -142,12 +142,18 @@ async def test_latest_window_reaches_back_at_least_the_window() -> None:
     assert latest["a"].request_rate == 3.0
 
 
-async def test_a_sample_at_the_same_instant_replaces_the_last() -> None:
+async def test_a_sample_at_the_same_instant_replaces_the_last_and_its_point() -> None:
     clock, metrics = FakeClock(), RouterMetrics()
     dash = _dashboard(clock, metrics)
     dash.take_sample(None)
     dash.take_sample(None)
     assert len(dash.history) == 1
+    await clock.advance(2.0)
+    dash.take_sample(None)
+    assert dash.history.series()["models"]["a"]["request_rate"] == [0.0]
+    _traffic(metrics, dash, 4, ttft_s=0.05)
+    dash.take_sample(None)  # same instant: the cached series is rebuilt with the new counts
+    assert dash.history.series()["models"]["a"]["request_rate"] == [2.0]
 
 
 def test_collect_totals_reads_the_gateway_metrics_and_skips_no_replica_decisions() -> None:
