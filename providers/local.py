@@ -208,11 +208,8 @@ class LocalProvider:
             await self._clock.sleep(poll_s)
 
     async def close(self) -> None:
-        # Replicas keep running: a restarted kvgate adopts them through their pid files. Popen objects of
-        # children still running are dropped; the OS reparents them if this process exits.
-        for replica_id, child in list(self._children.items()):
-            if child.poll() is not None:
-                self._children.pop(replica_id)
+        # Replicas keep running: a restarted kvgate adopts them through their pid files. The Popen objects
+        # are dropped; Python reaps those children when they exit, the OS reparents them if we exit first.
         self._children.clear()
 
     # ---------------------------------------------------------------------------------------- helpers
