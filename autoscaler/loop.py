@@ -96,6 +96,7 @@ class AutoscalerSettings:
     backoff_base_s: float = 5.0  # first retry after a failed replica start; doubles per failure
     backoff_max_s: float = 300.0
     offerings_refresh_s: float = 60.0  # prices and availability are re-read this often per pool
+    stop_wait_s: float = 5.0  # on stop(), how long to wait for replica stops already under way
     planner: PlannerSettings = field(default_factory=PlannerSettings)
 
     def __post_init__(self) -> None:
@@ -153,7 +154,10 @@ class TickReport:
 class _Draining:
     replica: ReplicaHandle
     pool: str
-    stop_at: float  # monotonic seconds
+    stop_at: float  # monotonic seconds: routers have seen DRAINING by then
+    # stop_replica waits up to drain_timeout_s for in-flight requests, so it runs beside the loop
+    # (a 30 s drain must not freeze scaling for every other model); None until started.
+    task: asyncio.Task[None] | None = None
 
 
 class Autoscaler:
@@ -185,6 +189,9 @@ class Autoscaler:
 
     def _reset_leadership(self) -> None:
         # Everything a leader learns; a new term starts from the store and the providers again.
+        for entry in getattr(self, "_draining", {}).values():
+            if entry.task is not None:
+                entry.task.cancel()
         self._scaler: dict[str, ScalerState] = {}
         self._planner = PlannerState()
         self._backoff: dict[str, Backoff] = {}
@@ -218,6 +225,12 @@ class Autoscaler:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        stopping = [e.task for e in self._draining.values() if e.task is not None and not e.task.done()]
+        if stopping:  # replicas already told to stop: give them a moment, the rest finish on their own
+            _, pending = await asyncio.wait(stopping, timeout=self.settings.stop_wait_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*stopping, return_exceptions=True)
         if self.is_leader:
             try:
                 await self._store.release_lease(LEASE_NAME, self.holder)
@@ -273,7 +286,7 @@ class Autoscaler:
                                                        self.settings.planner.ice_ttl_s)
         pool_of = {node.id: node.pool for node in fleet.nodes}
         await self._handle_failed(fleet, pool_of, now, events)
-        stopped = await self._finish_drains(now, events)  # still in this tick's listing: skip them below
+        stopped = await self._finish_drains(now, events)  # may still be in this tick's listing: skip them
         if self._fresh_term:
             await self._drop_stale_members(fleet)
             self._fresh_term = False
@@ -338,10 +351,16 @@ class Autoscaler:
                 self._planner = note_insufficient_capacity(self._planner, result.insufficient.offering, wall,
                                                            self.settings.planner.ice_ttl_s)
         elif isinstance(action, DeleteNode):
+            node = next((n for n in fleet.nodes if n.id == action.node_id), None)
+            if node is not None and node.state is not NodeState.INTERRUPTED and any(
+                    entry.replica.node_id == node.id for entry in self._draining.values()):
+                # The planner does not see draining replicas, so the node looks empty; deleting it
+                # would cut their in-flight requests. It asks again next tick, after the drain.
+                return None
             for replica in fleet.replicas:
                 if replica.node_id == action.node_id:
                     await self._unpublish(replica.id)
-                    self._draining.pop(replica.id, None)
+                    self._forget_drain(replica.id)
             try:
                 events.extend(await self._reconciler.delete_node(action.node_id, fleet, action.reason))
             except ProviderError as exc:  # the claim stays DELETING; reconcile re-drives it
@@ -398,7 +417,7 @@ class Autoscaler:
                 continue
             self._failed_seen.add(replica.id)
             await self._unpublish(replica.id)
-            self._draining.pop(replica.id, None)
+            self._forget_drain(replica.id)
             if replica.node_id in interrupted:
                 continue  # the node was preempted: not the replica's fault, no back-off
             backoff = self._backoff.get(replica.model, Backoff()).after_failure(
@@ -416,21 +435,34 @@ class Autoscaler:
                                               f"clean up failed replica {replica.id}: {exc}"))
 
     async def _finish_drains(self, now: float, events: list[Event]) -> set[str]:
-        """Stop replicas whose drain notice is over; returns their ids."""
+        """Start `stop_replica` for replicas whose drain notice is over, and collect finished stops;
+        returns the ids stopped since the last tick. A failed stop is retried next tick."""
         stopped = set()
         for replica_id, entry in sorted(self._draining.items()):
-            if now < entry.stop_at:
+            if entry.task is None:
+                if now >= entry.stop_at:
+                    entry.task = asyncio.create_task(
+                        self._providers[entry.pool].stop_replica(replica_id, self.settings.drain_timeout_s),
+                        name=f"kvgate-stop-{replica_id}")
                 continue
-            try:
-                await self._providers[entry.pool].stop_replica(replica_id, self.settings.drain_timeout_s)
-            except ProviderError as exc:
-                events.append(self._event(entry.replica.model, EventKind.PROVIDER_ERROR, f"stop {replica_id}: {exc}"))
+            if not entry.task.done():
+                continue
+            error = entry.task.exception() if not entry.task.cancelled() else None
+            if entry.task.cancelled() or error is not None:
+                entry.task = None
+                events.append(self._event(entry.replica.model, EventKind.PROVIDER_ERROR,
+                                          f"stop {replica_id}: {error or 'cancelled'}; retrying"))
                 continue
             del self._draining[replica_id]
             stopped.add(replica_id)
             await self._unpublish(replica_id)
             events.append(self._event(entry.replica.model, EventKind.REPLICA_STOP, f"stopped {replica_id}"))
         return stopped
+
+    def _forget_drain(self, replica_id: str) -> None:
+        entry = self._draining.pop(replica_id, None)
+        if entry is not None and entry.task is not None:
+            entry.task.cancel()
 
     # -- publishing ------------------------------------------------------------------------------
 

@@ -168,3 +168,32 @@ async def test_start_and_stop_run_ticks_on_the_clock_and_release_the_lease(snaps
     assert await store.lease_holder("autoscaler") is None
     assert len(await provider.list()) == 1 and len(await provider.list_replicas()) == 1  # left running
     assert clock.num_sleepers == 0
+
+
+class SlowStopProvider(FakeProvider):
+    """A provider whose stop_replica takes 20 s of (fake) time, as a draining engine does."""
+
+    async def stop_replica(self, replica_id: str, drain_deadline_s: float = 30.0) -> None:
+        await self._clock.sleep(20)
+        await super().stop_replica(replica_id, drain_deadline_s)
+
+
+async def test_a_slow_drain_does_not_stall_the_loop(snapshot, store, clock) -> None:
+    provider = SlowStopProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock,
+                                replica_start_latency_s=3)
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 6, lambda: observe(store, clock, in_flight=2))
+    [replica] = await provider.list_replicas()
+    states: list[list] = []
+
+    async def idle() -> None:
+        await observe(store, clock)
+        states.append(await members(store))
+
+    # each tick returns although a stop takes 20 s: a tick awaiting it would never return here
+    reports = await run_ticks(autoscaler, clock, 70, idle)
+
+    assert len(reports) == 70 and all(r.leader and r.error is None for r in reports)
+    draining = [i for i, m in enumerate(states) if m == [(replica.id, "draining")]]
+    assert len(draining) >= 20  # DRAINING for the notice plus the whole 20 s stop
+    assert states[-1] == [] and await provider.list_replicas() == []
