@@ -1,0 +1,88 @@
+"""The embedded set-up that `kvgate up` uses: the loop with the real `local` provider, real `kvgate
+engine` child processes (builtin tiny-llama) and the memory store, on the real clock.
+
+An autoscaler brings the model's one replica up, stops (as on SIGTERM: replicas left running), and a
+new autoscaler with a new provider on the same work directory and store adopts the running replica
+instead of starting another. The test then stops every process it caused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from autoscaler.loop import Autoscaler, AutoscalerSettings, FixedSnapshot, provider_factory_for
+from kvgate.clock import RealClock
+from kvgate.state import MemoryStateStore
+from registry import load_registry
+
+REGISTRY = """\
+apiVersion: kvgate/v1
+kind: Model
+metadata: {{name: tiny-llama}}
+spec:
+  source: builtin:tiny-llama
+  engine: {{max_model_len_tokens: 512, kv_cache_bytes: 32MiB}}
+  scaling: {{min_replicas: 1, max_replicas: 1}}
+---
+apiVersion: kvgate/v1
+kind: Pool
+metadata: {{name: local}}
+spec:
+  provider: local
+  max_nodes: 1
+  node_boot_s: 0
+  offers: [{{instance_type: local-slot, gpu_kind: cpu, gpu_count: 0, price_usd_per_hour: 0}}]
+  local: {{host: 127.0.0.1, work_dir: "{work_dir}"}}
+"""
+
+
+async def ready_members(store: MemoryStateStore, timeout_s: float) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        members = await store.list_members()
+        if members and all(m.state.value == "ready" for m in members):
+            return members
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no ready replica after {timeout_s} s: {await store.list_members()}")
+
+
+async def test_a_restarted_autoscaler_adopts_the_running_local_replica(tmp_path: Path) -> None:
+    (tmp_path / "registry").mkdir()
+    (tmp_path / "registry" / "r.yaml").write_text(REGISTRY.format(work_dir=tmp_path / "work"))
+    snapshot = FixedSnapshot(load_registry(tmp_path / "registry"))
+    clock = RealClock()
+    store = MemoryStateStore(clock)
+    settings = AutoscalerSettings(interval_s=0.2, lease_ttl_s=2.0)
+    first = Autoscaler(snapshot, store, clock, provider_factory=provider_factory_for("t", clock),
+                       settings=settings, holder="first")
+    second = None
+    try:
+        await first.start()
+        [member] = await ready_members(store, 60)  # ~5.5 s on a 2-core box (tiny-llama load)
+        await first.stop()
+        for provider in first.providers.values():
+            await provider.close()
+
+        second = Autoscaler(snapshot, store, clock, provider_factory=provider_factory_for("t", clock),
+                            settings=settings, holder="second")
+        await second.start()
+        await asyncio.sleep(1.5)  # several ticks as leader
+        [adopted] = await ready_members(store, 10)
+
+        assert second.is_leader
+        assert adopted.replica_id == member.replica_id and adopted.url == member.url
+        [local] = second.providers.values()
+        assert [r.id for r in await local.list_replicas()] == [member.replica_id]
+    finally:
+        for autoscaler in (first, second):
+            if autoscaler is None:
+                continue
+            await autoscaler.stop()
+            for provider in autoscaler.providers.values():
+                for replica in await provider.list_replicas():
+                    await provider.stop_replica(replica.id, 5.0)
+                for node in await provider.list():
+                    await provider.delete(node.id)
+                await provider.close()
