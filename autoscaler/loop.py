@@ -329,7 +329,18 @@ class Autoscaler:
                 claims=tuple(r.claim for r in fleet.claims.values() if r.node_id not in listed),
                 settings=self.settings.planner, id_prefix=self.id_prefix)
             self._planner, actions = plan_nodes(inputs, self._planner, wall)
+            unschedulable = {a.model for a in actions if isinstance(a, Unschedulable)}
+            self._unschedulable = {m: r for m, r in self._unschedulable.items() if m in unschedulable}
+            renewed_at = now
             for action in actions:
+                if self._clock.now() - renewed_at >= self.settings.lease_ttl_s / 3:
+                    # Slow provider calls: renew before acting further, and stop acting if another
+                    # autoscaler took over meanwhile (two leaders must never buy at once).
+                    if not await self._store.acquire_lease(LEASE_NAME, self.holder, self.settings.lease_ttl_s):
+                        log.warning("lease lost during a tick; %d action(s) left to the new leader",
+                                    len(actions) - actions.index(action))
+                        break
+                    renewed_at = self._clock.now()
                 started = await self._perform(action, snapshot, fleet, now, wall, events)
                 if started is not None:
                     just_started.add(started)
@@ -409,13 +420,14 @@ class Autoscaler:
 
     async def _handle_failed(self, fleet: Fleet, pool_of: Mapping[str, str], now: float,
                              events: list[Event]) -> None:
+        self._failed_seen &= {r.id for r in fleet.replicas}
         interrupted = {n.id for n in fleet.nodes if n.state is NodeState.INTERRUPTED}
         for replica in fleet.replicas:
             if replica.state is ReplicaState.READY:
                 self._backoff.pop(replica.model, None)
             if replica.state is not ReplicaState.FAILED or replica.id in self._failed_seen:
                 continue
-            self._failed_seen.add(replica.id)
+            self._failed_seen.add(replica.id)  # pruned below once the provider stops listing it
             await self._unpublish(replica.id)
             self._forget_drain(replica.id)
             if replica.node_id in interrupted:

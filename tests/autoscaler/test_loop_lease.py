@@ -9,6 +9,7 @@ afterwards every claim was bought exactly once and no node is untracked.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
@@ -133,3 +134,35 @@ async def test_a_leader_killed_mid_purchase_leaves_no_leak_and_no_double_buy(
     assert all(c.phase is ClaimPhase.CONFIRMED for c in claims)
     every_create = creates_by_a + creates_by_b
     assert sorted(set(every_create)) == sorted(every_create)  # no claim id bought twice
+
+
+class SlowFirstCreateProvider(FakeProvider):
+    """A cloud whose first create takes 11 s: longer than the 10 s lease."""
+
+    async def create(self, claim):
+        if not any(name == "create" for name, _ in self.calls):
+            await self._clock.sleep(11)
+        return await super().create(claim)
+
+
+async def test_a_leader_whose_lease_lapsed_mid_tick_stops_buying(snapshot, two_stores, clock) -> None:
+    cloud = FakeCloud()
+    slow = SlowFirstCreateProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock, cloud=cloud)
+    other = FakeProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock, cloud=cloud)
+    a = make_autoscaler(snapshot, two_stores[0], clock, slow, holder="a")
+    b = make_autoscaler(snapshot, two_stores[1], clock, other, holder="b")
+    await observe(two_stores[0], clock, queued=9)  # ceil(9 / 4) = 3 replicas: three CreateNode actions
+    tick_a = asyncio.create_task(a.tick())
+    while clock.num_sleepers == 0:  # redis round trips take real time: wait until a sits in create
+        await asyncio.sleep(0.005)
+    await clock.advance(10.5)  # a is inside its first create; its lease lapsed at +10 s
+    other.fail_next(1, methods=["list"])  # b leads but cannot see the pool, so it leaves a's claim alone
+    assert (await b.tick()).leader
+    await clock.advance(1)  # a's create returns; before buying more, a must notice it lost the lease
+    await tick_a
+
+    creates_by_a = [args[0].id for name, args in slow.calls if name == "create"]
+    assert len(creates_by_a) == 1  # without the mid-tick renewal a would go on to buy all three
+    [node] = await other.list()
+    [record] = await ClaimStore(two_stores[1], "check").list()
+    assert (record.claim_id, record.node_id) == (node.claim_id, node.id)  # the one node is tracked
