@@ -195,7 +195,8 @@ class Autoscaler:
         self._scaler: dict[str, ScalerState] = {}
         self._planner = PlannerState()
         self._backoff: dict[str, Backoff] = {}
-        self._failed_seen: set[str] = set()
+        self._failed_seen: set[str] = set()  # failed replicas already reported (and backed off)
+        self._preempted_seen: set[str] = set()  # interrupted nodes already reported
         self._draining: dict[str, _Draining] = {}
         self._published: set[str] = set()
         self._offerings: dict[str, tuple[float, list[Offering]]] = {}
@@ -422,6 +423,13 @@ class Autoscaler:
                              events: list[Event]) -> None:
         self._failed_seen &= {r.id for r in fleet.replicas}
         interrupted = {n.id for n in fleet.nodes if n.state is NodeState.INTERRUPTED}
+        self._preempted_seen &= interrupted
+        for node in fleet.nodes:
+            if node.id in interrupted and node.id not in self._preempted_seen:
+                self._preempted_seen.add(node.id)
+                events.append(self._event(node.model, EventKind.PREEMPTED,
+                                          f"node {node.id} ({node.instance_type}, {node.capacity_type.value}): "
+                                          f"{node.reason or 'interrupted'}"))
         for replica in fleet.replicas:
             if replica.state is ReplicaState.READY:
                 self._backoff.pop(replica.model, None)

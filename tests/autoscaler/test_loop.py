@@ -145,6 +145,8 @@ async def test_a_preempted_spot_node_is_replaced_on_demand_without_backoff(tmp_p
     assert [r.state.value for r in await provider.list_replicas()] == ["ready"]
     status = (await store.get_record(STATUS_COLLECTION, STATUS_ID)).data
     assert not [e for e in status["events"] if e["kind"] == "replica_failed"]
+    [preempted] = [e for e in status["events"] if e["kind"] == "preempted"]
+    assert node.id in preempted["message"] and "spot interruption" in preempted["message"]
 
 
 async def test_the_running_cost_accrues_per_tick(snapshot, store, clock, provider) -> None:
