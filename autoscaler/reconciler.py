@@ -144,7 +144,8 @@ class Reconciler:
             node = nodes[0]
             if record is None:
                 for orphan in nodes:
-                    await self._release_orphan(orphan, scratch, why="no claim")
+                    if orphan.state is not NodeState.TERMINATING:  # already going: asking again is noise
+                        await self._release_orphan(orphan, scratch, why="no claim")
             elif record.phase is ClaimPhase.PENDING:
                 claims[claim_id] = await self._claims.confirm(record, node.id, self._clock.wall())
                 scratch.events.append(self._event(node.model, EventKind.NODE_ADOPTED,

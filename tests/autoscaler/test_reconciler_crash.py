@@ -185,3 +185,17 @@ async def test_a_node_terminated_outside_kvgate_drops_its_claim(store: StateStor
     fleet = await rec.reconcile()
 
     assert fleet.claims == {} and [e.kind.value for e in fleet.events] == ["preempted"]
+
+
+async def test_a_node_still_terminating_after_its_delete_is_not_released_again(store: StateStore, clock) -> None:
+    provider = fake_provider(clock, terminate_latency_s=30)
+    rec = reconciler(provider, store, clock)
+    node = (await rec.create_node(claim("c1"))).node
+    await rec.delete_node(node.id, await rec.reconcile(), "empty")
+    assert [n.state.value for n in await provider.list()] == ["terminating"]
+
+    fleet = await rec.reconcile()
+
+    assert fleet.events == () and [args for name, args in provider.calls if name == "delete"] == [(node.id,)]
+    await clock.advance(30)
+    assert await provider.list() == []
