@@ -83,7 +83,7 @@ class AwsProvider:
         self._spec = spec
         self._settings = spec.aws or AwsSettings()
         self._clock = clock
-        self._sleep = sleep or clock.sleep
+        self._sleep = sleep if sleep is not None else clock.sleep
         self._backoff = backoff
         self._package = package
         self._stockout_ttl_s = stockout_ttl_s

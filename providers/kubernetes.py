@@ -99,7 +99,7 @@ class KubernetesProvider:
         self._spec = spec
         self._settings = spec.kubernetes or KubernetesSettings()
         self._clock = clock
-        self._sleep = sleep or clock.sleep
+        self._sleep = sleep if sleep is not None else clock.sleep
         self._max_attempts = max_attempts
         try:
             self._node_pool = NodePoolRef.parse(self._settings.node_pool) if self._settings.node_pool else None

@@ -40,7 +40,7 @@ class KubeWorld:
     kubeconfig: Path
 
     def node_pool(self) -> dict[str, Any]:
-        return dict(self.emulator.objects[MACHINE_DEPLOYMENTS, NAMESPACE, NODE_POOL])
+        return self.emulator.objects[MACHINE_DEPLOYMENTS, NAMESPACE, NODE_POOL].raw
 
     def set_node_pool(self, **spec_or_status: Any) -> None:
         """Write the node pool as its controller (or another operator) would."""
