@@ -40,6 +40,7 @@ class ForecastState:
     trend_rps_per_s: float = 0.0
     updated_at: float | None = None
     surprise_var: float = 0.0  # smoothed variance of (sample - prediction), (requests/s)^2
+    first_at: float | None = None  # first sample: the trend is not trusted before two trend time constants
 
 
 def observe_rate(state: ForecastState, arrivals_per_s: float, now: float,
@@ -52,7 +53,7 @@ def observe_rate(state: ForecastState, arrivals_per_s: float, now: float,
     """
     x = arrivals_per_s if math.isfinite(arrivals_per_s) and arrivals_per_s > 0 else 0.0
     if state.level_rps is None or state.updated_at is None:
-        return ForecastState(level_rps=x, trend_rps_per_s=0.0, updated_at=now, surprise_var=0.0)
+        return ForecastState(level_rps=x, trend_rps_per_s=0.0, updated_at=now, surprise_var=0.0, first_at=now)
     dt = now - state.updated_at
     if dt <= 0:
         return state
@@ -62,7 +63,8 @@ def observe_rate(state: ForecastState, arrivals_per_s: float, now: float,
     level = alpha * x + (1.0 - alpha) * predicted
     trend = beta * (level - state.level_rps) / dt + (1.0 - beta) * state.trend_rps_per_s
     surprise_var = beta * (x - predicted) ** 2 + (1.0 - beta) * state.surprise_var
-    return ForecastState(level_rps=level, trend_rps_per_s=trend, updated_at=now, surprise_var=surprise_var)
+    return ForecastState(level_rps=level, trend_rps_per_s=trend, updated_at=now, surprise_var=surprise_var,
+                         first_at=state.first_at)
 
 
 def forecast_rate(state: ForecastState, horizon_s: float,
@@ -71,11 +73,14 @@ def forecast_rate(state: ForecastState, horizon_s: float,
 
     Worked numbers: level 10 rps, trend +0.05 rps/s, horizon 120 s -> 10 + 0.05 x 120 = 16 rps, when
     the samples' surprise deviation is below 6 / 2 = 3 rps; with noisier samples the trend is noise
-    and the forecast is the level, 10 rps.
+    and the forecast is the level, 10 rps. So it is for the first 2 x `trend_time_constant_s` of data,
+    while the trend still carries the jump from 0 to the first level (e^-2: 14 % of it is left then).
     """
     if state.level_rps is None:
         return None
     gain = state.trend_rps_per_s * max(0.0, horizon_s)
-    if abs(gain) < settings.min_trend_sigmas * math.sqrt(state.surprise_var):
+    warming = (state.first_at is None or state.updated_at is None
+               or state.updated_at - state.first_at < 2.0 * settings.trend_time_constant_s)
+    if warming or abs(gain) < settings.min_trend_sigmas * math.sqrt(state.surprise_var):
         gain = 0.0
     return max(0.0, state.level_rps + gain)

@@ -154,19 +154,29 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     if s.forecast_enabled and spec.cold_start_s > 0:
         forecast_rps = forecast_rate(fstate, spec.cold_start_s, spec.forecast)
         mean_rps = _mean([x.arrivals_per_s for x in samples])
-        if forecast_rps is not None and mean_rps > 0:
+        # Only a significant rising trend adds replicas: the forecast's level alone is a noisier copy
+        # of what the stable window already says, and counting it would flap on steady load.
+        rising = forecast_rps is not None and fstate.level_rps is not None and forecast_rps > fstate.level_rps
+        if rising and forecast_rps is not None and mean_rps > 0:
             # Little's law: concurrency = arrival rate x time in system; the window gives the latter.
             forecast_desired = bound(_ceil_div(forecast_rps * stable_conc / mean_rps, s.target_ongoing_requests))
 
     # Panic: KPA enters (and extends) when panic desire / ready >= threshold, leaves a stable window later.
-    over = panic_desired / ready >= s.panic_threshold
+    history_s = now - samples[0].t
+    warming = history_s < s.panic_window_s
+    over = not warming and panic_desired / ready >= s.panic_threshold
     panic_over_at = now if over else state.panic_over_at
     if panic_over_at is not None and not over and now - panic_over_at > s.stable_window_s:
         panic_over_at = None
     panic = panic_over_at is not None
 
     up_since, down_since, down_max = state.up_since, state.down_since, state.down_max
-    if panic:
+    if warming:
+        # A fresh scaler (first start, or a restart that lost its state) has a window of one or two
+        # samples: hold what exists until a panic window of data is in, rather than jump on noise.
+        desired, panic_max = current, 0
+        reason = f"warming up: {history_s:.0f}s of data < panic window {s.panic_window_s:g}s; hold {current}"
+    elif panic:
         panic_max = max(state.panic_max if state.panic_over_at is not None else current, panic_desired, current)
         desired = panic_max
         reason = (f"panic: {panic_conc:.1f} ongoing over {s.panic_window_s:g}s / target "

@@ -45,8 +45,18 @@ def test_noisy_steady_rate_forecasts_the_level_not_a_noise_trend() -> None:
 
 
 def test_a_falling_ramp_never_forecasts_below_zero() -> None:
-    state = feed([(float(t), max(0.0, 10 - 0.1 * t)) for t in range(90)])
+    # 10 /s falling by 0.1 /s each second, then 0: at t=140 (past the 120 s warm-up) the level is ~0 and
+    # the trend negative: the forecast is 0, not below.
+    state = feed([(float(t), max(0.0, 10 - 0.1 * t)) for t in range(140)])
+    assert state.trend_rps_per_s < 0
     assert forecast_rate(state, 600.0) == 0.0
+
+
+def test_the_trend_is_not_used_during_the_warm_up() -> None:
+    # A ramp seen for 60 s: the trend is there but not yet trusted (2 x 60 s warm-up): forecast = level.
+    state = feed([(float(t), 0.5 * t) for t in range(61)])
+    assert state.trend_rps_per_s > 0
+    assert forecast_rate(state, 120.0) == state.level_rps
 
 
 @pytest.mark.parametrize("bad", [-5.0, float("nan"), float("inf")])

@@ -153,11 +153,13 @@ def test_scale_down_delay_uses_the_highest_count_wanted_during_the_delay() -> No
 # --------------------------------------------------------------------------------------- no flapping
 
 
-def test_noisy_steady_load_changes_the_count_at_most_twice_in_30_minutes() -> None:
-    # Poisson-like noise: in flight ~ N(36, 6), arrivals ~ N(9, 1.5) /s, target 8 -> 4.5 -> ~5 replicas.
-    # 1800 ticks of 1 s, forecast on (cold start 120 s), default down delay 30 s, replicas ready 60 s
-    # after being asked for. Allowed: the first step to the steady count plus one correction.
-    rng = random.Random(7)
+@pytest.mark.parametrize("seed", range(10))
+def test_noisy_steady_load_changes_the_count_at_most_twice_in_30_minutes(seed: int) -> None:
+    # Noise: in flight ~ N(36, 6), arrivals ~ N(9, 1.5) /s, target 8 -> 4.5 -> 5 replicas.
+    # 1800 ticks of 1 s, forecast on (cold start 120 s), down delay 30 s, replicas ready 60 s after
+    # being asked for. At most 2 changes (one excursion and back). Measured over seeds 0..99: 96 runs
+    # with 0 changes, 4 with 2 (see the report).
+    rng = random.Random(seed)
     spec = ScalerSpec(scaling(scale_down_delay_s=30.0, forecast_enabled=True), cold_start_s=120.0)
 
     def load(t: float) -> tuple[float, float]:
@@ -246,9 +248,15 @@ def test_forecast_never_lowers_the_count_on_a_falling_ramp() -> None:
     assert [d.desired for _, d in on] == [d.desired for _, d in off]
 
 
-def test_first_decision_starts_from_the_replicas_that_exist() -> None:
-    # No state yet, 3 ready + 1 starting, load for 4: the scaler does not jump to the load's count
-    # downwards on its first tick without the down delay (30 s).
+def test_a_fresh_scaler_holds_the_replicas_that_exist_for_a_panic_window() -> None:
+    # No state yet (first start or a restart), 3 ready + 1 starting, load for 1 (8 in flight): hold 4
+    # while under 6 s of data, then the down delay (30 s) runs from t=6: 4 until t=36, then down.
     spec = ScalerSpec(scaling(scale_down_delay_s=30.0))
-    state, decision = decide_replicas(spec, ScalerState(), obs(8, 3, starting=1), 0.0)
-    assert decision.desired == 4 and "down delay" in decision.reason
+    state, trace = ScalerState(), {}
+    for t in range(40):
+        state, trace[t] = decide_replicas(spec, state, obs(8, 3, starting=1), float(t))
+    assert trace[0].desired == 4 and "warming up" in trace[0].reason
+    assert all(trace[t].desired == 4 for t in range(36))
+    assert "down delay" in trace[6].reason
+    assert trace[36].desired == 1  # 8 / 8 = 1; the lowest one step allows is floor(3 ready / 2) = 1
+
