@@ -239,6 +239,30 @@ class Autoscaler:
                 log.warning("could not release the autoscaler lease (it expires by itself): %s", exc)
         self.is_leader = False
 
+    async def release_fleet(self) -> list[Event]:
+        """Stop every replica and delete every node of this cluster (claims removed), for a caller
+        that owns the whole fleet and is going away for good: `kvgate up` on Ctrl-C. Call after
+        `stop()`. Replicas are drained in parallel (each up to `drain_timeout_s`) before their nodes
+        go. Provider errors are returned as events, not raised; raises `StateStoreUnavailable`."""
+        fleet = await self._reconciler.reconcile()
+        events = list(fleet.events)
+        pool_of = {node.id: node.pool for node in fleet.nodes}
+
+        async def stop(replica: ReplicaHandle) -> None:
+            await self._store.remove_member(replica.id)
+            try:
+                await self._providers[pool_of[replica.node_id]].stop_replica(replica.id, self.settings.drain_timeout_s)
+            except ProviderError as exc:
+                events.append(self._event(replica.model, EventKind.PROVIDER_ERROR, f"stop {replica.id}: {exc}"))
+
+        await asyncio.gather(*(stop(r) for r in fleet.replicas if r.node_id in pool_of))
+        for node in fleet.nodes:
+            try:
+                events.extend(await self._reconciler.delete_node(node.id, fleet, "released on shutdown"))
+            except ProviderError as exc:
+                events.append(self._event(node.model, EventKind.PROVIDER_ERROR, f"delete {node.id}: {exc}"))
+        return events
+
     async def run(self) -> None:
         """Tick every `interval_s` until cancelled."""
         while True:

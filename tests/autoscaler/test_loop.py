@@ -199,3 +199,17 @@ async def test_a_slow_drain_does_not_stall_the_loop(snapshot, store, clock) -> N
     draining = [i for i, m in enumerate(states) if m == [(replica.id, "draining")]]
     assert len(draining) >= 20  # DRAINING for the notice plus the whole 20 s stop
     assert states[-1] == [] and await provider.list_replicas() == []
+
+
+async def test_release_fleet_stops_every_replica_and_deletes_every_node(snapshot, store, clock, provider) -> None:
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 8, lambda: observe(store, clock, queued=9))  # 3 replicas, 3 nodes
+    assert len(await provider.list_replicas()) == 3
+    await autoscaler.stop()
+
+    events = await autoscaler.release_fleet()
+
+    assert await provider.list() == [] and await provider.list_replicas() == []
+    assert await store.list_members() == [] and await store.list_records("claims") == []
+    assert [e.kind.value for e in events] == ["node_delete"] * 3
+    assert len(calls(provider, "stop_replica")) == 3

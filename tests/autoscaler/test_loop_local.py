@@ -3,7 +3,8 @@ engine` child processes (builtin tiny-llama) and the memory store, on the real c
 
 An autoscaler brings the model's one replica up, stops (as on SIGTERM: replicas left running), and a
 new autoscaler with a new provider on the same work directory and store adopts the running replica
-instead of starting another. The test then stops every process it caused.
+instead of starting another. `release_fleet` (what `kvgate up` does on Ctrl-C) then stops every replica
+process and frees the slot.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ async def test_a_restarted_autoscaler_adopts_the_running_local_replica(tmp_path:
         assert adopted.replica_id == member.replica_id and adopted.url == member.url
         [local] = second.providers.values()
         assert [r.id for r in await local.list_replicas()] == [member.replica_id]
+
+        await second.stop()
+        await second.release_fleet()  # what `kvgate up` does on Ctrl-C: nothing left behind
+        assert await local.list_replicas() == [] and await local.list() == []
+        assert await store.list_members() == [] and await store.list_records("claims") == []
     finally:
         for autoscaler in (first, second):
             if autoscaler is None:
