@@ -231,15 +231,16 @@ def node_pool_patch(claims: Mapping[str, Any], replicas: int, resource_version: 
 def running_claims(pool_object: Mapping[str, Any]) -> set[tuple[str, str]]:
     """(cluster, claim id) pairs whose node counts as RUNNING: the node-pool controller reports
     `status.readyReplicas`; the nodes that were there before kvgate's claims count first, then claims
-    in the order they were made. Which machine serves which claim is the controller's business."""
+    in the order they were made (their `seq`). Which machine serves which claim is the controller's business."""
     claims = claims_of(pool_object)
-    ordered = sorted(((record.get("created_at", 0.0), cluster, claim_id)
+    # `seq` orders claims across clusters (each write is guarded by resourceVersion, so no two share one).
+    ordered = sorted(((record.get("seq", 0), record.get("created_at", 0.0), cluster, claim_id)
                       for cluster, records in claims.items() for claim_id, record in records.items()))
     spec_replicas = int(pool_object.get("spec", {}).get("replicas") or 0)
     ready = int((pool_object.get("status") or {}).get("readyReplicas") or 0)
     base = max(0, spec_replicas - len(ordered))
     ready_for_claims = max(0, ready - base)
-    return {(cluster, claim_id) for _, cluster, claim_id in ordered[:ready_for_claims]}
+    return {(cluster, claim_id) for _, _, cluster, claim_id in ordered[:ready_for_claims]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,3 +263,8 @@ def gpu_node_of(node: Mapping[str, Any]) -> GpuNode:
                    gpu_allocatable=int((status.get("allocatable") or {}).get(GPU_RESOURCE, 0)),
                    ready=ready and not unschedulable,
                    labels=dict(node["metadata"].get("labels") or {}))
+
+
+def next_seq(claims: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> int:
+    """The `seq` of a new claim: one more than any recorded, in any cluster."""
+    return 1 + max((int(r.get("seq", 0)) for records in claims.values() for r in records.values()), default=0)

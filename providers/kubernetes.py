@@ -52,7 +52,7 @@ from providers.base import (
 from providers.k8s_manifests import (
     ANNOTATION_DELETION_COST, ANNOTATION_SPEC_HASH, ENGINE_GRPC_PORT, ENGINE_PORT, LABEL_CLUSTER, LABEL_MODEL,
     LABEL_POOL, LABEL_REPLICA, DeploymentSettings, GpuNode, NodePoolRef, claims_of, deployment_manifest,
-    gpu_node_of, label_value, matches, node_pool_patch, pod_replica_state, replica_ids_of, replicas_patch,
+    gpu_node_of, label_value, matches, next_seq, node_pool_patch, pod_replica_state, replica_ids_of, replicas_patch,
     running_claims,
 )
 from registry.schema import CapacityType, KubernetesSettings, PoolSpec
@@ -227,6 +227,7 @@ class KubernetesProvider:
             self._check_quota(replicas, offering)
             mine[claim.id] = {"instance_type": offering.instance_type, "capacity_type": offering.capacity_type.value,
                               "zone": offering.zone, "model": claim.model, "created_at": self._clock.wall(),
+                              "seq": next_seq(claims),
                               "labels": dict(claim.labels)}
             try:
                 await self._patch_pool_object(node_pool_patch(claims, replicas + 1,
