@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         "autoscaler", add_help=False, help="run the control loops: replicas per model, nodes per pool",
         description="Run `kvgate autoscaler --help` for the autoscaler's options.")
     autoscaler.set_defaults(run=_run_autoscaler)
+    sim = commands.add_parser(
+        "sim", add_help=False, help="replay a request trace against the autoscaler and baselines",
+        description="Run `kvgate sim --help` for the simulator's options.")
+    sim.set_defaults(run=_run_sim)
     return parser
 
 
@@ -54,10 +58,16 @@ def _run_autoscaler(args: argparse.Namespace) -> int:
     return autoscaler_main(args.forwarded)
 
 
+def _run_sim(args: argparse.Namespace) -> int:
+    from autoscaler.sim.cli import main as sim_main
+
+    return sim_main(args.forwarded)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("engine", "router", "autoscaler"):
+    if args.command in ("engine", "router", "autoscaler", "sim"):
         args.forwarded = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

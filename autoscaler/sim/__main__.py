@@ -1,0 +1,3 @@
+from autoscaler.sim.cli import main
+
+raise SystemExit(main())

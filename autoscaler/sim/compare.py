@@ -1,0 +1,155 @@
+"""One comparison: a trace, a model from the registry, every policy on the same fleet and scenario.
+
+`build_fleet` turns the registry into the engine's `FleetSetup`; `run_comparison` runs the policies
+and returns their `RunResult`s plus the summary metrics (`Summary`) the report prints.
+
+The oracle is searched, not guessed: `oracle_need` turns the trace's concurrency on unlimited
+replicas (the per-second peak, or its mean over 30, 60 or 120 s) into replicas at a utilization u of
+the batch; for each curve a bisection finds the largest u (100%, 98%, ... 50%) whose run still meets
+the attainment goal (99%), and the cheapest passing run is the oracle: the cheapest perfect-foresight
+schedule of this family, not a proven optimum. Static-at-peak holds that curve's peak all along.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autoscaler.scaler import ScalerSpec
+from autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
+                                      oracle_need)
+from autoscaler.sim.engine import FleetSetup, Policy, RunResult, Scenario, simulate
+from autoscaler.sim.service import SimConfigError, placements
+from autoscaler.sim.traces import Trace, with_warmup
+from registry.snapshot import Snapshot
+
+POLICIES = ("kvgate", "kpa", "ray-serve", "static-peak", "oracle")
+ATTAINMENT_GOAL = 0.99
+ORACLE_WINDOWS_S = (0, 30, 60, 120)  # concurrency smoothing the oracle search tries (0: per-second peak)
+ORACLE_UTILIZATIONS = tuple(round(1.0 - 0.02 * step, 2) for step in range(26))  # 100%, 98%, ... 50%
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The table row of one policy's run."""
+
+    policy: str
+    num_requests: int
+    slo_attainment: float  # fraction of requests with TTFT <= SLO (never served counts as a miss)
+    ttft_p50_s: float
+    ttft_p99_s: float
+    gpu_hours: float
+    cost_usd: float
+    cold_starts: int
+    scaling_actions_per_hour: float
+    preemptions: int
+    max_replicas: int
+
+
+def summarize(result: RunResult, slo_s: float) -> Summary:
+    ttfts = sorted(math.inf if math.isnan(t) else t for t in result.ttft_s)
+    n = len(ttfts)
+    met = sum(1 for t in ttfts if t <= slo_s)
+    hours = result.duration_s / 3600.0
+    return Summary(result.policy, n, met / n if n else 1.0, _quantile(ttfts, 0.50), _quantile(ttfts, 0.99),
+                   result.gpu_seconds / 3600.0, result.cost_usd, result.cold_starts,
+                   result.scaling_actions / hours if hours else 0.0, result.preemptions, result.max_replicas)
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(math.ceil(q * len(sorted_values))) - 1)]
+
+
+def build_fleet(snapshot: Snapshot, model_name: str, initial_replicas: int = 0) -> FleetSetup:
+    """The fleet of `model_name` from the registry. Raises `UnknownName` or `SimConfigError`."""
+    model = snapshot.model(model_name)
+    if model.spec.slo.ttft_ms is None:
+        raise SimConfigError(f"Model/{model_name} has no spec.slo.ttft_ms: the simulator scores TTFT against it")
+    scaling = model.spec.scaling
+    return FleetSetup(model=model_name, placements=placements(snapshot, model_name),
+                      min_replicas=scaling.min_replicas, max_replicas=scaling.max_replicas,
+                      on_demand_base=model.spec.placement.on_demand_base_replicas,
+                      ttft_slo_s=model.spec.slo.ttft_ms / 1000.0, initial_replicas=initial_replicas)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    trace: str
+    model: str
+    results: tuple[RunResult, ...]
+    summaries: tuple[Summary, ...]
+    oracle_rule: str  # which need curve the oracle search kept
+    cold_start_s: float
+
+
+def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policies: Sequence[str] = POLICIES,
+                   scenario: Scenario = Scenario(), warmup_s: float = 600.0) -> Comparison:
+    """Run each named policy on `trace` and summarize.
+
+    Every run starts with the replicas the oracle needs in its first cold start, ready, and plays
+    `warmup_s` of mirrored trace first, unscored (`traces.with_warmup`): each policy meets the trace
+    with a history and a fleet at the trace's opening level, so no policy pays for an empty start.
+    Raises `SimConfigError` for a policy name it does not know or a registry it cannot simulate.
+    """
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise SimConfigError(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    model = snapshot.model(model_name)
+    trace = with_warmup(trace, warmup_s)
+    base = build_fleet(snapshot, model_name)
+    cheapest = base.placements[0]
+    cold_start_s = cheapest.cold_start_s
+    slo_s = base.ttft_slo_s
+    scaling = model.spec.scaling
+
+    def fleet_for(need: tuple[int, ...]) -> FleetSetup:
+        first = max(need[:int(cold_start_s) + 1], default=0)
+        initial = min(scaling.max_replicas, max(scaling.min_replicas, first))
+        return FleetSetup(**{**base.__dict__, "initial_replicas": initial})
+
+    # The oracle's search fixes the need curve that also sets the warm start and the static peak.
+    def try_oracle(window_s: int, utilization: float) -> tuple[RunResult, tuple[int, ...]]:
+        need = tuple(min(scaling.max_replicas, n) for n in oracle_need(
+            trace, cheapest.service, utilization, window_s=window_s, tail_s=base.tail_s))
+        policy = OraclePolicy(need, cold_start_s, scaling.min_replicas)
+        return simulate(trace, fleet_for(need), policy, scenario, score_from_s=warmup_s), need
+
+    best: tuple[RunResult, tuple[int, ...], str] | None = None
+    for window_s in ORACLE_WINDOWS_S:
+        # Bisect over utilization (attainment falls as utilization rises): the highest that passes.
+        low, high, passing = 0, len(ORACLE_UTILIZATIONS) - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            result, need = try_oracle(window_s, ORACLE_UTILIZATIONS[middle])
+            if summarize(result, slo_s).slo_attainment >= ATTAINMENT_GOAL:
+                passing, high = (result, need, ORACLE_UTILIZATIONS[middle]), middle - 1
+            else:
+                low = middle + 1
+        if passing is not None and (best is None or passing[0].gpu_seconds < best[0].gpu_seconds):
+            curve = f"mean concurrency over {window_s} s" if window_s else "peak concurrency each second"
+            best = (passing[0], passing[1], f"{curve} / {passing[2]:.0%} of the batch")
+    if best is None:
+        raise SimConfigError(f"no oracle schedule reaches {ATTAINMENT_GOAL:.0%} TTFT-SLO attainment even at "
+                             f"{ORACLE_UTILIZATIONS[-1]:.0%} utilization: the SLO is out of reach of the "
+                             "service model (is prefill alone too slow for it?)")
+    oracle_result, need, oracle_rule = best
+    fleet = fleet_for(need)
+    target = scaling.target_ongoing_requests
+    runners: dict[str, Policy] = {
+        "kvgate": KvgatePolicy(ScalerSpec.of(model, cold_start_s)),
+        "kpa": KpaPolicy(target, scaling.min_replicas, scaling.max_replicas),
+        "ray-serve": RayServePolicy(target, scaling.min_replicas, scaling.max_replicas),
+        "static-peak": StaticPolicy(max(need, default=1)),
+    }
+    results = []
+    for name in policies:
+        if name == "oracle":
+            assert oracle_result is not None
+            results.append(oracle_result)
+        else:
+            results.append(simulate(trace, fleet, runners[name], scenario, score_from_s=warmup_s))
+    return Comparison(trace.name, model_name, tuple(results), tuple(summarize(r, slo_s) for r in results),
+                      oracle_rule, cold_start_s)

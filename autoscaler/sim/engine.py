@@ -1,0 +1,355 @@
+"""The discrete-event loop: a trace against a replica fleet whose size a policy decides, on a fake clock.
+
+Time is simulated: nothing sleeps and nothing reads a clock; one hour of the Azure trace replays in
+about a second. Events, in time order (ties in the order they were scheduled):
+- an arrival joins the gateway queue (one FIFO queue: the router's least-loaded choice over replicas);
+- the queue is dispatched whenever a ready replica has a free batch slot, to the replica whose prefill
+  engine frees up first; the request's first token comes when its prefill ends (`service.py`);
+- a finished request frees its slot; a draining replica with nothing left is released;
+- a replica started at t becomes ready at t + cold start (node boot + model load);
+- a spot replica may be interrupted (seeded exponential lifetimes): it is gone at once, its requests
+  that had no first token yet go back to the head of the queue, and the policy sees one replica fewer;
+- every `policy.tick_s` the policy observes (the same `ModelObservation` the live loop builds) and
+  returns a desired count; the fleet is moved toward it: draining replicas are taken back first, then
+  new ones started (on-demand up to the model's on-demand base, spot beyond it where allowed, the
+  cheapest available placement, on-demand when spot is stocked out); when shrinking, starting replicas
+  are cancelled first, then the ready ones with the fewest requests drain (no request is dropped).
+
+GPU time is charged from a replica's start (a node is bought) to its release; a run ends
+`tail_s` after the last arrival, and requests without a first token by then count as SLO misses.
+With `score_from_s` > 0 the run before it is a warm-up: policies see it, but requests arriving in it,
+GPU time, cold starts and scaling actions before it are not counted, and the timeline starts there.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from autoscaler.scaler import ModelObservation
+from autoscaler.sim.service import Placement, choose_placement
+from autoscaler.sim.traces import Trace
+from registry.schema import CapacityType
+
+# Event kinds, in the order they run when due at the same instant (frees before starts before ticks).
+_FREE, _READY, _PREEMPT, _TICK = 0, 1, 2, 3
+# The gateway reports arrivals per second over this many seconds (router/observe does the same).
+_RATE_WINDOW_S = 10
+
+
+@dataclass(frozen=True)
+class SimDecision:
+    desired: int
+    panic: bool = False
+    forecast_rps: float | None = None
+    reason: str = ""
+
+
+class Policy(Protocol):
+    """A replica-count policy: `decide` is pure over (state, observation, now); the engine keeps the state."""
+
+    name: str
+    tick_s: float
+
+    def initial_state(self) -> Any: ...
+
+    def decide(self, state: Any, obs: ModelObservation, now: float) -> tuple[Any, SimDecision]: ...
+
+
+@dataclass(frozen=True)
+class Stockout:
+    """Placements whose key starts with `key_prefix` (pool/instance_type/capacity) sell nothing in [start_s, end_s)."""
+
+    key_prefix: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What the world does to the fleet: spot interruptions and stockouts. Seeded, so runs repeat."""
+
+    spot_interruptions_per_hour: float = 0.0  # per spot replica
+    stockouts: tuple[Stockout, ...] = ()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class FleetSetup:
+    """The model's fleet: where replicas may run, its limits and its SLO."""
+
+    model: str
+    placements: tuple[Placement, ...]  # cheapest first (service.placements)
+    min_replicas: int
+    max_replicas: int
+    on_demand_base: int  # replicas kept on on-demand; spot beyond it (placements hold spot only if allowed)
+    ttft_slo_s: float
+    initial_replicas: int = 0  # ready at t=0 on the cheapest on-demand-first placements (warm start)
+    tail_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    t: float
+    arrivals_per_s: float
+    ongoing: int  # queued + in flight: the demand
+    ready: int
+    active: int  # ready + starting (what the policy has asked for and not released)
+    desired: int
+    panic: bool
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Everything one policy's run produced. TTFTs are in request order; NaN = never got a first token."""
+
+    policy: str
+    ttft_s: tuple[float, ...]
+    gpu_seconds: float
+    cost_usd: float
+    cold_starts: int
+    scaling_actions: int  # ticks at which the desired count changed
+    preemptions: int
+    duration_s: float
+    timeline: tuple[TimelinePoint, ...]
+    max_replicas: int
+
+
+@dataclass
+class _Replica:
+    id: int
+    placement: Placement
+    started_at: float
+    ready_at: float
+    state: str = "starting"  # starting | ready | draining | gone
+    in_flight: set[int] = field(default_factory=set)
+    prefill_free_at: float = 0.0
+    max_batch: int = 0  # copied from the placement's service model: read on every dispatch
+
+    def __post_init__(self) -> None:
+        self.max_batch = self.placement.service.max_batch
+
+
+class _Run:
+    """One run's mutable world. Private: `simulate` is the interface."""
+
+    def __init__(self, trace: Trace, fleet: FleetSetup, policy: Policy, scenario: Scenario,
+                 score_from_s: float) -> None:
+        self.trace, self.fleet, self.policy, self.scenario = trace, fleet, policy, scenario
+        self.score_from = score_from_s
+        self.rng = random.Random(scenario.seed)
+        self.events: list[tuple[float, int, int, int, int]] = []  # (t, kind, seq, a, b)
+        self.seq = 0
+        self.queue: deque[int] = deque()
+        self.replicas: dict[int, _Replica] = {}
+        self.next_replica = 0
+        n = len(trace.requests)
+        self.ttft = [math.nan] * n
+        self.attempt = [0] * n
+        self.first_token_at = [math.inf] * n
+        self.holder = [-1] * n  # replica id holding each request
+        self.arrivals_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
+        self.gpu_seconds = self.cost_usd = 0.0
+        self.cold_starts = self.actions = self.preemptions = self.peak = 0
+        self.timeline: list[TimelinePoint] = []
+        self.ready: list[_Replica] | None = None  # replicas in state "ready"; None: to be rebuilt
+        self.end = trace.duration_s + fleet.tail_s
+
+    # ---------------------------------------------------------------------------------------- events
+
+    def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, kind, self.seq, a, b))
+
+    def run(self) -> RunResult:
+        requests = self.trace.requests
+        for _ in range(self.fleet.initial_replicas):
+            self.start_replica(0.0, warm=True)
+        self.push(0.0, _TICK)
+        state, last_desired, now, i = self.policy.initial_state(), None, 0.0, 0
+        while True:
+            next_event = self.events[0][0] if self.events else math.inf
+            next_arrival = requests[i].arrival_s if i < len(requests) else math.inf
+            now = min(next_event, next_arrival)
+            if now > self.end:
+                break
+            if next_arrival <= next_event:
+                self.queue.append(i)
+                self.arrivals_per_second[int(now)] += 1
+                i += 1
+                self.dispatch(now)
+                continue
+            _, kind, _, a, b = heapq.heappop(self.events)
+            if kind == _FREE:
+                self.finish(now, a, b)
+            elif kind == _READY:
+                replica = self.replicas.get(a)
+                if replica is not None and replica.state == "starting":
+                    replica.state = "ready"
+                    self.ready = None
+                    replica.prefill_free_at = now
+                    self.dispatch(now)
+            elif kind == _PREEMPT:
+                self.preempt(now, a)
+            else:
+                state, decision = self.policy.decide(state, self.observe(now), now)
+                desired = min(self.fleet.max_replicas, max(self.fleet.min_replicas, decision.desired))
+                if last_desired is not None and desired != last_desired and now >= self.score_from:
+                    self.actions += 1
+                last_desired = desired
+                self.scale_to(now, desired)
+                if now >= self.score_from:
+                    self.record(now, desired, decision.panic)
+                self.push(now + self.policy.tick_s, _TICK)
+        for replica in list(self.replicas.values()):
+            self.release(self.end, replica)
+        scored = tuple(t for t, r in zip(self.ttft, requests) if r.arrival_s >= self.score_from)
+        return RunResult(self.policy.name, scored, self.gpu_seconds, self.cost_usd, self.cold_starts,
+                         self.actions, self.preemptions, self.end - self.score_from, tuple(self.timeline), self.peak)
+
+    # ------------------------------------------------------------------------------------- requests
+
+    def dispatch(self, now: float) -> None:
+        while self.queue:
+            if self.ready is None:  # rebuilt only after a replica changed state: rare next to requests
+                self.ready = [r for r in self.replicas.values() if r.state == "ready"]
+            best: _Replica | None = None
+            best_free_at = math.inf
+            for replica in self.ready:
+                if replica.prefill_free_at < best_free_at and len(replica.in_flight) < replica.max_batch:
+                    best, best_free_at = replica, replica.prefill_free_at
+            if best is None:
+                return
+            index = self.queue.popleft()
+            request = self.trace.requests[index]
+            service = best.placement.service
+            first = max(now, best.prefill_free_at) + service.prefill_s(request.input_tokens)
+            best.prefill_free_at = first
+            best.in_flight.add(index)
+            self.holder[index] = best.id
+            self.first_token_at[index] = first
+            self.ttft[index] = first - request.arrival_s
+            self.push(first + service.decode_s(request.output_tokens), _FREE, index, self.attempt[index])
+
+    def finish(self, now: float, index: int, attempt: int) -> None:
+        if attempt != self.attempt[index]:
+            return  # the replica that held it was interrupted; it was re-queued under a new attempt
+        replica = self.replicas.get(self.holder[index])
+        if replica is None or index not in replica.in_flight:
+            return
+        replica.in_flight.discard(index)
+        if replica.state == "draining" and not replica.in_flight:
+            self.release(now, replica)
+        else:
+            self.dispatch(now)
+
+    def preempt(self, now: float, replica_id: int) -> None:
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            return
+        self.preemptions += now >= self.score_from
+        # Requests still waiting for a first token start over elsewhere; ones already streaming are lost
+        # mid-answer (their TTFT stands: the client saw the first token).
+        retry = sorted((i for i in replica.in_flight if self.first_token_at[i] > now), reverse=True)
+        for index in retry:
+            self.attempt[index] += 1
+            self.ttft[index] = math.nan
+            self.first_token_at[index] = math.inf
+            self.queue.appendleft(index)
+        replica.in_flight.clear()
+        self.release(now, replica)
+        self.dispatch(now)
+
+    # ------------------------------------------------------------------------------------- replicas
+
+    def start_replica(self, now: float, *, warm: bool = False) -> bool:
+        unavailable = frozenset(p.key for p in self.fleet.placements for s in self.scenario.stockouts
+                                if s.start_s <= now < s.end_s and p.key.startswith(s.key_prefix))
+        on_demand = sum(1 for r in self.replicas.values() if r.state in ("starting", "ready")
+                        and r.placement.capacity_type is CapacityType.ON_DEMAND)
+        placement = choose_placement(self.fleet.placements, spot=on_demand >= self.fleet.on_demand_base,
+                                     unavailable=unavailable)
+        if placement is None:
+            return False
+        replica = _Replica(self.next_replica, placement, started_at=now,
+                           ready_at=now if warm else now + placement.cold_start_s)
+        self.next_replica += 1
+        self.replicas[replica.id] = replica
+        if warm:
+            replica.state = "ready"
+            self.ready = None
+        else:
+            self.cold_starts += now >= self.score_from
+            self.push(replica.ready_at, _READY, replica.id)
+        rate = self.scenario.spot_interruptions_per_hour
+        if placement.capacity_type is CapacityType.SPOT and rate > 0:
+            self.push(now + self.rng.expovariate(rate / 3600.0), _PREEMPT, replica.id)
+        return True
+
+    def release(self, now: float, replica: _Replica) -> None:
+        lifetime = max(0.0, now - max(replica.started_at, self.score_from))
+        self.gpu_seconds += lifetime * replica.placement.gpus
+        self.cost_usd += lifetime * replica.placement.price_usd_per_hour / 3600.0
+        replica.state = "gone"
+        del self.replicas[replica.id]
+        self.ready = None
+
+    def scale_to(self, now: float, desired: int) -> None:
+        live = [r for r in self.replicas.values() if r.state in ("starting", "ready")]
+        missing = desired - len(live)
+        if missing > 0:
+            # Taking back a draining replica is instant capacity; the busiest one has the warmest cache.
+            for replica in sorted((r for r in self.replicas.values() if r.state == "draining"),
+                                  key=lambda r: -len(r.in_flight))[:missing]:
+                replica.state = "ready"
+                self.ready = None
+                missing -= 1
+            while missing > 0 and self.start_replica(now):
+                missing -= 1
+        elif missing < 0:
+            # Cancel what is still starting (newest first: least sunk time), then drain the idlest ready ones,
+            # spot before on-demand so the on-demand base stays.
+            starting = sorted((r for r in live if r.state == "starting"), key=lambda r: -r.started_at)
+            ready = sorted((r for r in live if r.state == "ready"),
+                           key=lambda r: (r.placement.capacity_type is CapacityType.ON_DEMAND, len(r.in_flight)))
+            for replica in (starting + ready)[:-missing]:
+                if replica.state == "starting" or not replica.in_flight:
+                    self.release(now, replica)
+                else:
+                    replica.state = "draining"
+                    self.ready = None
+        if now >= self.score_from:
+            self.peak = max(self.peak, len(self.replicas))
+        self.dispatch(now)
+
+    # ---------------------------------------------------------------------------------- observation
+
+    def observe(self, now: float) -> ModelObservation:
+        second = int(now)
+        # Over the last 10 s, or over the time elapsed when less (a gateway that just started does the same).
+        span = max(1, min(_RATE_WINDOW_S, second))
+        window = self.arrivals_per_second[second - span:second] if second else []
+        running = sum(len(r.in_flight) for r in self.replicas.values())
+        return ModelObservation(
+            model=self.fleet.model, queued_at_gateways=len(self.queue), waiting=0, running=running,
+            arrivals_per_s=sum(window) / span, ttft_p99_s=None,
+            ready_replicas=sum(1 for r in self.replicas.values() if r.state == "ready"),
+            starting_replicas=sum(1 for r in self.replicas.values() if r.state == "starting"))
+
+    def record(self, now: float, desired: int, panic: bool) -> None:
+        obs = self.observe(now)
+        self.timeline.append(TimelinePoint(now - self.score_from, obs.arrivals_per_s, obs.ongoing, obs.ready_replicas,
+                                           obs.ready_replicas + obs.starting_replicas, desired, panic))
+
+
+def simulate(trace: Trace, fleet: FleetSetup, policy: Policy, scenario: Scenario = Scenario(), *,
+             score_from_s: float = 0.0) -> RunResult:
+    """Replay `trace` against a fleet sized by `policy`; deterministic for a given scenario seed.
+
+    Everything before `score_from_s` is warm-up (see the module docstring).
+    """
+    return _Run(trace, fleet, policy, scenario, score_from_s).run()
