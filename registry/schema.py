@@ -155,6 +155,10 @@ class Routing(_Strict):
     load_epsilon: float = Field(default=0.25, ge=0, le=10,
                                 description="Load bound: no replica above (1 + epsilon) x mean load + 1 "
                                             "while another has room.")
+    affinity_depth_chars: int = Field(
+        default=1024, ge=1,
+        description="A prompt nobody holds is placed by rendezvous hash of its first this-many characters "
+                    "(whole chunks, at least one), the same in every gateway.")
     max_queued_requests: int = Field(default=256, ge=0,
                                      description="Requests held at a gateway while the model has no ready replica.")
     max_retries: int = Field(default=2, ge=0, le=10, description="Retries on other replicas before the first byte.")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,11 +23,12 @@ from aiohttp import web
 from kvgate.clock import Clock
 from kvgate.state.base import StateStore
 from registry.snapshot import Snapshot
-from router.dashboard import Dashboard
+from router.dashboard import Dashboard, gauge_values
 from router.handlers import error_middleware, install_routes
 from router.keys import (CLOCK_KEY, DASHBOARD_KEY, METRICS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY, SEQUENCE_KEY,
                          SETTINGS_KEY, TRACKER_KEY, GatewaySettings)
 from router.metrics import RouterMetrics
+from router.observations import ObservationPublisher
 from router.proxy import Proxy, Tracker
 from router.queueing import WaitQueues
 
@@ -53,7 +56,8 @@ def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSou
               store: StateStore | None = None) -> web.Application:
     """The gateway app. Nothing starts until the app does (tracker, client session, registry follow,
     the dashboard's sampler). `store`, when given, is where the dashboard reads the autoscaler's
-    status record and replica placement (the tracker reads membership from its own)."""
+    status record and replica placement (the tracker reads membership from its own), and where the
+    gateway publishes its per-model observations for the autoscaler (`router.observations`)."""
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
     metrics = RouterMetrics()
     app[SETTINGS_KEY] = settings
@@ -70,6 +74,14 @@ def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSou
                                    history_s=settings.dashboard_history_s)
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(_dashboard_sampler)
+    if store is not None:
+        dashboard = app[DASHBOARD_KEY]
+        publisher = ObservationPublisher(
+            store=store, gateway_id=settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}", clock=clock,
+            model_names=lambda: registry.current.models, arrivals=app[SEQUENCE_KEY], queued=app[QUEUES_KEY].depth,
+            in_flight=lambda: gauge_values(metrics.in_flight),
+            ttft_p99_s=lambda model: _ttft_p99_s(dashboard, model), interval_s=settings.observation_interval_s)
+        app.cleanup_ctx.append(lambda app: _publishing(publisher))
     install_routes(app)
     return app
 
@@ -98,3 +110,18 @@ async def _dashboard_sampler(app: web.Application) -> AsyncIterator[None]:
     finally:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
+
+
+def _ttft_p99_s(dashboard: Dashboard, model: str) -> float | None:
+    stats = dashboard.history.latest(dashboard.window_s).get(model)
+    return stats.ttft_p99_s if stats is not None else None
+
+
+async def _publishing(publisher: ObservationPublisher) -> AsyncIterator[None]:
+    task = asyncio.create_task(publisher.run(), name="kvgate-observations")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await publisher.withdraw()

@@ -14,6 +14,7 @@ the earlier turn's text plus more, so it shares every full chunk of the earlier 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,29 @@ import xxhash
 
 # An estimate, not a tokenizer: English text under BPE tokenizers runs ~4 characters per token
 # (code and non-Latin scripts run fewer). Used for sizes and capacities, never for correctness.
-CHARS_PER_TOKEN = 4
+CHARS_PER_TOKEN = 4  # the starting guess; each model's estimate is then learnt (CharsPerToken)
+
+
+class CharsPerToken:
+    """A model's prompt characters per token, learnt from the `usage.prompt_tokens` responses report
+    against the canonical prompt's length: an exponential average that starts at CHARS_PER_TOKEN.
+    English text under a 32k-50k BPE vocabulary runs near 4; a small vocabulary (tiny-llama's) or code
+    runs far lower, and the prefix index would otherwise believe a replica holds 2-3x the text it can.
+    Each response moves the estimate `weight` of the way; ratios are clamped to [0.5, 16] so one odd
+    response (an image part, a huge chat template) cannot throw it far. Worked: at 4.0 with weight 0.1,
+    a response of 3,000 chars in 2,000 tokens (1.5) -> 4.0 + 0.1 x (1.5 - 4.0) = 3.75."""
+
+    def __init__(self, initial: float = CHARS_PER_TOKEN, weight: float = 0.1) -> None:
+        self.value = float(initial)
+        self._weight = weight
+        self.num_observed = 0
+
+    def observe(self, prompt_chars: int, prompt_tokens: int) -> None:
+        if prompt_chars <= 0 or prompt_tokens <= 0:
+            return
+        ratio = min(max(prompt_chars / prompt_tokens, 0.5), 16.0)
+        self.value += self._weight * (ratio - self.value)
+        self.num_observed += 1
 
 # Separators from the ASCII control range, which chat text almost never contains, so a role name
 # cannot run into its content: "\x1euser\x1fhi" differs from "\x1euserh\x1fi".
@@ -41,10 +64,17 @@ class RouteRequest:
     prefix_hashes: tuple[int, ...]  # chained xxh64 of each full chunk of the canonical prompt
     affinity_key: int  # rendezvous key: the first chunk's hash, or the whole short prompt's hash
     num_prompt_chars: int  # length of the canonical prompt, in characters
-    estimated_prompt_tokens: int  # ceil(num_prompt_chars / CHARS_PER_TOKEN): an estimate
+    estimated_prompt_tokens: int  # ceil(num_prompt_chars / chars_per_token): an estimate
     max_tokens: int | None  # completion budget the client asked for, None when it did not say
     stream: bool
     request_seq: int  # a counter the shell assigns per model; round robin cycles on it
+    chunk_chars: int = 256  # the cut `prefix_hashes` were made at (the model's routing.prefix_chunk_chars)
+    chars_per_token: float = CHARS_PER_TOKEN  # the gateway's calibrated estimate for this model
+
+    def uncached_tokens(self, match_chunks: int) -> int:
+        """Prompt tokens a replica holding `match_chunks` leading chunks must still prefill."""
+        cached_chars = min(match_chunks * self.chunk_chars, self.num_prompt_chars)
+        return math.ceil((self.num_prompt_chars - cached_chars) / self.chars_per_token)
 
 
 def _canonical_json(value: object) -> str:
@@ -142,11 +172,15 @@ def prefix_hashes(text: str, chunk_chars: int, adapter: str | None) -> tuple[int
     return tuple(hashes)
 
 
-def affinity_key(text: str, hashes: tuple[int, ...], adapter: str | None) -> int:
-    """Where a request lives when nothing else decides: the first chunk's hash (so every prompt that
-    opens with the same system prompt agrees), or for a prompt shorter than one chunk, the hash of all
-    of it (so distinct short prompts spread and a repeated one agrees with itself)."""
-    return hashes[0] if hashes else _chain_step(chain_root(adapter), text)
+def affinity_key(text: str, hashes: tuple[int, ...], adapter: str | None, depth_chunks: int = 1) -> int:
+    """Where a request lives when nothing else decides: the chain hash of its first `depth_chunks`
+    chunks (fewer when the prompt is shorter), so every prompt that opens with the same text that long
+    agrees, and conversations that share only a short system prompt spread; for a prompt shorter than
+    one chunk, the hash of all of it (so distinct short prompts spread and a repeated one agrees with
+    itself)."""
+    if not hashes:
+        return _chain_step(chain_root(adapter), text)
+    return hashes[min(len(hashes), max(depth_chunks, 1)) - 1]
 
 
 def _max_tokens(body: Mapping[str, object]) -> int | None:
@@ -158,19 +192,23 @@ def _max_tokens(body: Mapping[str, object]) -> int | None:
 
 
 def build_route_request(body: Mapping[str, object], model: str, adapter: str | None,
-                        chunk_chars: int, request_seq: int) -> RouteRequest:
+                        chunk_chars: int, request_seq: int,
+                        chars_per_token: float = CHARS_PER_TOKEN, affinity_depth_chars: int = 0) -> RouteRequest:
     """The RouteRequest of a validated chat or completions body. Raises ValueError as
-    `canonical_prompt` and `prefix_hashes` do."""
+    `canonical_prompt` and `prefix_hashes` do. `affinity_depth_chars` (the registry's
+    routing.affinity_depth_chars) sets the affinity key's depth; 0 or less than a chunk: the first chunk."""
     text = canonical_prompt(body)
     hashes = prefix_hashes(text, chunk_chars, adapter)
     return RouteRequest(
         model=model,
         adapter=adapter,
         prefix_hashes=hashes,
-        affinity_key=affinity_key(text, hashes, adapter),
+        affinity_key=affinity_key(text, hashes, adapter, affinity_depth_chars // chunk_chars),
         num_prompt_chars=len(text),
-        estimated_prompt_tokens=-(-len(text) // CHARS_PER_TOKEN),
+        estimated_prompt_tokens=math.ceil(len(text) / chars_per_token),
         max_tokens=_max_tokens(body),
         stream=bool(body.get("stream", False)),
         request_seq=request_seq,
+        chunk_chars=chunk_chars,
+        chars_per_token=chars_per_token,
     )

@@ -135,7 +135,9 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     sequence[model] += 1
     try:
         route = build_route_request(body, model, adapter.metadata.name if adapter else None,
-                                    routing.prefix_chunk_chars, sequence[model])
+                                    routing.prefix_chunk_chars, sequence[model],
+                                    chars_per_token=request.app[TRACKER_KEY].chars_per_token_of(model),
+                                    affinity_depth_chars=routing.affinity_depth_chars)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     app[DASHBOARD_KEY].note_request(model, route.estimated_prompt_tokens)

@@ -23,6 +23,8 @@ class GatewaySettings:
     default_queue_wait_s: float = 30.0  # wait at zero replicas when the model sets no max_queue_wait_s
     dashboard_sample_interval_s: float = 2.0  # one history sample per this many seconds ...
     dashboard_history_s: float = 600.0  # ... kept for this long (the dashboard's charts)
+    gateway_id: str = ""  # names this gateway's observation records; "" -> hostname-pid
+    observation_interval_s: float = 1.0  # how often observations go to the state store (with one)
 
 
 SETTINGS_KEY = web.AppKey("kvgate_settings", GatewaySettings)

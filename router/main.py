@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "static replicas only)")
     parser.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
                         help="token /admin/* requires (default: $KVGATE_ADMIN_TOKEN; unset: open)")
+    parser.add_argument("--gateway-id", default="",
+                        help="names this gateway's per-model observation records in the state store "
+                             "(default: HOSTNAME-PID)")
     parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes)
     parser.add_argument("--log-level", default="INFO")
     return parser
@@ -51,7 +54,8 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     store = open_state_store(args.state, clock) if args.state else None
     tracker = ReplicaTracker(clock=clock, store=store)
-    settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None)
+    settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None,
+                               gateway_id=args.gateway_id)
     runner = web.AppRunner(build_app(settings, tracker, watcher, clock, store), handler_cancellation=True,
                            access_log=None, shutdown_timeout=5.0)
     await runner.setup()

@@ -17,6 +17,22 @@ that always leaves the least-loaded replica room (its load is at most floor(tota
 load + 1 <= ceil(mean_after)); the floor keeps the maximum within (1 + epsilon) x mean once loads are
 large. Worked: 4 replicas, 99 in flight, epsilon 0.25 -> mean_after 25, cap max(floor(31.25), 25) = 31,
 so max/mean <= 31 / 25 = 1.24.
+
+Requests are a coarse unit: one request may need 2,000 prompt tokens prefilled and the next, a later
+turn of a cached conversation, 40. `cache_aware` therefore also bounds load in tokens, as what delays a
+request's first token is the prefill queued ahead of it. A replica's token load is the prompt tokens
+this gateway routed there that are not yet prefilled (their first token has not come back), counted
+after its cache: a request adds only what that replica does not hold (`uncached`). A replica has token
+room when
+
+    token_load + uncached <= (1 + epsilon) x mean(token_load) + prompt_tokens
+
+(the "+ prompt_tokens" is the "+1" again: the least token-loaded replica always has room, since
+uncached <= prompt_tokens). Worked: 4 replicas with 0, 300, 900 and 2,800 pending tokens (mean 1,000),
+epsilon 0.25, a 1,600-token prompt: cap 2,850; the replica at 900 holding 1,500 tokens of it (uncached
+100) has room, the one at 2,800 does not even with a full hit (2,900 > 2,850). And KV use: a replica
+that reports its KV blocks and has fewer free tokens than the request's uncached part would have to
+evict or preempt to start it, so it has no room while another one does.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ class Reason(enum.Enum):
     PREFIX_HIT = "prefix_hit"  # it holds the longest prefix of the prompt, within the load bound
     ADAPTER_AFFINITY = "adapter_affinity"  # no prefix anywhere; it has the adapter loaded (or a free slot)
     RENDEZVOUS = "rendezvous"  # no prefix, no adapter preference: placed by rendezvous hash
+    NEW_TEXT = "new_text"  # every replica holds its opening and no more: where the least new text went
     LOAD_FALLBACK = "load_fallback"  # the preferred replica was over the load bound
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"
@@ -133,36 +150,73 @@ def consistent_hash(request: RouteRequest, view: ReplicaView, knobs: RoutingKnob
     return _decision(request, view, chosen, reason, len(candidates), cap)
 
 
-def cache_aware_score(request: RouteRequest, replica: ReplicaState, match_chunks: int) -> tuple[int, int, int, int]:
+def cache_aware_score(request: RouteRequest, replica: ReplicaState, match_chunks: int,
+                      spread: int = 0) -> tuple[int, int, int, int]:
     """cache_aware's preference, compared lexicographically, higher is better:
 
-    1. match_chunks: the longest prefix held wins (every chunk is ~chunk_chars / 4 prompt tokens
-       not prefilled again);
+    1. match_chunks: the longest prefix held wins (every chunk is chunk_chars / chars-per-token prompt
+       tokens not prefilled again);
     2. adapter fit: loaded (or no adapter) > free slot > must evict;
-    3. -load, but only among replicas that hold a prefix (several holders of a hot prefix share it);
-       prompts matching nowhere ignore load here (the cap still applies), so gateways whose in-flight
-       counts differ still agree;
+    3. `spread` (the caller's): among holders of a prefix, -load, so several holders of a hot prefix
+       share it; for new text after an opening every replica holds, -new text already sent there, so
+       new text fills replicas evenly, as sglang-router's "smallest tree" does; for a prompt matching
+       nowhere, 0: the cap still applies, but gateways whose counts differ still agree;
     4. rendezvous weight of the affinity key: where a prompt with no prefix anywhere lives, the same in
        every gateway.
     """
-    spread = -replica.load if match_chunks > 0 else 0
     return (match_chunks, int(replica.adapter_fit(request.adapter)), spread,
             rendezvous_weight(request.affinity_key, replica.replica_id))
 
 
+def token_cap(request: RouteRequest, candidates: tuple[ReplicaState, ...], epsilon: float) -> int:
+    """The most pending prefill tokens a replica may reach by taking this request (module docstring)."""
+    mean = sum(r.pending_prefill_tokens for r in candidates) / len(candidates)
+    return math.floor((1 + epsilon) * mean) + request.estimated_prompt_tokens
+
+
+def _kv_fits(replica: ReplicaState, uncached: int) -> bool:
+    """Whether the replica's free KV holds the uncached prompt; True when it does not report KV."""
+    return replica.kv_blocks_total == 0 or replica.kv_blocks_free * replica.block_size_tokens >= uncached
+
+
 def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
-    """kvgate's policy: the best `cache_aware_score` among candidates with room under the load cap.
-    Reason: LOAD_FALLBACK when the best-scoring candidate overall had no room; else PREFIX_HIT when
-    the chosen one holds a prefix; else ADAPTER_AFFINITY when its adapter fit beat another candidate's;
-    else RENDEZVOUS."""
+    """kvgate's policy: the best `cache_aware_score` among candidates with room: under the request
+    cap, under the token cap, and with free KV for the uncached part (a test that no candidate passes
+    is dropped, KV first, then the token cap; the request cap always leaves one). Only the part of a
+    match that sets a replica apart counts: an opening every candidate holds (a shared system prompt)
+    says nothing about where the rest of the prompt lives. In a trace where every conversation opens
+    with one shared block, preferring the least-loaded holder of that block piles new text on
+    replicas by request count; counting it out places a new conversation as new text, on the replica
+    that has been sent the least (as sglang-router's "smallest tree"), and its later turns follow it.
+    Reason: LOAD_FALLBACK when the best-scoring
+    candidate overall had no room; else PREFIX_HIT when the chosen one holds a prefix; else
+    ADAPTER_AFFINITY when its adapter fit beat another candidate's; else NEW_TEXT when every candidate
+    holds the same opening of the prompt, RENDEZVOUS when none holds any."""
     candidates = view.candidates(request.model)
     if not candidates:
         return _no_replica()
     cap = load_cap(candidates, knobs.load_epsilon)
-    matches = {r.replica_id: view.match_length(r.replica_id, request.prefix_hashes) for r in candidates}
-    scores = {r.replica_id: cache_aware_score(request, r, matches[r.replica_id]) for r in candidates}
+    tokens_cap = token_cap(request, candidates, knobs.load_epsilon)
+    held = {r.replica_id: view.match_length(r.replica_id, request.prefix_hashes) for r in candidates}
+    held_everywhere = min(held.values())
+    matches = {rid: n - held_everywhere for rid, n in held.items()}  # what sets a replica apart
+    uncached = {rid: request.uncached_tokens(n) for rid, n in held.items()}
+    opens_like_held = held_everywhere > 0
+
+    def spread(r: ReplicaState) -> int:
+        if matches[r.replica_id] > 0:
+            return -r.load
+        return -view.inserted_chunks(r.replica_id) if opens_like_held else 0
+
+    scores = {r.replica_id: cache_aware_score(request, r, matches[r.replica_id], spread(r)) for r in candidates}
     preferred = max(candidates, key=lambda r: scores[r.replica_id])
-    with_room = [r for r in candidates if r.load + 1 <= cap]  # never empty: see load_cap
+    # Each cap alone always leaves a replica (the least loaded by its measure); both together usually
+    # do. When no replica is under both, requests decide: a queue of requests is what the cap bounds.
+    under_caps = [r for r in candidates
+                  if r.load + 1 <= cap and r.pending_prefill_tokens + uncached[r.replica_id] <= tokens_cap]
+    if not under_caps:
+        under_caps = [r for r in candidates if r.load + 1 <= cap]
+    with_room = [r for r in under_caps if _kv_fits(r, uncached[r.replica_id])] or under_caps
     chosen = max(with_room, key=lambda r: scores[r.replica_id])
     match = matches[chosen.replica_id]
     if chosen is not preferred:
@@ -172,8 +226,10 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     elif chosen.adapter_fit(request.adapter) > min(r.adapter_fit(request.adapter) for r in with_room):
         reason = Reason.ADAPTER_AFFINITY
     else:
-        reason = Reason.RENDEZVOUS
-    return _decision(request, view, chosen, reason, len(candidates), cap, match)
+        reason = Reason.NEW_TEXT if opens_like_held else Reason.RENDEZVOUS
+    # predicted_match_chunks is what it holds, counted or not: the prefill estimate and the
+    # predicted-vs-realised check need the truth.
+    return _decision(request, view, chosen, reason, len(candidates), cap, held[chosen.replica_id])
 
 
 POLICIES: Mapping[RoutingPolicy, PolicyFn] = MappingProxyType({

@@ -4,12 +4,14 @@ One `PrefixIndex` per replica: an LRU set of chunk hashes (see `router.features`
 replica's KV cache can really hold, so the index forgets roughly when the engine evicts. It is mutable
 state owned by the gateway shell; policies read it only through `view.PrefixQuery`.
 
-Capacity in chunks = kv_blocks_total x block_size_tokens x CHARS_PER_TOKEN // chunk_chars:
-1,000 blocks x 16 tokens x 4 chars/token = 64,000 chars = 250 chunks of 256 chars.
+Capacity in chunks = kv_blocks_total x block_size_tokens x chars_per_token // chunk_chars (the
+model's learnt ratio, see features.CharsPerToken): 1,000 blocks x 16 tokens x 4 chars/token =
+64,000 chars = 250 chunks of 256 chars.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -20,11 +22,12 @@ from router.features import CHARS_PER_TOKEN
 DEFAULT_CAPACITY_CHUNKS = 4096
 
 
-def capacity_chunks(kv_blocks_total: int, block_size_tokens: int, chunk_chars: int) -> int:
+def capacity_chunks(kv_blocks_total: int, block_size_tokens: int, chunk_chars: int,
+                    chars_per_token: float = CHARS_PER_TOKEN) -> int:
     """Chunks a replica's KV cache holds; DEFAULT_CAPACITY_CHUNKS when it reports no KV figures."""
     if kv_blocks_total <= 0 or block_size_tokens <= 0:
         return DEFAULT_CAPACITY_CHUNKS
-    return kv_blocks_total * block_size_tokens * CHARS_PER_TOKEN // chunk_chars
+    return int(kv_blocks_total * block_size_tokens * chars_per_token // chunk_chars)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class PrefixIndex:
         self._predicted_tokens = 0
         self._realised_tokens = 0
         self._num_corrections = 0
+        self.inserted_chunks = 0  # chunks recorded that it did not hold: the new text sent there
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -79,22 +83,26 @@ class PrefixIndex:
         """Note that the replica is about to hold this chain. Inserted deepest first, so the chain's root
         is the most recently used and eviction trims chains from their tail, as the engine does."""
         for chunk_hash in reversed(hashes):
-            self._lru[chunk_hash] = None
-            self._lru.move_to_end(chunk_hash)
+            if chunk_hash in self._lru:
+                self._lru.move_to_end(chunk_hash)
+            else:
+                self._lru[chunk_hash] = None
+                self.inserted_chunks += 1
         self._evict_to(self._capacity)
 
-    def correct(self, hashes: tuple[int, ...], predicted_chunks: int, realised_cached_tokens: int) -> int:
+    def correct(self, hashes: tuple[int, ...], predicted_chunks: int, realised_cached_tokens: int,
+                chars_per_token: float = CHARS_PER_TOKEN) -> int:
         """Learn from a response's `cached_tokens`. When the engine realised fewer chunks than we
         predicted at routing time, it did not keep what we believed (evicted under pressure, prefix
         caching off, a backend that reports 0), so drop this chain from the first unrealised chunk on;
         a later identical prompt then scores as the partial match it really is, and is recorded again
         where it is routed. Realised chunks round up (ceil(tokens x 4 / chunk_chars)), because engines
-        cache whole blocks only and the token/char ratio is an estimate: 300 tokens, 256-char chunks ->
-        ceil(1200 / 256) = 5 chunks. Returns the number of hashes dropped."""
+        cache whole blocks only and the token/char ratio is an estimate: 300 tokens at 4 chars per token,
+        256-char chunks -> ceil(1200 / 256) = 5 chunks. Returns the number of hashes dropped."""
         predicted_chunks = min(predicted_chunks, len(hashes))
-        self._predicted_tokens += predicted_chunks * self._chunk_chars // CHARS_PER_TOKEN
+        self._predicted_tokens += int(predicted_chunks * self._chunk_chars / chars_per_token)
         self._realised_tokens += realised_cached_tokens
-        realised_chunks = -(-realised_cached_tokens * CHARS_PER_TOKEN // self._chunk_chars)
+        realised_chunks = math.ceil(realised_cached_tokens * chars_per_token / self._chunk_chars)
         if realised_chunks >= predicted_chunks:
             return 0
         self._num_corrections += 1
@@ -138,15 +146,15 @@ class PrefixIndexes:
         return index.match_length(hashes) if index is not None else 0
 
     def ensure(self, replica_id: str, kv_blocks_total: int, block_size_tokens: int,
-               chunk_chars: int | None = None) -> PrefixIndex:
+               chunk_chars: int | None = None, chars_per_token: float = CHARS_PER_TOKEN) -> PrefixIndex:
         """The replica's index, created or resized to its reported KV capacity, in chunks of
         `chunk_chars` (default: the constructor's). Idempotent. A new chunk size (the model's
         prefix_chunk_chars changed on reload) starts an empty index: hashes of other cuts never match."""
         chunk_chars = chunk_chars or self._chunk_chars
-        capacity = capacity_chunks(kv_blocks_total, block_size_tokens, chunk_chars)
+        capacity = capacity_chunks(kv_blocks_total, block_size_tokens, chunk_chars, chars_per_token)
         index = self._by_replica.get(replica_id)
         if index is None or index.chunk_chars != chunk_chars:
-            index = self._by_replica[replica_id] = PrefixIndex(capacity, chunk_chars)
+            index = self._by_replica[replica_id] = self._new_index(capacity, chunk_chars)
         elif index.capacity != capacity:
             index.resize(capacity)
         return index
@@ -158,14 +166,30 @@ class PrefixIndexes:
         """Record a routed chain; a replica without an index gets one of the default size."""
         index = self._by_replica.get(replica_id)
         if index is None:
-            index = self._by_replica[replica_id] = PrefixIndex(DEFAULT_CAPACITY_CHUNKS, self._chunk_chars)
+            index = self._by_replica[replica_id] = self._new_index(DEFAULT_CAPACITY_CHUNKS, self._chunk_chars)
         index.record(hashes)
 
+    def inserted_chunks(self, replica_id: str) -> int:
+        """New text sent to the replica so far, in chunks (see `_new_index` for a newcomer's start)."""
+        index = self._by_replica.get(replica_id)
+        return index.inserted_chunks if index is not None else 0
+
+    def _new_index(self, capacity: int, chunk_chars: int) -> PrefixIndex:
+        """A replica that joins (or restarts) starts its count of new text at the least of its peers',
+        so placing new text on the least-filled replica does not send it every new prompt until it has
+        caught up with replicas that served for hours."""
+        index = PrefixIndex(capacity, chunk_chars)
+        peers = [i.inserted_chunks for i in self._by_replica.values() if i.chunk_chars == chunk_chars]
+        index.inserted_chunks = min(peers, default=0)
+        return index
+
     def correct(self, replica_id: str, hashes: tuple[int, ...], predicted_chunks: int,
-                realised_cached_tokens: int) -> int:
+                realised_cached_tokens: int, chars_per_token: float = CHARS_PER_TOKEN) -> int:
         """As PrefixIndex.correct; 0 for a replica already forgotten."""
         index = self._by_replica.get(replica_id)
-        return index.correct(hashes, predicted_chunks, realised_cached_tokens) if index is not None else 0
+        if index is None:
+            return 0
+        return index.correct(hashes, predicted_chunks, realised_cached_tokens, chars_per_token)
 
     def forget_replica(self, replica_id: str) -> None:
         """Drop a replica's index (it left, or restarted with an empty cache). Succeeds if unknown."""

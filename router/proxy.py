@@ -27,7 +27,7 @@ from aiohttp import web
 from kvgate.clock import Clock
 from registry.schema import Routing
 from router.errors import GatewayError, bad_gateway, no_capacity, sse_error_event, upstream_timeout
-from router.features import CHARS_PER_TOKEN, RouteRequest
+from router.features import RouteRequest
 from router.metrics import RouterMetrics
 from router.policies import Reason, RouteDecision, RoutingKnobs, choose
 from router.prefix_index import PrefixIndexes
@@ -45,11 +45,14 @@ class Tracker(Protocol):
     prefixes: PrefixIndexes
 
     def view(self, model: str) -> ReplicaView: ...
-    def begin(self, replica_id: str) -> None: ...
+    def begin(self, replica_id: str, prefill_tokens: int = 0) -> None: ...
+    def prefilled(self, replica_id: str, prefill_tokens: int) -> None: ...
     def end(self, replica_id: str) -> None: ...
     def report_success(self, replica_id: str) -> None: ...
     def report_failure(self, replica_id: str) -> None: ...
     def url(self, replica_id: str) -> str: ...
+    def chars_per_token_of(self, model: str) -> float: ...
+    def learn_prompt_size(self, model: str, prompt_chars: int, prompt_tokens: int) -> None: ...
     async def wait_for_replica(self, model: str, timeout_s: float) -> bool: ...
     def num_ready(self, model: str) -> int: ...
 
@@ -65,6 +68,20 @@ class ProxyRequest:
     routing: Routing  # retries, timeouts, queue bound
     queue_wait_s: float  # the model's scaling.max_queue_wait_s, or the gateway default
     arrived_at: float  # clock.now() when the request arrived, for TTFT
+
+
+class _PendingPrefill:
+    """One attempt's share of its replica's pending prefill tokens: counted by `Tracker.begin` when
+    made, taken off once by `done()` (at the first event, or when the attempt ends without one)."""
+
+    def __init__(self, tracker: Tracker, replica_id: str, tokens: int) -> None:
+        self._tracker, self._replica_id, self._tokens = tracker, replica_id, tokens
+        tracker.begin(replica_id, tokens)
+
+    def done(self) -> None:
+        if self._tokens >= 0:
+            self._tracker.prefilled(self._replica_id, self._tokens)
+            self._tokens = -1
 
 
 class AttemptFailed(Exception):
@@ -85,6 +102,13 @@ def cached_tokens_of(payload: Any) -> int | None:
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
+def prompt_tokens_of(payload: Any) -> int | None:
+    """usage.prompt_tokens of a response or final chunk, None when absent."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
 
 
 class Proxy:
@@ -121,15 +145,17 @@ class Proxy:
             num_attempts += 1
             replica_id = decision.replica_id
             self.tracker.prefixes.record(replica_id, preq.route.prefix_hashes)
-            self.tracker.begin(replica_id)
+            prefill = _PendingPrefill(self.tracker, replica_id,
+                                      preq.route.uncached_tokens(decision.predicted_match_chunks))
             try:
-                return await self._attempt(request, preq, replica_id, decision)
+                return await self._attempt(request, preq, replica_id, decision, prefill)
             except AttemptFailed as failure:
                 self.tracker.report_failure(replica_id)
                 self._count(model, replica_id, failure.outcome)
                 excluded.add(replica_id)
                 last = failure
             finally:
+                prefill.done()
                 self.tracker.end(replica_id)
         return self._give_up(model, last)
 
@@ -166,7 +192,7 @@ class Proxy:
             self.outcomes_by_replica[replica_id][outcome] += 1
 
     async def _attempt(self, request: web.Request, preq: ProxyRequest, replica_id: str,
-                       decision: RouteDecision) -> web.StreamResponse:
+                       decision: RouteDecision, prefill: _PendingPrefill) -> web.StreamResponse:
         routing = preq.routing
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=routing.connect_timeout_s)
         started = self.clock.now()
@@ -189,7 +215,7 @@ class Proxy:
                                     content_type=upstream.headers.get("Content-Type", "application/json"))
             if upstream.content_type == "text/event-stream" and upstream.status < 300:
                 remaining_s = routing.first_byte_timeout_s - (self.clock.now() - started)
-                response = await self._stream(request, preq, upstream, replica_id, decision, remaining_s)
+                response = await self._stream(request, preq, upstream, replica_id, decision, remaining_s, prefill)
             else:
                 response = await self._buffered(preq, upstream, replica_id, decision)
             finished = True
@@ -221,7 +247,8 @@ class Proxy:
         if upstream.status < 300:
             self._count(model, replica_id, "success")
             try:
-                self._learn(preq, replica_id, decision, cached_tokens_of(json.loads(body)))
+                payload = json.loads(body)
+                self._learn(preq, replica_id, decision, cached_tokens_of(payload), prompt_tokens_of(payload))
             except ValueError:
                 pass  # not JSON: nothing to learn; the client gets the bytes as they are
         else:
@@ -231,7 +258,8 @@ class Proxy:
             "Content-Type": upstream.headers.get("Content-Type", "application/json"), REPLICA_HEADER: replica_id})
 
     async def _stream(self, request: web.Request, preq: ProxyRequest, upstream: aiohttp.ClientResponse,
-                      replica_id: str, decision: RouteDecision, first_byte_s: float) -> web.StreamResponse:
+                      replica_id: str, decision: RouteDecision, first_byte_s: float,
+                      prefill: _PendingPrefill) -> web.StreamResponse:
         """Pass SSE through event by event, awaiting each write (backpressure: a slow client slows the
         upstream read, never a growing buffer)."""
         try:
@@ -242,6 +270,7 @@ class Proxy:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream broke before its first event") from exc
         if not first:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream ended before its first event")
+        prefill.done()  # the first event follows the prompt's prefill
         model = preq.route.model
         response = web.StreamResponse(status=upstream.status, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", REPLICA_HEADER: replica_id})
@@ -283,7 +312,7 @@ class Proxy:
             return response
         self.tracker.report_success(replica_id)
         self._count(model, replica_id, "success")
-        self._learn(preq, replica_id, decision, relay.cached_tokens)
+        self._learn(preq, replica_id, decision, relay.cached_tokens, relay.prompt_tokens)
         await response.write_eof()
         # What follows [DONE] is only the chunked terminator; reading it lets the connection return
         # to the pool instead of being dropped. Bounded, as the client already has everything.
@@ -299,25 +328,34 @@ class Proxy:
         except ConnectionResetError:
             pass  # the client left as well
 
-    def _learn(self, preq: ProxyRequest, replica_id: str, decision: RouteDecision, cached_tokens: int | None) -> None:
-        """Predicted vs realised: correct the prefix index from the response's cached_tokens."""
+    def _learn(self, preq: ProxyRequest, replica_id: str, decision: RouteDecision, cached_tokens: int | None,
+               prompt_tokens: int | None = None) -> None:
+        """Learn from the response's usage: the model's characters per token from prompt_tokens, then
+        predicted vs realised, correcting the prefix index from cached_tokens."""
+        model = preq.route.model
+        if prompt_tokens is not None:
+            self.tracker.learn_prompt_size(model, preq.route.num_prompt_chars, prompt_tokens)
         if cached_tokens is None:
             return
-        chunk_chars = preq.routing.prefix_chunk_chars
+        chars_per_token = self.tracker.chars_per_token_of(model)
         predicted = min(decision.predicted_match_chunks, len(preq.route.prefix_hashes))
-        self.metrics.prefix_predicted_tokens.labels(preq.route.model).inc(predicted * chunk_chars // CHARS_PER_TOKEN)
-        self.metrics.prefix_realised_tokens.labels(preq.route.model).inc(cached_tokens)
-        self.tracker.prefixes.correct(replica_id, preq.route.prefix_hashes, predicted, cached_tokens)
+        predicted_chars = min(predicted * preq.route.chunk_chars, preq.route.num_prompt_chars)
+        self.metrics.prefix_predicted_tokens.labels(model).inc(int(predicted_chars / chars_per_token))
+        self.metrics.prefix_realised_tokens.labels(model).inc(cached_tokens)
+        self.tracker.prefixes.correct(replica_id, preq.route.prefix_hashes, predicted, cached_tokens,
+                                      chars_per_token)
 
 
 class _SseRelay:
     """Cuts an SSE byte stream at event boundaries ("\\n\\n"), so only whole events reach the client
-    (an error event after a break then parses), and notes `[DONE]` and the usage chunk's cached_tokens."""
+    (an error event after a break then parses), and notes `[DONE]` and the usage chunk's prompt and
+    cached tokens."""
 
     def __init__(self) -> None:
         self._pending = b""
         self.done = False
         self.cached_tokens: int | None = None
+        self.prompt_tokens: int | None = None
 
     def feed(self, data: bytes) -> bytes:
         """The whole events completed by `data`; keeps any partial one for the next call."""
@@ -337,11 +375,11 @@ class _SseRelay:
             data = line[5:].strip()
             if data == b"[DONE]":
                 self.done = True
-            elif b"cached_tokens" in data:  # only a usage chunk carries it; skip parsing the rest
+            elif b'"usage"' in data and b"prompt_tokens" in data:  # only a usage chunk: skip parsing the rest
                 try:
-                    cached = cached_tokens_of(json.loads(data))
+                    payload = json.loads(data)
                 except ValueError:
                     continue
-                if cached is not None:
-                    self.cached_tokens = cached
+                self.cached_tokens = cached_tokens_of(payload) if self.cached_tokens is None else self.cached_tokens
+                self.prompt_tokens = prompt_tokens_of(payload) if self.prompt_tokens is None else self.prompt_tokens
 

@@ -32,6 +32,7 @@ from kvgate.state.base import MemberRecord, StateStore
 from kvgate.state.base import ReplicaState as MemberState
 from registry.schema import Backend
 from registry.snapshot import Snapshot
+from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
 from router.sources import LoadReport, parse_metrics, watch_stream
 from router.view import ReplicaState, ReplicaView
@@ -56,6 +57,7 @@ class _Tracked:
     prefix_chunk_chars: int  # the model's routing.prefix_chunk_chars: the cut its prefix index counts in
     load: LoadReport = field(default_factory=LoadReport)
     in_flight: int = 0
+    pending_prefill_tokens: int = 0  # see ReplicaState.pending_prefill_tokens
     # Requests this gateway finished there since the last load report: that report still counts them
     # (an engine sends a snapshot at most every ~50 ms), so they come off its waiting + running until
     # the next one. Without it, sequential requests see a phantom load of 1 on the replica that just
@@ -81,6 +83,7 @@ class _Tracked:
         return ReplicaState(
             replica_id=self.replica_id, url=self.url, model=self.model, healthy=healthy, draining=draining,
             in_flight=self.in_flight, num_waiting=num_waiting, num_running=num_running,
+            pending_prefill_tokens=self.pending_prefill_tokens,
             kv_blocks_free=self.load.kv_blocks_free, kv_blocks_total=self.load.kv_blocks_total,
             block_size_tokens=self.load.block_size_tokens or self.block_size_tokens,
             adapters_loaded=self.load.adapters_loaded, max_loaded_adapters=self.max_loaded_adapters)
@@ -106,6 +109,7 @@ class ReplicaTracker:
         self._eject_for_s = eject_for_s
         self._default_chunk_chars = prefix_chunk_chars
         self.prefixes = PrefixIndexes(prefix_chunk_chars)
+        self._chars_per_token: dict[str, CharsPerToken] = {}  # per model, learnt from responses
         self._replicas: dict[str, _Tracked] = {}
         self._snapshot: Snapshot | None = None
         self._started = False
@@ -195,17 +199,36 @@ class ReplicaTracker:
 
     # ------------------------------------------------------------------ the gateway's own signals
 
-    def begin(self, replica_id: str) -> None:
-        """One more request in flight there; unknown ids (a replica that just left) are ignored."""
+    def begin(self, replica_id: str, prefill_tokens: int = 0) -> None:
+        """One more request in flight there, with `prefill_tokens` still to prefill (its uncached
+        prompt) until `prefilled`; unknown ids (a replica that just left) are ignored."""
         tracked = self._replicas.get(replica_id)
         if tracked is not None:
             tracked.in_flight += 1
+            tracked.pending_prefill_tokens += prefill_tokens
+
+    def prefilled(self, replica_id: str, prefill_tokens: int) -> None:
+        """The request `begin` counted has its first token (or ended without one): its prompt no
+        longer waits for prefill. Call once per `begin`, with the same count."""
+        tracked = self._replicas.get(replica_id)
+        if tracked is not None:
+            tracked.pending_prefill_tokens = max(0, tracked.pending_prefill_tokens - prefill_tokens)
 
     def end(self, replica_id: str) -> None:
         tracked = self._replicas.get(replica_id)
         if tracked is not None:
             tracked.in_flight = max(0, tracked.in_flight - 1)
             tracked.num_ended_since_report += 1
+
+    def chars_per_token_of(self, model: str) -> float:
+        """The model's learnt prompt characters per token (features.CharsPerToken)."""
+        estimate = self._chars_per_token.get(model)
+        return estimate.value if estimate is not None else CharsPerToken().value
+
+    def learn_prompt_size(self, model: str, prompt_chars: int, prompt_tokens: int) -> None:
+        """A response reported `prompt_tokens` for a canonical prompt of `prompt_chars`; the model's
+        replicas' index capacities follow the new estimate at their next load report."""
+        self._chars_per_token.setdefault(model, CharsPerToken()).observe(prompt_chars, prompt_tokens)
 
     def report_success(self, replica_id: str) -> None:
         tracked = self._replicas.get(replica_id)
@@ -237,7 +260,8 @@ class ReplicaTracker:
     def _ensure_index(self, tracked: _Tracked) -> None:
         """Create or resize the replica's prefix index to its KV capacity in its model's chunks."""
         self.prefixes.ensure(tracked.replica_id, tracked.load.kv_blocks_total,
-                             tracked.load.block_size_tokens or tracked.block_size_tokens, tracked.prefix_chunk_chars)
+                             tracked.load.block_size_tokens or tracked.block_size_tokens, tracked.prefix_chunk_chars,
+                             self.chars_per_token_of(tracked.model))
 
     def _notify(self) -> None:
         """Wake every wait_for_replica; they re-check and wait on a fresh event."""

@@ -38,7 +38,9 @@ class ReplicaState:
     block_size_tokens: int = 16
     adapters_loaded: frozenset[str] = frozenset()
     max_loaded_adapters: int = 0
-    pending_prefill_tokens: int = 0  # estimate: prompt tokens routed here and not yet prefilled
+    # This gateway's estimate of prompt tokens routed here and not yet prefilled (no first token yet),
+    # after the replica's predicted cache hit: the prefill queued ahead of a new request.
+    pending_prefill_tokens: int = 0
 
     @property
     def load(self) -> int:
@@ -49,14 +51,6 @@ class ReplicaState:
         a burst of 100 spreads), the engine's counts include other gateways' requests; the max takes the
         larger, more complete of the two. 3 in flight here, engine says 2 waiting + 4 running -> 6."""
         return max(self.in_flight, self.num_waiting + self.num_running)
-
-    @property
-    def token_load(self) -> int:
-        """Load in tokens: pending prefill tokens plus KV tokens in use. Prefill is what delays the next
-        request's first token, so this weighs a queue of long prompts above one of short ones; a
-        replica with unknown KV figures reports only its prefill estimate."""
-        used_blocks = max(self.kv_blocks_total - self.kv_blocks_free, 0)
-        return self.pending_prefill_tokens + used_blocks * self.block_size_tokens
 
     def adapter_fit(self, adapter: str | None) -> AdapterFit:
         if adapter is None or adapter in self.adapters_loaded:
@@ -75,11 +69,18 @@ class PrefixQuery(Protocol):
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int: ...
 
+    def inserted_chunks(self, replica_id: str) -> int:
+        """How much new prompt text (in chunks) this gateway has sent to the replica."""
+        ...
+
 
 class NoPrefixes:
     """A PrefixQuery that knows nothing: for policies that ignore prefixes, and for tests."""
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
+        return 0
+
+    def inserted_chunks(self, replica_id: str) -> int:
         return 0
 
 
@@ -102,3 +103,6 @@ class ReplicaView:
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
         return self.prefixes.match_length(replica_id, hashes)
+
+    def inserted_chunks(self, replica_id: str) -> int:
+        return self.prefixes.inserted_chunks(replica_id)

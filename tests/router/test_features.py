@@ -106,3 +106,33 @@ def test_short_prompts_get_distinct_affinity_keys() -> None:
     assert a.prefix_hashes == b.prefix_hashes == ()
     assert a.affinity_key != b.affinity_key
     assert a.affinity_key == build_route_request({"prompt": "hi"}, "m", None, 256, 9).affinity_key
+
+
+def test_the_affinity_key_reaches_as_deep_as_asked() -> None:
+    shared = "s" * 128  # one 128-char chunk of shared opening, then text of each conversation
+    a = build_route_request({"prompt": shared + "a" * 1000}, "m", None, 128, 0, affinity_depth_chars=1024)
+    b = build_route_request({"prompt": shared + "b" * 1000}, "m", None, 128, 1, affinity_depth_chars=1024)
+    assert a.affinity_key == a.prefix_hashes[7] and a.affinity_key != b.affinity_key  # 1,024 // 128 = 8 chunks
+    # Depth 0 (or under a chunk): the first chunk, shared by both.
+    a1 = build_route_request({"prompt": shared + "a" * 1000}, "m", None, 128, 0)
+    b1 = build_route_request({"prompt": shared + "b" * 1000}, "m", None, 128, 1)
+    assert a1.affinity_key == b1.affinity_key == a1.prefix_hashes[0]
+    # A prompt shorter than the depth: its last full chunk.
+    short = build_route_request({"prompt": shared + "c" * 200}, "m", None, 128, 2, affinity_depth_chars=1024)
+    assert short.affinity_key == short.prefix_hashes[-1]
+
+
+def test_chars_per_token_learns_from_reported_prompt_tokens() -> None:
+    from router.features import CharsPerToken
+
+    estimate = CharsPerToken(weight=0.1)
+    assert estimate.value == 4.0
+    estimate.observe(3000, 2000)  # 1.5 chars per token: 4.0 + 0.1 x (1.5 - 4.0) = 3.75
+    assert estimate.value == pytest.approx(3.75)
+    for _ in range(100):
+        estimate.observe(3000, 2000)
+    assert estimate.value == pytest.approx(1.5, abs=0.01)
+    estimate.observe(10, 0)  # no tokens reported: ignored
+    estimate.observe(100_000, 1)  # absurd ratio: clamped to 16, moves it 0.1 x (16 - 1.5) at most
+    assert estimate.value == pytest.approx(1.5 + 0.1 * 14.5, abs=0.01)
+    assert estimate.num_observed == 102

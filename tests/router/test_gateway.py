@@ -25,7 +25,10 @@ from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_
 from loadtests.sim_replica_model import SchedulerSpec
 from registry.loader import load_registry
 from registry.watch import RegistryWatcher
+from kvgate.state.base import StateStore
+from kvgate.state.memory import MemoryStateStore
 from router.app import GatewaySettings, build_app
+from router.observations import OBSERVATIONS_COLLECTION
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
 
@@ -89,14 +92,14 @@ class Gateway:
 @contextlib.asynccontextmanager
 async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
                   settings: GatewaySettings | None = None, sim_spec: SchedulerSpec = FAST_SIM,
-                  other_urls: tuple[str, ...] = ()) -> AsyncIterator[Gateway]:
+                  other_urls: tuple[str, ...] = (), store: StateStore | None = None) -> AsyncIterator[Gateway]:
     sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec))
             for _ in range(num_replicas)]
     write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing)
     clock = RealClock()
     watcher = await RegistryWatcher.open(tmp_path, clock)
     tracker = ReplicaTracker(clock=clock, poll_interval_s=60.0, health_interval_s=60.0, prefix_chunk_chars=64)
-    runner = web.AppRunner(build_app(settings or GatewaySettings(), tracker, watcher, clock),
+    runner = web.AppRunner(build_app(settings or GatewaySettings(), tracker, watcher, clock, store),
                            handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -270,6 +273,20 @@ async def test_at_zero_replicas_a_request_waits_then_gets_503_with_retry_after(t
         assert loop.time() - started >= 0.3
         assert status == 503 and int(headers["Retry-After"]) >= 1
         assert json.loads(text)["error"]["code"] == "no_capacity"
+
+
+async def test_requests_waiting_at_zero_replicas_are_published_for_the_autoscaler(tmp_path: Path) -> None:
+    store = MemoryStateStore(RealClock())
+    settings = GatewaySettings(gateway_id="gw-a", observation_interval_s=0.05)
+    async with gateway(tmp_path, num_replicas=1, settings=settings, store=store) as gw:
+        body = json.dumps(chat("x") | {"model": "cold"}).encode()
+        waiting = asyncio.create_task(gw.post("/v1/chat/completions", body))
+        await asyncio.sleep(0.15)  # three publish intervals; the model's wait limit is 0.3 s
+        record = await store.get_record(OBSERVATIONS_COLLECTION, "cold@gw-a")
+        assert record is not None and record.data["queued"] == 1 and record.data["arrivals_per_s"] > 0
+        status, _, _ = await waiting
+        assert status == 503
+    assert await store.list_records(OBSERVATIONS_COLLECTION) == []  # withdrawn when the gateway stopped
 
 
 async def test_a_waiting_request_is_served_once_a_replica_appears(tmp_path: Path) -> None:

@@ -204,9 +204,30 @@ def test_a_prefix_match_outranks_adapter_fit_and_rendezvous() -> None:
     view_replicas = [replica("a", adapters=("sql",)), replica("b", adapters=("sql",))]
     rendezvous_home = choose(req, ReplicaView.of(view_replicas), knobs(RoutingPolicy.CACHE_AWARE)).replica_id
     other = "b" if rendezvous_home == "a" else "a"
-    indexes.record(other, req.prefix_hashes[:3])
+    indexes.record(other, req.prefix_hashes[:6])  # 6 x 64 = 384 of 700 chars: over half, it counts
     decision = choose(req, ReplicaView.of(view_replicas, indexes), knobs(RoutingPolicy.CACHE_AWARE))
-    assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (other, Reason.PREFIX_HIT, 3)
+    assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (other, Reason.PREFIX_HIT, 6)
+
+
+def test_an_opening_every_replica_holds_does_not_count_and_new_text_goes_where_least_went() -> None:
+    # Every conversation opens with one shared chunk (as every Mooncake request opens with block 0).
+    # All replicas hold it, so it sets none apart: the new conversation is placed as new text, on the
+    # replica this gateway has sent the least new text (b: 1 chunk, a: 3), though their loads tie and
+    # the rendezvous order might say otherwise.
+    indexes = PrefixIndexes(CHUNK)
+    shared = "s" * CHUNK
+    for rid in ("a", "b"):
+        indexes.ensure(rid, 1024, 16, CHUNK)  # both known from the start (a newcomer starts level)
+    indexes.record("a", request(shared + "a" * 2 * CHUNK).prefix_hashes)  # 3 chunks of new text
+    indexes.record("b", request(shared).prefix_hashes)  # 1
+    req = request(shared + "n" * 4 * CHUNK)
+    view = ReplicaView.of([replica("a", load=3), replica("b", load=3)], indexes)
+    decision = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE))
+    assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == ("b", Reason.NEW_TEXT, 1)
+    # A later turn of a's conversation: a holds 3 chunks, b 1; the 2 that set a apart count.
+    turn = request(shared + "a" * 2 * CHUNK + "next question")
+    decision = choose(turn, view, knobs(RoutingPolicy.CACHE_AWARE))
+    assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == ("a", Reason.PREFIX_HIT, 3)
 
 
 def test_the_same_text_under_another_adapter_does_not_match() -> None:
@@ -222,3 +243,69 @@ def test_view_is_sorted_so_arrival_order_does_not_matter() -> None:
     forward = choose(req, ReplicaView.of(states), knobs(RoutingPolicy.CACHE_AWARE))
     backward = choose(req, ReplicaView.of(reversed(states)), knobs(RoutingPolicy.CACHE_AWARE))
     assert forward == backward
+
+
+def _with_pending(states: list[ReplicaState], pending: dict[str, int]) -> list[ReplicaState]:
+    return [replace(r, pending_prefill_tokens=pending.get(r.replica_id, 0)) for r in states]
+
+
+def test_uncached_tokens_counts_what_the_replica_does_not_hold() -> None:
+    req = request("x" * 6400)  # 6,400 chars at 4 chars per token: 1,600 tokens, 100 chunks of 64
+    assert req.estimated_prompt_tokens == 1600
+    assert req.uncached_tokens(0) == 1600
+    assert req.uncached_tokens(94) == 96  # 94 x 64 = 6,016 chars held, 384 left = 96 tokens
+    assert req.uncached_tokens(100) == 0
+
+
+@pytest.mark.parametrize("holder_pending,holder_is_chosen", [
+    # The module docstring's example: pending 0, 300, 900 (holder), 2,800; mean 1,000, epsilon 0.25,
+    # a 1,600-token prompt -> cap floor(1,250) + 1,600 = 2,850. The holder holds 94 of 100 chunks
+    # (uncached 96): 900 + 96 <= 2,850, room.
+    (900, True),
+    # Holder at 2,800 (others 0, 300, 900; mean 1,000, cap 2,850): 2,800 + 96 = 2,896 > 2,850. Under
+    # the request cap alone it would have stayed (every replica has 1 request in flight).
+    (2800, False),
+])
+def test_the_token_cap_bounds_pending_prefill(holder_pending: int, holder_is_chosen: bool) -> None:
+    prompt = "y" * 6400
+    req = request(prompt)
+    gateway = Gateway(fleet(4))
+    holder = "r2"
+    gateway.indexes.record(holder, req.prefix_hashes[:94])
+    others = iter(p for p in (0, 300, 900, 2800) if p != holder_pending)
+    pending = {rid: holder_pending if rid == holder else next(others) for rid in gateway.replicas}
+    states = _with_pending([replace(r, in_flight=1) for r in gateway.replicas.values()], pending)
+    decision = choose(req, ReplicaView.of(states, gateway.indexes), knobs(RoutingPolicy.CACHE_AWARE))
+    if holder_is_chosen:
+        assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (holder, Reason.PREFIX_HIT, 94)
+    else:
+        assert decision.replica_id != holder and decision.reason is Reason.LOAD_FALLBACK
+
+
+def test_a_later_turn_stays_with_its_conversation_although_the_holder_has_more_requests() -> None:
+    # Every replica has 2 requests in flight: request cap max(floor(1.25 x 2.25), ceil(2.25)) = 3, room
+    # everywhere. The holder also has the most pending prefill (120 tokens of other short turns; mean
+    # 30): token cap floor(1.25 x 30) + 500 prompt tokens = 537, and the turn adds only its uncached
+    # tail (5 tokens): 125 <= 537. Pending tokens do not push a cheap hit away.
+    history = "turn one of a long conversation. " * 60  # 1,980 chars
+    req = request(history + "and now a follow-up")
+    gateway = Gateway(fleet(4))
+    holder = gateway.route(request(history), stays_in_flight=False)
+    states = [replace(r, in_flight=2, pending_prefill_tokens=120 if r.replica_id == holder else 0)
+              for r in gateway.replicas.values()]
+    decision = choose(req, ReplicaView.of(states, gateway.indexes), knobs(RoutingPolicy.CACHE_AWARE))
+    assert (decision.replica_id, decision.reason) == (holder, Reason.PREFIX_HIT)
+
+
+def test_a_replica_without_free_kv_for_the_uncached_prompt_is_passed_over() -> None:
+    req = request("z" * 6400)  # 1,600 tokens
+    gateway = Gateway(fleet(4))
+    holder = gateway.route(request("z" * 3200), stays_in_flight=False)  # holds half: 800 uncached
+    full = [replace(r, kv_blocks_free=10) if r.replica_id == holder else r for r in gateway.replicas.values()]
+    # 10 free blocks x 16 tokens = 160 < 800 uncached: it would have to evict; others have 16,384 free.
+    decision = choose(req, ReplicaView.of(full, gateway.indexes), knobs(RoutingPolicy.CACHE_AWARE))
+    assert decision.replica_id != holder and decision.reason is Reason.LOAD_FALLBACK
+    # When no replica has the room, KV does not decide: the holder keeps it.
+    all_full = [replace(r, kv_blocks_free=10) for r in gateway.replicas.values()]
+    decision = choose(req, ReplicaView.of(all_full, gateway.indexes), knobs(RoutingPolicy.CACHE_AWARE))
+    assert (decision.replica_id, decision.reason) == (holder, Reason.PREFIX_HIT)

@@ -121,3 +121,26 @@ def test_a_new_chunk_size_starts_the_replica_index_afresh() -> None:
     indexes.record("r1", (1, 2))
     index = indexes.ensure("r1", 64, 16, chunk_chars=128)  # hashes of another cut never match
     assert index.chunk_chars == 128 and index.capacity == 32 and len(index) == 0
+
+
+def test_capacity_follows_the_learnt_chars_per_token() -> None:
+    # 1,000 blocks x 16 tokens: 64,000 chars at 4 chars per token (250 chunks of 256), but only
+    # 24,000 chars at tiny-llama's 1.5 (93 chunks): believing 4 would predict hits the engine evicted.
+    assert capacity_chunks(1000, 16, 256) == 250
+    assert capacity_chunks(1000, 16, 256, chars_per_token=1.5) == 93
+    indexes = PrefixIndexes(256)
+    assert indexes.ensure("r", 1000, 16, 256, chars_per_token=1.5).capacity == 93
+
+
+def test_inserted_chunks_count_new_text_and_a_newcomer_starts_at_the_least() -> None:
+    indexes = PrefixIndexes(16)
+    indexes.ensure("a", 1000, 16, 16)
+    indexes.record("a", (1, 2, 3))
+    indexes.record("a", (1, 2, 4))  # 1 and 2 already held: one new chunk
+    assert indexes.inserted_chunks("a") == 4
+    indexes.ensure("b", 1000, 16, 16)  # joins late: starts level with the least-filled peer (a, 4)
+    indexes.record("b", (9,))
+    assert indexes.inserted_chunks("b") == 5
+    indexes.ensure("c", 1000, 16, 16)
+    assert indexes.inserted_chunks("c") == 4
+    assert indexes.inserted_chunks("unknown") == 0

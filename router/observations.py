@@ -1,0 +1,134 @@
+"""What a gateway tells the autoscaler: per model, the requests it holds and how fast they arrive.
+
+Each gateway writes one record per model to the state store, collection `observations`, id
+`<model>@<gateway_id>`, about once a second:
+
+    {"model", "gateway_id", "queued", "in_flight", "arrivals_per_s", "ttft_p99_s", "updated_at"}
+
+`queued` are requests waiting for a replica of the model (none ready: scaling from zero), `in_flight`
+requests proxied and not finished, `arrivals_per_s` arrivals over the last `window_s`, `ttft_p99_s` the
+time to first token over the same window (None without one), `updated_at` wall seconds. Readers (the
+autoscaler) sum over gateways and ignore records older than a few intervals, so a gateway that dies
+simply stops counting. The gateway deletes its records when it stops.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+
+from kvgate.clock import Clock
+from kvgate.state.base import StateStore, StateStoreError
+
+log = logging.getLogger(__name__)
+
+OBSERVATIONS_COLLECTION = "observations"
+
+
+def observation_id(model: str, gateway_id: str) -> str:
+    return f"{model}@{gateway_id}"
+
+
+@dataclass(frozen=True)
+class GatewayObservation:
+    """One model as one gateway sees it now."""
+
+    model: str
+    gateway_id: str
+    queued: int
+    in_flight: int
+    arrivals_per_s: float
+    ttft_p99_s: float | None
+    updated_at: float
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class ArrivalRate:
+    """Arrivals per second over a sliding window, from a cumulative count sampled now and then.
+
+    Keeps (now, count) samples no older than the window (plus the one just before it, to measure
+    from); the rate is the growth between the oldest kept sample and the newest over their distance.
+    Worked: counts 0 at t=0, 30 at t=10 with a 10 s window -> 3.0/s."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, now: float, count: int) -> float:
+        """Record the count at `now`; return the rate over the window (0.0 until two samples)."""
+        self._samples.append((now, count))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self._window_s:
+            self._samples.popleft()
+        first_t, first_count = self._samples[0]
+        if now <= first_t:
+            return 0.0
+        return max(count - first_count, 0) / (now - first_t)
+
+
+class ObservationPublisher:
+    """Writes this gateway's observations every `interval_s`; owned by the app when it has a store.
+
+    The readers are callables into the gateway (arrival counts, wait-queue depths, in-flight gauges,
+    TTFT over the window), so this class holds no request path state of its own."""
+
+    def __init__(self, *, store: StateStore, gateway_id: str, clock: Clock,
+                 model_names: Callable[[], Iterable[str]], arrivals: Mapping[str, int],
+                 queued: Callable[[str], int], in_flight: Callable[[], Mapping[str, float]],
+                 ttft_p99_s: Callable[[str], float | None], interval_s: float = 1.0, window_s: float = 10.0) -> None:
+        self._store = store
+        self.gateway_id = gateway_id
+        self._clock = clock
+        self._model_names = model_names
+        self._arrivals = arrivals
+        self._queued = queued
+        self._in_flight = in_flight
+        self._ttft_p99_s = ttft_p99_s
+        self._interval_s = interval_s
+        self._window_s = window_s
+        self._rates: dict[str, ArrivalRate] = {}
+        self._written: set[str] = set()
+
+    def observe(self) -> list[GatewayObservation]:
+        """Every registry model's observation now (synchronous: one consistent reading)."""
+        now, wall = self._clock.now(), self._clock.wall()
+        in_flight = self._in_flight()
+        out = []
+        for model in self._model_names():
+            rate = self._rates.setdefault(model, ArrivalRate(self._window_s))
+            out.append(GatewayObservation(
+                model=model, gateway_id=self.gateway_id, queued=self._queued(model),
+                in_flight=int(in_flight.get(model, 0)), arrivals_per_s=round(rate.add(now, self._arrivals[model]), 4),
+                ttft_p99_s=self._ttft_p99_s(model), updated_at=wall))
+        return out
+
+    async def publish_once(self) -> None:
+        observations = self.observe()
+        for obs in observations:
+            record_id = observation_id(obs.model, self.gateway_id)
+            await self._store.put_record(OBSERVATIONS_COLLECTION, record_id, obs.to_json())
+            self._written.add(record_id)
+
+    async def run(self) -> None:
+        """Publish until cancelled; a store that is down is logged once per outage and retried."""
+        failing = False
+        while True:
+            try:
+                await self.publish_once()
+                failing = False
+            except StateStoreError as exc:
+                if not failing:
+                    log.warning("cannot publish observations to the state store: %s", exc)
+                failing = True
+            await self._clock.sleep(self._interval_s)
+
+    async def withdraw(self) -> None:
+        """Delete the records this gateway wrote (on shutdown); a store that is down is ignored."""
+        for record_id in sorted(self._written):
+            with contextlib.suppress(StateStoreError):
+                await self._store.delete_record(OBSERVATIONS_COLLECTION, record_id)
+        self._written.clear()

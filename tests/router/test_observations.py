@@ -1,0 +1,47 @@
+"""The gateway's observations for the autoscaler: arrival rates (pure) and the records it publishes."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from kvgate.clock import FakeClock
+from kvgate.state.memory import MemoryStateStore
+from router.observations import OBSERVATIONS_COLLECTION, ArrivalRate, ObservationPublisher
+
+
+@pytest.mark.parametrize("samples,rate", [
+    ([(0.0, 0)], 0.0),  # one sample: nothing to measure from
+    ([(0.0, 0), (10.0, 30)], 3.0),  # 30 arrivals in 10 s
+    # A 10 s window slides: at t=20 it measures from t=10 (count 30) -> (50 - 30) / 10 = 2.0
+    ([(0.0, 0), (10.0, 30), (15.0, 40), (20.0, 50)], 2.0),
+    ([(0.0, 5), (10.0, 2)], 0.0),  # a counter that went back (restart) never gives a negative rate
+])
+def test_arrival_rate_over_a_sliding_window(samples: list[tuple[float, int]], rate: float) -> None:
+    arrivals = ArrivalRate(window_s=10.0)
+    got = [arrivals.add(now, count) for now, count in samples][-1]
+    assert got == pytest.approx(rate)
+
+
+async def test_the_publisher_writes_one_record_per_model_and_withdraws_them() -> None:
+    clock = FakeClock(start=100.0)
+    store = MemoryStateStore(clock)
+    arrivals: collections.Counter[str] = collections.Counter()
+    queued = {"chat": 3}
+    publisher = ObservationPublisher(
+        store=store, gateway_id="gw-1", clock=clock, model_names=lambda: ["chat", "tiny"], arrivals=arrivals,
+        queued=lambda model: queued.get(model, 0), in_flight=lambda: {"chat": 2.0},
+        ttft_p99_s=lambda model: 0.25 if model == "chat" else None, window_s=10.0)
+    await publisher.publish_once()
+    arrivals["chat"] += 40  # 40 arrivals over the next 10 s
+    await clock.advance(10.0)
+    await publisher.publish_once()
+    records = {r.id: r.data for r in await store.list_records(OBSERVATIONS_COLLECTION)}
+    assert set(records) == {"chat@gw-1", "tiny@gw-1"}
+    chat = records["chat@gw-1"]
+    assert (chat["queued"], chat["in_flight"], chat["arrivals_per_s"], chat["ttft_p99_s"]) == (3, 2, 4.0, 0.25)
+    assert chat["updated_at"] == clock.wall() and chat["gateway_id"] == "gw-1"
+    assert records["tiny@gw-1"]["arrivals_per_s"] == 0.0 and records["tiny@gw-1"]["ttft_p99_s"] is None
+    await publisher.withdraw()
+    assert await store.list_records(OBSERVATIONS_COLLECTION) == []
