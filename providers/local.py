@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from registry.schema import CapacityType, LocalSettings, PoolSpec
 
 REGION = "local"
 _POLL_S = 0.05  # how often a stop checks whether the process has exited
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _KILL_WAIT_S = 5.0  # most time a SIGKILLed process takes to be gone
 
 
@@ -131,6 +133,8 @@ class LocalProvider:
     async def start_replica(self, node_id: str, spec: ReplicaSpec, replica_id: str | None = None) -> ReplicaHandle:
         self._adopt()
         if replica_id is not None:
+            if not _SAFE_ID.fullmatch(replica_id):
+                raise ValueError(f"replica id {replica_id!r}: use letters, digits, '.', '_' and '-' (it names files)")
             record = self._record(replica_id)
             if record is not None:
                 return await self._handle(record)

@@ -225,6 +225,8 @@ async def test_slots_are_the_pools_quota(work_dir: Path) -> None:
     assert (await provider.create(claim())).id == nodes[0].id, "a freed slot is reused"
     with pytest.raises(NotFound):
         await provider.start_replica("local-pool-slot-9", replica_spec_for(MODEL))
+    with pytest.raises(ValueError, match="names files"):
+        await provider.start_replica(nodes[1].id, replica_spec_for(MODEL), replica_id="../escape")
 
 
 async def test_build_provider_picks_local(work_dir: Path) -> None:
