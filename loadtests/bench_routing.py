@@ -32,15 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,156 +44,26 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 WORK = REPO / "loadtests" / ".work"
 MODEL = "sim-llama"
+# Real engines (--engines): tiny-llama's tokenizer makes ~1.2 characters per token (measured by the run and
+# written to the JSON), and its maximum length is 1,024 tokens, so the workloads' texts are scaled down.
+ENGINE_HOT_TEXT_SCALE = 1 / 8  # hot_prefix: 6,000-char system prompt -> 750 chars (~640 tokens)
+ENGINE_BLOCK_CHARS = 16  # mooncake: one 512-token trace block -> 16 chars (~14 tokens), i.e. ~1/38
+ENGINE_MAX_BLOCKS = 56  # mooncake: at most 56 trace blocks (896 chars) per prompt, under 1,024 tokens
 
 from loadtests import workloads  # noqa: E402
-
-SGLANG_PY = WORK / "sglang-router-venv" / "bin" / "python"
-VLLM_ROUTER = WORK / "vllm-router-venv" / "bin" / "vllm-router"
-ROUTERS = ("kvgate:round_robin", "kvgate:least_load", "kvgate:consistent_hash", "kvgate:cache_aware",
-           "sglang:cache_aware", "vllm-router:cache_aware")
-
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
-# ------------------------------------------------------------------------------------ replica processes
-
-
-def serve_sims(argv: list[str]) -> None:
-    """`bench_routing.py _sims --ports a,b,c --kv K --prefill P`: several sim replicas in one process."""
-    from loadtests.sim_replica import SimReplicaConfig, start_sim_replica
-    from loadtests.sim_replica_model import SchedulerSpec
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--ports", required=True)
-    p.add_argument("--kv", type=int, required=True)
-    p.add_argument("--prefill", type=float, required=True)
-    p.add_argument("--decode", type=float, default=50.0)
-    a = p.parse_args(argv)
-    spec = SchedulerSpec(kv_capacity_tokens=a.kv, prefill_tokens_per_s=a.prefill, decode_tokens_per_s=a.decode,
-                         max_batch=16)
-    config = SimReplicaConfig(model=MODEL, adapters=workloads.ADAPTERS, scheduler=spec)
-
-    async def run() -> None:
-        servers = [await start_sim_replica(config, "127.0.0.1", int(port)) for port in a.ports.split(",")]
-        print(f"ready {len(servers)}", flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            for s in servers:
-                await s.close()
-
-    import uvloop
-    uvloop.run(run())
-
-
-@dataclass
-class Fleet:
-    procs: list[subprocess.Popen]
-    urls: list[str]
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in self.procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
-def start_fleet(n: int, kv_tokens: int, prefill_tps: float) -> Fleet:
-    ports = free_ports(n)
-    groups = min(n, 4)
-    procs = []
-    for g in range(groups):
-        mine = ports[g::groups]
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "_sims", "--ports", ",".join(map(str, mine)), "--kv", str(kv_tokens),
-             "--prefill", str(prefill_tps)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-    for p in procs:
-        line = p.stdout.readline()
-        if not line.startswith("ready"):
-            raise RuntimeError("a sim replica process did not start")
-    return Fleet(procs, [f"http://127.0.0.1:{port}" for port in ports])
-
-
-# ------------------------------------------------------------------------------------------- routers
-
-
-def write_registry(root: Path, urls: list[str], policy: str) -> None:
-    static = ", ".join(f"{{url: '{u}', backend: vllm}}" for u in urls)
-    adapters = "".join(f"""---
-apiVersion: kvgate/v1
-kind: Adapter
-metadata: {{name: {a}}}
-spec: {{base_model: {MODEL}, source: /adapters/{a}, rank: 8}}
-""" for a in workloads.ADAPTERS)
-    (root / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
-kind: Model
-metadata: {{name: {MODEL}}}
-spec:
-  source: builtin:tiny-llama
-  routing: {{policy: {policy}, prefix_chunk_chars: 128, static_replicas: [{static}]}}
-{adapters}---
-apiVersion: kvgate/v1
-kind: Pool
-metadata: {{name: here}}
-spec:
-  provider: local
-  offers: [{{instance_type: cpu, gpu_kind: cpu, gpu_count: 0, price_usd_per_hour: 0}}]
-""")
-
-
-def router_available(name: str) -> str | None:
-    """None when `name` can run, else why not."""
-    kind = name.split(":")[0]
-    if kind == "sglang" and not SGLANG_PY.exists():
-        return f"no {SGLANG_PY.relative_to(REPO)} (pip install sglang-router==0.3.2 there)"
-    if kind == "vllm-router" and not VLLM_ROUTER.exists():
-        return f"no {VLLM_ROUTER.relative_to(REPO)} (pip install vllm-router==0.1.17 there)"
-    return None
-
-
-def start_router(name: str, urls: list[str], tmp: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    kind, policy = name.split(":")
-    (port,) = free_ports(1)
-    if kind == "kvgate":
-        reg = tmp / "registry"
-        reg.mkdir(exist_ok=True)
-        write_registry(reg, urls, policy)
-        cmd = [str(REPO / ".venv" / "bin" / "kvgate"), "router", "--registry", str(reg), "--port", str(port),
-               "--log-level", "WARNING"]
-    elif kind == "sglang":
-        cmd = [str(SGLANG_PY), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-               "--policy", policy, "--worker-urls", *urls]
-    else:
-        cmd = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-               "--worker-urls", *urls]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop_router(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
+from loadtests.routing_fleet import (  # noqa: E402,F401  (re-exported: callers of the old module keep working)
+    ROUTERS,
+    Fleet,
+    free_ports,
+    replica_counters,
+    router_available,
+    serve_sims,
+    start_engine_fleet,
+    start_fleet,
+    start_router,
+    stop_router,
+    write_registry,
+)
 
 # -------------------------------------------------------------------------------------------- client
 
@@ -220,7 +86,14 @@ async def wait_ready(session, url: str, proc: subprocess.Popen, timeout_s: float
     raise RuntimeError("router not ready")
 
 
-async def one_request(session, url: str, req: workloads.Request, t0: float, timeout_s: float) -> dict:
+async def one_request(session, url: str, req: workloads.Request, t0: float, timeout_s: float,
+                      extra_body: dict | None = None) -> dict:
+    """Send `req` at t0 + req.at_s and read its stream to the end. Never raises: failures are recorded.
+
+    Besides TTFT and tokens: `streamed` (a 200 came back and at least one SSE event was read: a failure
+    after that is "broken mid-stream", before it "failed before any streamed byte"), `error_event` (the
+    stream carried an `error` object, as kvgate sends when an upstream breaks) and `replica` (the gateway's
+    x-kvgate-replica header, None for peers)."""
     import aiohttp
 
     await asyncio.sleep(max(0.0, t0 + req.at_s - time.perf_counter()))
@@ -229,9 +102,13 @@ async def one_request(session, url: str, req: workloads.Request, t0: float, time
     tokens = 0
     done = False
     error = None
+    streamed = error_event = False
+    replica = None
+    body = req.body() if not extra_body else req.body() | extra_body
     try:
-        async with session.post(url + "/v1/chat/completions", json=req.body(),
+        async with session.post(url + "/v1/chat/completions", json=body,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            replica = r.headers.get("x-kvgate-replica")
             if r.status != 200:
                 error = f"status {r.status}"
             else:
@@ -239,11 +116,16 @@ async def one_request(session, url: str, req: workloads.Request, t0: float, time
                     line = raw.strip()
                     if not line.startswith(b"data:"):
                         continue
+                    streamed = True
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         done = True
                         break
                     chunk = json.loads(data)
+                    if "error" in chunk:
+                        error_event = True
+                        error = f"SSE error event: {str(chunk['error'])[:60]}"
+                        continue
                     for choice in chunk.get("choices") or ():
                         if (choice.get("delta") or {}).get("content"):
                             if ttft is None:
@@ -254,14 +136,8 @@ async def one_request(session, url: str, req: workloads.Request, t0: float, time
     except Exception as e:  # timeouts and dropped connections are failures, not crashes
         error = f"{type(e).__name__}: {e}"
     return {"ttft": ttft, "tokens": tokens, "ok": done and error is None, "error": error,
-            "end": time.perf_counter(), "kind": req.kind}
-
-
-async def replica_stats(session, urls: list[str]) -> list[dict]:
-    async def get(u: str) -> dict:
-        async with session.get(u + "/stats") as r:
-            return await r.json()
-    return list(await asyncio.gather(*(get(u) for u in urls)))
+            "end": time.perf_counter(), "kind": req.kind, "sent": sent - t0, "streamed": streamed,
+            "error_event": error_event, "replica": replica}
 
 
 async def router_decisions(session, url: str) -> dict[str, float]:
@@ -280,23 +156,33 @@ async def router_decisions(session, url: str) -> dict[str, float]:
     return out
 
 
-async def replay(url: str, proc: subprocess.Popen, replicas: list[str], reqs: list[workloads.Request],
-                 timeout_s: float) -> dict:
+async def replay(url: str, proc: subprocess.Popen, fleet: Fleet | list[str], reqs: list[workloads.Request],
+                 timeout_s: float, extra_body: dict | None = None) -> dict:
     import aiohttp
 
+    if isinstance(fleet, list):
+        fleet = Fleet([], fleet)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await wait_ready(session, url, proc)
-        before = await replica_stats(session, replicas)
+        before = await replica_counters(session, fleet)
         t0 = time.perf_counter() + 0.2
-        results = await asyncio.gather(*(one_request(session, url, r, t0, timeout_s) for r in reqs))
-        after = await replica_stats(session, replicas)
+        results = await asyncio.gather(*(one_request(session, url, r, t0, timeout_s, extra_body) for r in reqs))
+        after = await replica_counters(session, fleet)
         decisions = await router_decisions(session, url)
+    return summarize(results, before, after, decisions, t0, len(reqs))
+
+
+def summarize(results: list[dict], before: list[dict | None], after: list[dict | None], decisions: dict,
+              t0: float, num_requests: int) -> dict:
+    """Per-run figures from the client's results and the replicas' counters before and after (a replica
+    that no longer answers, i.e. was killed, counts nothing)."""
+    pairs = [(a, b) for a, b in zip(after, before) if a is not None and b is not None]
     ok = [r for r in results if r["ok"]]
     ttfts = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
-    queried = sum(a["num_prompt_tokens_queried"] - b["num_prompt_tokens_queried"] for a, b in zip(after, before))
-    hit = sum(a["num_prompt_tokens_hit"] - b["num_prompt_tokens_hit"] for a, b in zip(after, before))
-    loads = [a["num_requests"] - b["num_requests"] for a, b in zip(after, before)]
+    queried = sum(a["num_prompt_tokens_queried"] - b["num_prompt_tokens_queried"] for a, b in pairs)
+    hit = sum(a["num_prompt_tokens_hit"] - b["num_prompt_tokens_hit"] for a, b in pairs)
+    loads = [a["num_requests"] - b["num_requests"] for a, b in pairs]
     end = max((r["end"] for r in results), default=t0)
     errors: dict[str, int] = {}
     for r in results:
@@ -308,7 +194,7 @@ async def replay(url: str, proc: subprocess.Popen, replicas: list[str], reqs: li
         return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
 
     mean_load = statistics.fmean(loads) if loads else 0.0
-    return {"num_requests": len(reqs), "num_ok": len(ok), "num_failed": len(reqs) - len(ok), "errors": errors,
+    return {"num_requests": num_requests, "num_ok": len(ok), "num_failed": num_requests - len(ok), "errors": errors,
             "hit_rate": hit / queried if queried else 0.0, "prompt_tokens_queried": queried,
             "prompt_tokens_hit": hit,
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None, "ttft_p50_s": pct(0.5),
@@ -321,38 +207,87 @@ async def replay(url: str, proc: subprocess.Popen, replicas: list[str], reqs: li
 
 
 def make_workload(name: str, quick: bool, args: argparse.Namespace) -> list[workloads.Request]:
+    engines = getattr(args, "engines", False)
     if name == "mooncake":
         n = 300 if quick else args.mooncake_requests
+        if engines:
+            return workloads.mooncake(MODEL, n, args.speedup, block_chars=ENGINE_BLOCK_CHARS,
+                                      max_blocks=ENGINE_MAX_BLOCKS)
         return workloads.mooncake(MODEL, n, args.speedup)
     bursts = 3 if quick else args.bursts
-    return workloads.hot_prefix(MODEL, bursts, args.burst_gap_s)
+    return workloads.hot_prefix(MODEL, bursts, args.burst_gap_s, text_scale=ENGINE_HOT_TEXT_SCALE if engines else 1.0)
+
+
+def engine_sizes(reqs: list[workloads.Request], n: int, kv_factor: float) -> dict:
+    """For real engines: the tokenized replay (best hit rate, unique tokens, chars per token) and the KV size
+    per replica, kv_factor x unique prompt tokens / n (as the sim mode), at least 2,048 tokens."""
+    from engine.builtin import resolve_model_source
+    from engine.config import load_model_config
+    from engine.tokenizer import Tokenizer
+    from loadtests.routing_fleet import CACHE_DIR, ENGINE_MODEL
+
+    model_dir = resolve_model_source(ENGINE_MODEL, CACHE_DIR)
+    tok = Tokenizer.from_dir(model_dir)
+    cfg = load_model_config(model_dir)
+
+    def encode(r: workloads.Request) -> list[int]:  # what the engine does with a chat request
+        return tok.encode(tok.apply_chat_template(list(r.messages), add_generation_prompt=True),
+                          add_special_tokens=False)
+
+    replay_info = workloads.token_replay(reqs, encode, 16)
+    kv_tokens = max(2048, int(kv_factor * replay_info["unique_tokens"] / n))
+    kv_tokens = -(-kv_tokens // 16) * 16
+    # float32 K and V for every layer and KV head
+    bytes_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    return replay_info | {"kv_tokens": kv_tokens, "kv_cache_bytes": kv_tokens * bytes_per_token,
+                          "kv_bytes_per_token": bytes_per_token}
 
 
 def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list[str],
              args: argparse.Namespace) -> dict:
     info = workloads.summary(reqs)
-    best = workloads.infinite_cache_hit_rate(reqs)
-    kv_tokens = max(2048, int(args.kv_factor * info["unique_tokens"] / n))
-    offered_tps = info["prompt_tokens"] / max(1.0, info["span_s"])
-    prefill_tps = offered_tps / (n * args.load)
-    cell = {"workload": workload, "replicas": n, "workload_summary": info, "infinite_cache_hit_rate": best,
-            "replica_kv_capacity_tokens": kv_tokens, "replica_prefill_tokens_per_s": prefill_tps,
-            "replica_decode_tokens_per_s": 50.0, "load": args.load, "results": {}, "skipped": {}}
-    print(f"\n== {workload}, {n} replicas: {info['num_requests']} requests over {info['span_s']:.1f} s, "
-          f"{info['prompt_tokens']} prompt tokens, {info['unique_tokens']} unique; infinite-cache hit rate "
-          f"{best:.3f}; replica KV {kv_tokens} tokens, prefill {prefill_tps:.0f} tok/s", flush=True)
+    engines = getattr(args, "engines", False)
+    extra_body = None
+    chunk_chars = 128
+    if engines:  # real tokens, real KV bytes; the sim's chars/4 figures do not apply
+        sizes = engine_sizes(reqs, n, args.kv_factor)
+        best, kv_tokens = sizes["best_hit_rate"], sizes["kv_tokens"]
+        info |= {"prompt_tokens": sizes["prompt_tokens"], "unique_tokens": sizes["unique_tokens"],
+                 "prompt_tokens_max": sizes["prompt_tokens_max"], "chars_per_token": sizes["chars_per_token"]}
+        # Random weights emit EOS at random: ignore it so every request streams its max_tokens.
+        extra_body = {"ignore_eos": True, "temperature": 0}
+        chunk_chars = 32  # ~27 tiny-llama tokens, under two engine KV blocks
+        cell = {"workload": workload, "replicas": n, "mode": "engines", "workload_summary": info,
+                "infinite_cache_hit_rate": best, "replica_kv_capacity_tokens": kv_tokens,
+                "replica_kv_cache_bytes": sizes["kv_cache_bytes"], "prefix_chunk_chars": chunk_chars,
+                "results": {}, "skipped": {}}
+        print(f"\n== {workload}, {n} kvgate engines: {info['num_requests']} requests over {info['span_s']:.1f} s, "
+              f"{info['prompt_tokens']} prompt tokens ({info['chars_per_token']:.2f} chars/token, longest "
+              f"{info['prompt_tokens_max']}), {info['unique_tokens']} unique; infinite-cache hit rate {best:.3f}; "
+              f"replica KV {kv_tokens} tokens ({sizes['kv_cache_bytes']} bytes)", flush=True)
+    else:
+        best = workloads.infinite_cache_hit_rate(reqs)
+        kv_tokens = max(2048, int(args.kv_factor * info["unique_tokens"] / n))
+        offered_tps = info["prompt_tokens"] / max(1.0, info["span_s"])
+        prefill_tps = offered_tps / (n * args.load)
+        cell = {"workload": workload, "replicas": n, "workload_summary": info, "infinite_cache_hit_rate": best,
+                "replica_kv_capacity_tokens": kv_tokens, "replica_prefill_tokens_per_s": prefill_tps,
+                "replica_decode_tokens_per_s": 50.0, "load": args.load, "results": {}, "skipped": {}}
+        print(f"\n== {workload}, {n} replicas: {info['num_requests']} requests over {info['span_s']:.1f} s, "
+              f"{info['prompt_tokens']} prompt tokens, {info['unique_tokens']} unique; infinite-cache hit rate "
+              f"{best:.3f}; replica KV {kv_tokens} tokens, prefill {prefill_tps:.0f} tok/s", flush=True)
     for name in routers:
         why = router_available(name)
         if why:
             cell["skipped"][name] = why
             print(f"  {name}: skipped, {why}", flush=True)
             continue
-        fleet = start_fleet(n, kv_tokens, prefill_tps)
+        fleet = start_engine_fleet(n, sizes["kv_cache_bytes"]) if engines else start_fleet(n, kv_tokens, prefill_tps)
         with tempfile.TemporaryDirectory() as tmp:
             log = WORK / f"bench_routing-{name.replace(':', '-')}.log"
-            proc, url = start_router(name, fleet.urls, Path(tmp), log)
+            proc, url = start_router(name, fleet, Path(tmp), log, chunk_chars)
             try:
-                res = asyncio.run(replay(url, proc, fleet.urls, reqs, args.timeout_s))
+                res = asyncio.run(replay(url, proc, fleet, reqs, args.timeout_s, extra_body))
             except Exception as e:
                 res = None
                 cell["skipped"][name] = f"run failed: {e} (log {log.relative_to(REPO)})"
@@ -373,7 +308,8 @@ def fmt(v: float | None, spec: str) -> str:
 
 
 def print_table(cell: dict) -> None:
-    print(f"\n### {cell['workload']}, {cell['replicas']} simulated replicas "
+    what = "kvgate engines (tiny-llama)" if cell.get("mode") == "engines" else "simulated replicas"
+    print(f"\n### {cell['workload']}, {cell['replicas']} {what} "
           f"(infinite-cache hit rate {cell['infinite_cache_hit_rate']:.3f})")
     print("| router:policy | hit rate | hit / best | TTFT mean ms | p50 ms | p99 ms | req/s | out tok/s "
           "| max/mean load | failed |")
@@ -404,13 +340,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-factor", type=float, default=1.0)
     p.add_argument("--load", type=float, default=1.0, help="offered cold prompt tokens / cluster prefill capacity")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per request; past it a request counts as failed")
+    p.add_argument("--engines", action="store_true",
+                   help="real `kvgate engine` replicas on builtin:tiny-llama instead of simulated ones (texts scaled "
+                        "down to its 1,024-token length; defaults: 4 replicas, 3 bursts, 300 trace rows)")
     p.add_argument("--out", type=Path, default=WORK / "bench_routing.json")
     args = p.parse_args(argv)
+    if args.engines:
+        given = set(argv)
+        if "--replicas" not in given:
+            args.replicas = [4]
+        if "--bursts" not in given:
+            args.bursts = 3
+        if "--mooncake-requests" not in given:
+            args.mooncake_requests = 300
+        if args.out == WORK / "bench_routing.json":
+            args.out = WORK / "bench_routing-engines.json"
     if args.quick:
         args.replicas = [4]
         args.routers = ["kvgate:round_robin", "kvgate:cache_aware", "sglang:cache_aware"]
-        if args.out == WORK / "bench_routing.json":
-            args.out = WORK / "bench_routing-quick.json"
+        if args.out in (WORK / "bench_routing.json", WORK / "bench_routing-engines.json"):
+            args.out = WORK / ("bench_routing-engines-quick.json" if args.engines else "bench_routing-quick.json")
     WORK.mkdir(parents=True, exist_ok=True)
     cells = []
     for workload in args.workloads:

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import xxhash
 
 from loadtests.sim_replica_model import BLOCK_SIZE_TOKENS, block_hashes, num_prompt_tokens, render_chat
 
@@ -65,7 +68,8 @@ def paragraph(seed: object, num_chars: int) -> str:
 
 
 def mooncake(model: str, num_requests: int, speedup: float, block_chars: int = 128, max_output_tokens: int = 64,
-             seed: int = 0, trace: Path = TRACE) -> list[Request]:
+             seed: int = 0, trace: Path = TRACE, max_blocks: int | None = None) -> list[Request]:
+    """`max_blocks`: keep only a request's first N hash blocks (real engines have a maximum length)."""
     rng = random.Random(seed)
     scale = block_chars / TRACE_BLOCK_TOKENS  # characters per trace token
     requests = []
@@ -75,9 +79,12 @@ def mooncake(model: str, num_requests: int, speedup: float, block_chars: int = 1
                 break
             row = json.loads(line)
             ids = row["hash_ids"]
-            parts = [paragraph(h, block_chars) for h in ids[:-1]]
-            remainder = row["input_length"] - TRACE_BLOCK_TOKENS * (len(ids) - 1)
-            parts.append(paragraph(ids[-1], block_chars)[:max(4, round(remainder * scale))])
+            if max_blocks is not None and len(ids) > max_blocks:
+                parts = [paragraph(h, block_chars) for h in ids[:max_blocks]]  # cut: the tail block is full
+            else:
+                parts = [paragraph(h, block_chars) for h in ids[:-1]]
+                remainder = row["input_length"] - TRACE_BLOCK_TOKENS * (len(ids) - 1)
+                parts.append(paragraph(ids[-1], block_chars)[:max(4, round(remainder * scale))])
             at = (row["timestamp"] / 1000.0 + rng.uniform(0.0, TRACE_BUCKET_S)) / speedup
             max_tokens = max(1, min(max_output_tokens, round(row["output_length"] * scale / 4)))
             requests.append(Request(at, model, ({"role": "user", "content": "".join(parts)},), max_tokens, "trace"))
@@ -86,11 +93,14 @@ def mooncake(model: str, num_requests: int, speedup: float, block_chars: int = 1
 
 
 def hot_prefix(model: str, num_bursts: int, burst_gap_s: float, burst_size: int = 100, system_chars: int = 6000,
-               num_conversations: int = 30, max_tokens: int = 16, seed: int = 0) -> list[Request]:
+               num_conversations: int = 30, max_tokens: int = 16, seed: int = 0,
+               text_scale: float = 1.0) -> list[Request]:
+    """`text_scale` multiplies every text size (system prompts, questions, turns) for short-context engines."""
     rng = random.Random(seed)
-    system = paragraph("hot-system", system_chars)
-    conv_systems = [paragraph(f"conv-system-{c}", 1200) for c in range(num_conversations)]
-    lora_systems = {a: paragraph(f"lora-system-{a}", 3000) for a in ADAPTERS}
+    size = lambda chars: max(8, round(chars * text_scale))  # noqa: E731
+    system = paragraph("hot-system", size(system_chars))
+    conv_systems = [paragraph(f"conv-system-{c}", size(1200)) for c in range(num_conversations)]
+    lora_systems = {a: paragraph(f"lora-system-{a}", size(3000)) for a in ADAPTERS}
     num_hot = round(burst_size * 0.55)
     num_conv = min(num_conversations, round(burst_size * 0.30))
     num_lora = burst_size - num_hot - num_conv
@@ -99,20 +109,20 @@ def hot_prefix(model: str, num_bursts: int, burst_gap_s: float, burst_size: int 
         start = b * burst_gap_s
         jitter = lambda: start + rng.uniform(0.0, 0.05)  # noqa: E731 - ~100 requests within 50 ms
         for i in range(num_hot):
-            question = paragraph(f"hot-q-{b}-{i}", 200)
+            question = paragraph(f"hot-q-{b}-{i}", size(200))
             msgs = ({"role": "system", "content": system}, {"role": "user", "content": question})
             requests.append(Request(jitter(), model, msgs, max_tokens, "hot"))
         for c in range(num_conv):
             msgs: list[dict[str, str]] = [{"role": "system", "content": conv_systems[c]}]
             for turn in range(b + 1):
-                msgs.append({"role": "user", "content": paragraph(f"conv-{c}-user-{turn}", 200)})
+                msgs.append({"role": "user", "content": paragraph(f"conv-{c}-user-{turn}", size(200))})
                 if turn < b:
-                    msgs.append({"role": "assistant", "content": paragraph(f"conv-{c}-reply-{turn}", 160)})
+                    msgs.append({"role": "assistant", "content": paragraph(f"conv-{c}-reply-{turn}", size(160))})
             requests.append(Request(jitter(), model, tuple(msgs), max_tokens, "conversation"))
         for i in range(num_lora):
             adapter = ADAPTERS[i % len(ADAPTERS)]
             msgs = ({"role": "system", "content": lora_systems[adapter]},
-                    {"role": "user", "content": paragraph(f"lora-q-{b}-{i}", 200)})
+                    {"role": "user", "content": paragraph(f"lora-q-{b}-{i}", size(200))})
             requests.append(Request(jitter(), adapter, msgs, max_tokens, "lora"))
     requests.sort(key=lambda r: r.at_s)
     return requests
@@ -140,6 +150,45 @@ def infinite_cache_hit_rate(requests: list[Request]) -> float:
         hit += n * BLOCK_SIZE_TOKENS
         seen.update(hashes)
     return hit / queried if queried else 0.0
+
+
+def token_block_hashes(ids: list[int], name: str, block_tokens: int = 16) -> list[int]:
+    """Chain hashes of the full `block_tokens` blocks of a token-id prompt, seeded by the model (adapter) name."""
+    parent = xxhash.xxh3_64_intdigest(name.encode())
+    hashes = []
+    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
+        parent = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + repr(ids[start:start + block_tokens]).encode())
+        hashes.append(parent)
+    return hashes
+
+
+def token_replay(requests: list[Request], encode: Callable[[Request], list[int]],
+                 block_tokens: int = 16) -> dict[str, float]:
+    """The best-possible replay for a real engine, and the sizes it needs.
+
+    `encode` gives a request's prompt token ids (chat template applied). Like a paged prefix cache, only
+    leading full blocks hit, never the prompt's last token. Returns the infinite-cache single-replica hit
+    rate (`best_hit_rate`), `prompt_tokens`, `unique_tokens` (distinct blocks x block size),
+    `prompt_tokens_max` and `chars_per_token` (prompt characters / prompt tokens).
+    """
+    seen: set[int] = set()
+    queried = hit = chars = longest = 0
+    for r in requests:
+        ids = encode(r)
+        hashes = token_block_hashes(ids, r.model, block_tokens)
+        n = 0
+        for h in hashes[:(len(ids) - 1) // block_tokens]:
+            if h not in seen:
+                break
+            n += 1
+        queried += len(ids)
+        hit += n * block_tokens
+        chars += len(r.prompt_text())
+        longest = max(longest, len(ids))
+        seen.update(hashes)
+    return {"best_hit_rate": hit / queried if queried else 0.0, "prompt_tokens": queried,
+            "unique_tokens": len(seen) * block_tokens, "prompt_tokens_max": longest,
+            "chars_per_token": chars / queried if queried else 0.0}
 
 
 def summary(requests: list[Request]) -> dict[str, float]:

@@ -1,0 +1,166 @@
+"""Two kvgate gateways that share no state: do they still send repeated prefixes to the same replica?
+
+Two `kvgate router` processes (no --state: each has only its own prefix index and in-flight counts) front
+the same 4 fresh simulated replicas (`sim_replica.py`, sized from the workload as in `bench_routing.py`);
+the client sends each request to one of the two at random (seeded). For comparison the same replay runs
+through one gateway on fresh replicas.
+
+A request "repeats a prefix" when an earlier request for the same model (adapter) shares at least half of
+its prompt text as a common prefix: the hot system prompt, a later turn of a conversation, a trace prompt
+whose first half was seen before. Its "previous" request is the most recent such one (in send order).
+Measured: the share of repeating requests that the gateway's x-kvgate-replica header puts on the same
+replica as their previous request (target with two gateways: >= 95%), and the replicas' prompt-token hit
+rate, two gateways vs one.
+
+    .venv/bin/python loadtests/bench_routing_gateways.py
+    .venv/bin/python loadtests/bench_routing_gateways.py --workloads mooncake --policy cache_aware
+
+Prints a table and writes loadtests/.work/bench_routing_gateways.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from loadtests import workloads  # noqa: E402
+from loadtests.bench_routing import MODEL, WORK, one_request, router_decisions, summarize, wait_ready  # noqa: E402
+from loadtests.routing_fleet import replica_counters, start_fleet, start_router, stop_router  # noqa: E402
+
+
+def previous_with_prefix(reqs: list[workloads.Request]) -> list[int | None]:
+    """For each request (in the given order), the index of the latest earlier request for the same model
+    whose prompt shares at least half of this prompt as a common prefix; None when there is none."""
+    texts = [r.prompt_text() for r in reqs]
+    out: list[int | None] = []
+    for i, r in enumerate(reqs):
+        need = len(texts[i]) // 2
+        found = None
+        for j in range(i - 1, -1, -1):
+            if reqs[j].model == r.model and texts[j][:need] == texts[i][:need]:
+                found = j
+                break
+        out.append(found)
+    return out
+
+
+def same_replica_share(results: list[dict], prev: list[int | None]) -> dict:
+    """Of the requests that repeat a prefix (and whose previous request was answered), the share on the
+    same replica as that previous one, overall and by request kind."""
+    by_kind: dict[str, list[int]] = {}
+    for i, j in enumerate(prev):
+        if j is None or results[i]["replica"] is None or results[j]["replica"] is None:
+            continue
+        same, total = by_kind.setdefault(results[i]["kind"], [0, 0])
+        by_kind[results[i]["kind"]] = [same + (results[i]["replica"] == results[j]["replica"]), total + 1]
+    same = sum(v[0] for v in by_kind.values())
+    total = sum(v[1] for v in by_kind.values())
+    return {"repeated_prefix_requests": total, "same_replica": same, "share": same / total if total else None,
+            "by_kind": {k: {"same": s, "total": t, "share": s / t} for k, (s, t) in by_kind.items()}}
+
+
+async def replay(urls: list[str], procs: list, fleet, reqs: list[workloads.Request], seed: int,
+                 timeout_s: float) -> tuple[list[dict], dict]:
+    import aiohttp
+
+    rng = random.Random(seed)
+    pick = [rng.randrange(len(urls)) for _ in reqs]  # fixed per seed: the same split for every run
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for url, proc in zip(urls, procs):
+            await wait_ready(session, url, proc)
+        before = await replica_counters(session, fleet)
+        t0 = time.perf_counter() + 0.2
+        results = await asyncio.gather(*(one_request(session, urls[k], r, t0, timeout_s)
+                                         for k, r in zip(pick, reqs)))
+        after = await replica_counters(session, fleet)
+        decisions = [await router_decisions(session, url) for url in urls]  # each gateway's, by reason
+    res = summarize(results, before, after, {}, t0, len(reqs))
+    res["router_decisions"] = decisions
+    return results, res
+
+
+def run(workload: str, reqs: list[workloads.Request], gateways: int, args: argparse.Namespace) -> dict:
+    n = 4
+    info = workloads.summary(reqs)
+    kv_tokens = max(2048, int(info["unique_tokens"] / n))
+    prefill_tps = info["prompt_tokens"] / max(1.0, info["span_s"]) / n
+    fleet = start_fleet(n, kv_tokens, prefill_tps)
+    procs, urls = [], []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for g in range(gateways):
+                d = Path(tmp) / f"g{g}"
+                d.mkdir()
+                proc, url = start_router(f"kvgate:{args.policy}", fleet, d,
+                                         WORK / f"bench_routing_gateways-{g}.log")
+                procs.append(proc)
+                urls.append(url)
+            results, res = asyncio.run(replay(urls, procs, fleet, reqs, args.seed, args.timeout_s))
+    finally:
+        for proc in procs:
+            stop_router(proc)
+        fleet.stop()
+    prev = previous_with_prefix(reqs)
+    res["same_replica"] = same_replica_share(results, prev)
+    res["gateways"] = gateways
+    print(f"  {workload}, {gateways} gateway(s): same replica {res['same_replica']['same_replica']}/"
+          f"{res['same_replica']['repeated_prefix_requests']}, hit {res['hit_rate']:.3f}, failed {res['num_failed']}",
+          flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", nargs="+", default=["hot_prefix", "mooncake"], choices=["hot_prefix", "mooncake"])
+    p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--bursts", type=int, default=6)
+    p.add_argument("--burst-gap-s", type=float, default=2.0)
+    p.add_argument("--mooncake-requests", type=int, default=600)
+    p.add_argument("--speedup", type=float, default=8.0)
+    p.add_argument("--seed", type=int, default=0, help="which gateway each request goes to")
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--out", type=Path, default=WORK / "bench_routing_gateways.json")
+    args = p.parse_args(argv)
+    WORK.mkdir(parents=True, exist_ok=True)
+    out: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
+    for workload in args.workloads:
+        reqs = (workloads.hot_prefix(MODEL, args.bursts, args.burst_gap_s) if workload == "hot_prefix"
+                else workloads.mooncake(MODEL, args.mooncake_requests, args.speedup))
+        cell = {"workload": workload, "workload_summary": workloads.summary(reqs),
+                "infinite_cache_hit_rate": workloads.infinite_cache_hit_rate(reqs), "results": {}}
+        for gateways in (2, 1):
+            cell["results"][str(gateways)] = run(workload, reqs, gateways, args)
+        out["cells"].append(cell)
+        args.out.write_text(json.dumps(out, indent=2))
+    print_table(out)
+    print(f"\nwrote {args.out} ({os.cpu_count()} CPUs)")
+
+
+def print_table(out: dict) -> None:
+    print("\n| workload | gateways | repeated-prefix requests | same replica as previous | hot / conversation / lora "
+          "/ trace | hit rate | hit / best | p99 TTFT ms | failed |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+    for cell in out["cells"]:
+        best = cell["infinite_cache_hit_rate"]
+        for g, r in cell["results"].items():
+            s = r["same_replica"]
+            kinds = " / ".join(f"{k} {v['share']:.3f}" for k, v in sorted(s["by_kind"].items()))
+            p99 = "-" if r["ttft_p99_s"] is None else f"{r['ttft_p99_s'] * 1000:.0f}"
+            share = "-" if s["share"] is None else f"{s['share']:.3f}"
+            print(f"| {cell['workload']} | {g} | {s['repeated_prefix_requests']} | {share} | {kinds} "
+                  f"| {r['hit_rate']:.3f} | {r['hit_rate'] / best if best else 0:.3f} | {p99} | {r['num_failed']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The routing benchmarks' new parts: real-engine mode, replica kill, two gateways, and their pure helpers.
+
+The end-to-end runs are small versions of the real benchmarks (real `kvgate router` processes, real
+`kvgate engine` processes on tiny-llama, simulated replicas in their own processes, a real SIGKILL); they
+check that each script measures what it says, not the numbers themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtests import bench_routing, bench_routing_faults, bench_routing_gateways, workloads
+from loadtests.routing_fleet import parse_engine_counters
+
+
+def req(text: str, model: str = "m", kind: str = "hot") -> workloads.Request:
+    return workloads.Request(0.0, model, ({"role": "user", "content": text},), 4, kind)
+
+
+def test_previous_with_prefix_needs_half_the_prompt_and_the_same_model() -> None:
+    a = "x" * 100
+    reqs = [req(a), req(a + "y" * 50), req("z" * 100), req(a + "w" * 120), req(a, model="lora")]
+    # 2: nothing shared; 3: shares ~100 of ~240 chars (< half); 4: same text, other adapter
+    assert bench_routing_gateways.previous_with_prefix(reqs) == [None, 0, None, None, None]
+    reqs.append(req(a + "y" * 150))  # its first half runs into the y s: only 1 shares it, not 3
+    assert bench_routing_gateways.previous_with_prefix(reqs)[-1] == 1  # the latest one, not the first
+
+
+def test_same_replica_share_counts_only_answered_repeats() -> None:
+    results = [{"replica": "r1", "kind": "hot"}, {"replica": "r1", "kind": "hot"},
+               {"replica": "r2", "kind": "conversation"}, {"replica": None, "kind": "hot"}]
+    share = bench_routing_gateways.same_replica_share(results, [None, 0, 1, 0])
+    assert share["repeated_prefix_requests"] == 2 and share["same_replica"] == 1 and share["share"] == 0.5
+    assert share["by_kind"]["conversation"] == {"same": 0, "total": 1, "share": 0.0}
+
+
+def test_classify_splits_failures_by_what_the_client_saw() -> None:
+    results = [{"ok": True, "streamed": True, "error_event": False},
+               {"ok": False, "streamed": False, "error_event": False},
+               {"ok": False, "streamed": True, "error_event": True},
+               {"ok": False, "streamed": True, "error_event": False}]
+    assert bench_routing_faults.classify(results) == {
+        "failed": 3, "failed_before_first_byte": 1, "broken_mid_stream": 2, "broken_with_sse_error_event": 1}
+
+
+def test_engine_workload_scaling_and_token_replay() -> None:
+    hot = workloads.hot_prefix("m", 2, 1.0, text_scale=1 / 8)
+    assert len(hot[0].messages[0]["content"]) in (750, 150, 375)  # hot, conversation or LoRA system prompt
+    cut = workloads.mooncake("m", 50, 8.0, block_chars=16, max_blocks=4)
+    assert max(len(r.messages[0]["content"]) for r in cut) <= 64
+    # One token per character: the second prompt repeats the first one's 2 full blocks.
+    replay = workloads.token_replay([req("a" * 40), req("a" * 40 + "b")], lambda r: [ord(c) for c in r.messages[0]
+                                                                                      ["content"]], block_tokens=16)
+    assert replay["prompt_tokens"] == 81 and replay["best_hit_rate"] == 32 / 81
+    assert replay["unique_tokens"] == 32 and replay["prompt_tokens_max"] == 41
+
+
+def test_engine_counters_are_parsed_from_prometheus_text() -> None:
+    text = """# TYPE kvgate_engine_prefix_queried_tokens_total counter
+kvgate_engine_prefix_queried_tokens_total 120.0
+kvgate_engine_prefix_hit_tokens_total 64.0
+kvgate_engine_requests_finished_total{finish_reason="length"} 3.0
+kvgate_engine_requests_finished_total{finish_reason="abort"} 1.0
+"""
+    assert parse_engine_counters(text) == {"num_prompt_tokens_queried": 120.0, "num_prompt_tokens_hit": 64.0,
+                                           "num_requests": 4.0}
+
+
+def test_engines_mode_reads_hits_from_real_engines(tmp_path: Path) -> None:
+    """2 real tiny-llama engines behind kvgate cache_aware: the engines' own counters see the prompt tokens the
+    benchmark's tokenized replay predicts, and the second half of a burst on one system prompt hits."""
+    out = tmp_path / "engines.json"
+    bench_routing.main(["--engines", "--replicas", "2", "--workloads", "hot_prefix", "--bursts", "1",
+                        "--routers", "kvgate:cache_aware", "--out", str(out)])
+    cell = json.loads(out.read_text())["cells"][0]
+    res = cell["results"]["kvgate:cache_aware"]
+    assert cell["mode"] == "engines" and res["num_failed"] == 0 and res["num_ok"] == 100
+    # what the engines counted (+ the readiness ping, a few tokens) vs the tokenizer replay
+    assert 0 <= res["prompt_tokens_queried"] - cell["workload_summary"]["prompt_tokens"] < 50
+    assert 0.3 < res["hit_rate"] <= cell["infinite_cache_hit_rate"] + 1e-9
+    assert 1.0 < cell["workload_summary"]["chars_per_token"] < 2.0  # tiny-llama: far fewer than 4
+
+
+def test_a_killed_replica_costs_kvgate_no_request_before_streaming(tmp_path: Path) -> None:
+    out = tmp_path / "faults.json"
+    bench_routing_faults.main(["--routers", "kvgate:cache_aware", "--bursts", "2", "--kill-at-s", "0.2",
+                               "--out", str(out)])
+    (res,) = json.loads(out.read_text())["results"].values()
+    assert res["killed_pid"] > 0 and res["requests_served_before_kill"][0] is not None
+    assert res["failed_before_first_byte"] == 0
+    assert res["num_ok"] + res["broken_mid_stream"] == 200
+
+
+def test_two_gateways_report_same_replica_share_and_hit_rate(tmp_path: Path) -> None:
+    out = tmp_path / "gateways.json"
+    bench_routing_gateways.main(["--workloads", "hot_prefix", "--bursts", "2", "--out", str(out)])
+    (cell,) = json.loads(out.read_text())["cells"]
+    for gateways in ("1", "2"):
+        res = cell["results"][gateways]
+        assert res["num_failed"] == 0 and res["hit_rate"] > 0
+        # burst 2 repeats every conversation and the hot and LoRA system prompts of burst 1
+        assert res["same_replica"]["repeated_prefix_requests"] >= 150
+        assert 0.0 <= res["same_replica"]["share"] <= 1.0
