@@ -220,13 +220,15 @@ class OraclePolicy:
 
 def oracle_need(trace: Trace, service: ServiceModel, utilization: float, *, window_s: int = 0,
                 tail_s: float = 0.0) -> tuple[int, ...]:
-    """Replicas each second needs: ceil(concurrency / (max_batch x utilization)).
+    """Replicas each second needs: the more of ceil(concurrency / (max_batch x utilization)) (batch
+    slots) and ceil(prefill seconds arriving per second / utilization) (the one-at-a-time prefill).
 
     Concurrency is counted on unlimited replicas (each request busy from arrival to its last token,
     no queueing). With `window_s` 0 it is the peak within the second (never short of a slot); with
     `window_s` w > 0 the mean over the w seconds around it (short queues allowed, fewer replicas).
-    `utilization` in (0, 1] leaves headroom for the prefill queue and uneven batches. The comparison
-    searches both for the cheapest schedule that still meets the SLO goal.
+    Prefill work is averaged over max(10, w) seconds: a prefill queue of a few seconds is what the
+    batch slots' headroom already allows. `utilization` in (0, 1] leaves headroom for queueing and
+    uneven batches. The comparison searches both for the cheapest schedule that still meets the SLO.
     """
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
@@ -236,6 +238,9 @@ def oracle_need(trace: Trace, service: ServiceModel, utilization: float, *, wind
         end = request.arrival_s + service.prefill_s(request.input_tokens) + service.decode_s(request.output_tokens)
         events += [(request.arrival_s, 1), (end, -1)]
     events.sort()  # at equal times a departure (-1) comes first: the slot is free for the arrival
+    prefill = [0.0] * seconds
+    for request in trace.requests:
+        prefill[min(seconds - 1, int(request.arrival_s))] += service.prefill_s(request.input_tokens)
     peak, area = [0.0] * seconds, [0.0] * seconds
     level = index = 0
     for second in range(seconds):
@@ -248,14 +253,19 @@ def oracle_need(trace: Trace, service: ServiceModel, utilization: float, *, wind
             index += 1
         peak[second], area[second] = top, integral + level * (second + 1 - t)
     if window_s > 0:
-        half = window_s // 2
-        prefix = [0.0]
-        for value in area:
-            prefix.append(prefix[-1] + value)
-        peak = [(prefix[min(seconds, s + half + 1)] - prefix[max(0, s - half)])
-                / (min(seconds, s + half + 1) - max(0, s - half)) for s in range(seconds)]
+        peak = _centred_mean(area, window_s)
+    prefill = _centred_mean(prefill, max(10, window_s))
     capacity = service.max_batch * utilization
-    return tuple(_ceil_div(value, capacity) for value in peak)
+    return tuple(max(_ceil_div(slots, capacity), _ceil_div(work, utilization)) for slots, work in zip(peak, prefill))
+
+
+def _centred_mean(values: list[float], window_s: int) -> list[float]:
+    half, n = window_s // 2, len(values)
+    prefix = [0.0]
+    for value in values:
+        prefix.append(prefix[-1] + value)
+    return [(prefix[min(n, s + half + 1)] - prefix[max(0, s - half)]) / (min(n, s + half + 1) - max(0, s - half))
+            for s in range(n)]
 
 
 def with_name(policy: object, name: str) -> object:

@@ -251,11 +251,12 @@ def test_ray_serve_waits_30s_to_scale_up_and_600s_to_scale_down() -> None:
 
 def test_oracle_need_and_lookahead_worked_numbers() -> None:
     service = ServiceModel("X", 1_000.0, 10.0, 1)  # 1 slot; 100 tokens in, 11 out: busy 0.1 + 1.0 s
-    trace = Trace("t", (Request(0.0, 100, 11), Request(0.5, 100, 11), Request(10.0, 100, 11)))
+    trace = Trace("t", (Request(0.0, 100, 11), Request(0.5, 100, 11), Request(30.0, 100, 11)))
     need = oracle_need(trace, service, 1.0)
-    # Busy [0, 1.1) and [0.5, 1.6): two at once in seconds 0 and 1, none in 2..9, one in 10.
-    assert need[:3] == (2, 2, 0) and need[5] == 0 and need[10] == 1
+    # Slots: busy [0, 1.1) and [0.5, 1.6): two at once in seconds 0 and 1. Prefill: 0.2 s of work in
+    # second 0, averaged over the 10 s around each second: a fraction of a replica, so 1 in seconds 0-5.
+    assert need[:3] == (2, 2, 1) and need[5] == 1 and need[15] == 0 and need[30] == 1
     oracle = OraclePolicy(need, cold_start_s=3.0)
-    # At t=7 it looks at seconds 7..10: the request at 10 needs one replica started now.
-    assert oracle.decide(None, _obs(0, ready=0), 7.0)[1].desired == 1
-    assert oracle.decide(None, _obs(0, ready=0), 5.0)[1].desired == 0
+    # At t=27 it looks at seconds 27..30: the request at 30 needs one replica started now.
+    assert oracle.decide(None, _obs(0, ready=0), 27.0)[1].desired == 1
+    assert oracle.decide(None, _obs(0, ready=0), 15.0)[1].desired == 0
