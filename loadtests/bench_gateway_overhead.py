@@ -14,6 +14,11 @@ Two phases, each run against the backend directly and through the gateway:
               gateway's added latency is the difference of the two runs' percentiles
   throughput  --connections (default 256) closed-loop clients: sustained streamed requests/s
 
+The same two phases then run through sglang-router 0.3.2 (`cache_aware`, from its own venv under
+loadtests/.work/sglang-router-venv, skipped with a note when that venv is missing) in front of the same
+backend with the same load generator, and the table gives kvgate's added latency and requests/s next to
+sglang-router's, with the ratio.
+
 Prints a table and writes JSON to loadtests/.work/bench_gateway_overhead.json.
 
     .venv/bin/python loadtests/bench_gateway_overhead.py
@@ -43,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from loadtests.common import free_port  # noqa: E402  (after the path is set)
 
 WORK = ROOT / "loadtests" / ".work"
+SGLANG_PY = WORK / "sglang-router-venv" / "bin" / "python"
 MODEL = "m"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello, gateway"}],
                    "max_tokens": 2, "stream": True}).encode()
@@ -80,9 +86,13 @@ def run_backend(port: int) -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text='{"status": "ok"}', content_type="application/json")
 
+    async def models(request: web.Request) -> web.Response:  # peers may probe it at start
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
     import uvloop
     uvloop.install()
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
@@ -167,6 +177,56 @@ def wait_routable(gateway: str, timeout_s: float = 30.0) -> None:
     raise SystemExit("the gateway never saw its replica ready")
 
 
+def wait_streams(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Until one streamed chat completion goes through `url` (a peer router that has admitted its worker)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the router exited with {process.returncode}")
+        request = urllib.request.Request(url + "/v1/chat/completions", data=BODY,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                if response.status == 200 and response.read().endswith(b"data: [DONE]\n\n"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not stream a request in {timeout_s} s")
+
+
+def run_sglang(backend_url: str, args: argparse.Namespace, rows: dict) -> str | None:
+    """Both phases through sglang-router in front of `backend_url`, into `rows`; None, or why it was skipped."""
+    if not SGLANG_PY.exists():
+        return f"no {SGLANG_PY.relative_to(ROOT)} (pip install sglang-router==0.3.2 there)"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (WORK / "bench_gateway_overhead-sglang.log").open("w")
+    process = subprocess.Popen([str(SGLANG_PY), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                "--port", str(port), "--policy", "cache_aware", "--log-level", "warn",
+                                "--worker-urls", backend_url], stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        wait_streams(url, process)
+        for phase, connections in (("latency", args.latency_connections), ("throughput", args.connections)):
+            rows[f"{phase}/sglang-router"] = load_run(url + "/v1/chat/completions", connections, args.duration_s,
+                                                      args.warmup_s)
+            print(f"  {phase:10s} sglang   {rows[f'{phase}/sglang-router']['requests_per_s']:9.0f} req/s",
+                  file=sys.stderr)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        log.close()
+    return None
+
+
 def load_run(url: str, connections: int, duration_s: float, warmup_s: float) -> dict:
     out = subprocess.run([sys.executable, __file__, "load", "--url", url, "--connections", str(connections),
                           "--duration-s", str(duration_s), "--warmup-s", str(warmup_s)],
@@ -207,6 +267,10 @@ def run_driver(args: argparse.Namespace) -> None:
                 rows[f"{phase}/{target}"] = load_run(base + path, connections, args.duration_s, args.warmup_s)
                 print(f"  {phase:10s} {target:8s} {rows[f'{phase}/{target}']['requests_per_s']:9.0f} req/s",
                       file=sys.stderr)
+        # kvgate's gateway is stopped first, so the peer gets the same CPU the gateway had.
+        processes[1].send_signal(signal.SIGINT)
+        processes[1].wait(10)
+        sglang_skipped = None if args.no_sglang else run_sglang(backend_url, args, rows)
     finally:
         for process in processes:
             process.send_signal(signal.SIGINT)
@@ -215,10 +279,10 @@ def run_driver(args: argparse.Namespace) -> None:
                 process.wait(10)
             except subprocess.TimeoutExpired:
                 process.kill()
-    report(rows, args)
+    report(rows, args, "--no-sglang" if args.no_sglang else sglang_skipped)
 
 
-def report(rows: dict, args: argparse.Namespace) -> None:
+def report(rows: dict, args: argparse.Namespace, sglang_skipped: str | None = None) -> None:
     lat_d, lat_g = rows["latency/direct"], rows["latency/gateway"]
     thr_d, thr_g = rows["throughput/direct"], rows["throughput/gateway"]
     summary = {
@@ -230,6 +294,19 @@ def report(rows: dict, args: argparse.Namespace) -> None:
         "cpu_count": os.cpu_count(),
         "note": "backend, gateway and load generator share this machine's cores",
     }
+    if "latency/sglang-router" in rows:
+        lat_s, thr_s = rows["latency/sglang-router"], rows["throughput/sglang-router"]
+        summary["sglang_router"] = {
+            "added_p50_ms": lat_s["p50_ms"] - lat_d["p50_ms"], "added_p99_ms": lat_s["p99_ms"] - lat_d["p99_ms"],
+            "streamed_requests_per_s": thr_s["requests_per_s"]}
+        s = summary["sglang_router"]
+        summary["kvgate_over_sglang"] = {
+            "added_p50": summary["added_p50_ms"] / s["added_p50_ms"] if s["added_p50_ms"] > 0 else None,
+            "added_p99": summary["added_p99_ms"] / s["added_p99_ms"] if s["added_p99_ms"] > 0 else None,
+            "streamed_requests_per_s": thr_g["requests_per_s"] / s["streamed_requests_per_s"]
+            if s["streamed_requests_per_s"] else None}
+    elif sglang_skipped:
+        summary["sglang_router_skipped"] = sglang_skipped
     print(f"\nGateway overhead ({os.cpu_count()} CPUs shared by load generator, gateway and backend; "
           f"{args.duration_s:g} s per run)\n")
     print(f"{'run':22s} {'conns':>6s} {'req/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'failed':>7s}")
@@ -240,6 +317,18 @@ def report(rows: dict, args: argparse.Namespace) -> None:
           f"p99 {summary['added_p99_ms']:.3f} ms (target <= 2 ms)")
     print(f"streamed requests/s through the gateway: {summary['gateway_streamed_requests_per_s']:.0f} "
           f"(target >= 3,000; direct to the backend: {summary['direct_streamed_requests_per_s']:.0f})")
+    if "sglang_router" in summary:
+        s, r = summary["sglang_router"], summary["kvgate_over_sglang"]
+        ratio = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+        print(f"\n{'':22s} {'added p50 ms':>13s} {'added p99 ms':>13s} {'streamed req/s':>15s}")
+        print(f"{'kvgate router':22s} {summary['added_p50_ms']:13.3f} {summary['added_p99_ms']:13.3f} "
+              f"{thr_g['requests_per_s']:15.0f}")
+        print(f"{'sglang-router 0.3.2':22s} {s['added_p50_ms']:13.3f} {s['added_p99_ms']:13.3f} "
+              f"{s['streamed_requests_per_s']:15.0f}")
+        print(f"{'kvgate / sglang':22s} {ratio(r['added_p50']):>13s} {ratio(r['added_p99']):>13s} "
+              f"{ratio(r['streamed_requests_per_s']):>15s}")
+    elif sglang_skipped:
+        print(f"sglang-router: skipped, {sglang_skipped}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": rows, "summary": summary}, indent=2))
@@ -258,6 +347,7 @@ def main() -> None:
         p.add_argument("--duration-s", type=float, default=10.0)
         p.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--latency-connections", type=int, default=1)
+    parser.add_argument("--no-sglang", action="store_true", help="skip the sglang-router runs")
     parser.add_argument("--out", default=str(WORK / "bench_gateway_overhead.json"))
     args = parser.parse_args()
     if args.role == "backend":
