@@ -12,10 +12,10 @@ divided by their time apart, so a late or skipped tick widens one interval inste
 TTFT quantiles come from the difference of two cumulative histograms, interpolated within a bucket as
 Prometheus' `histogram_quantile` does (so p99 is only as fine as `router.metrics`' buckets).
 
-The prefix-hit rates divide cached prompt tokens by the gateway's prompt-token *estimate*
-(characters / 4, `router.features.CHARS_PER_TOKEN`): predicted tokens are in the same estimate's
-units, realised ones are what the replicas report in their own tokens, so the realised rate is an
-approximation and is capped at 1.
+The prefix-hit rates divide cached prompt tokens by the gateway's prompt-token *estimate* (characters
+over the model's characters per token, which the gateway learns from responses' `usage.prompt_tokens`;
+4 until the first response): predicted tokens are in the same units, realised ones are what the
+replicas report, so the realised rate is an approximation while the estimate settles, capped at 1.
 
 Everything but `Dashboard`'s three coroutines is synchronous and takes time as an argument.
 """

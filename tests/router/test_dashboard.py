@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from kvgate.clock import FakeClock
-from kvgate.state import MemberRecord, MemoryStateStore, ReplicaState
+from kvgate.state import MemoryStateStore
 from router.dashboard import (Dashboard, ModelTotals, StatsHistory, collect_totals, dashboard_page,
                               histogram_quantile, window_stats)
 from router.metrics import RouterMetrics
