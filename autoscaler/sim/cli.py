@@ -51,6 +51,13 @@ def _stockout(text: str) -> Stockout:
         ) from None
 
 
+def _setting(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: write KEY=VALUE, e.g. scale_down_delay_s=60")
+    return key.strip(), value.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvgate sim", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -77,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="interruption rate of each spot replica (default: 0)")
     parser.add_argument("--stockout", action="append", type=_stockout, default=[], metavar="KEY:START:END",
                         help="placements whose key starts with KEY sell nothing in [START, END) s; repeatable")
+    parser.add_argument("--kvgate-set", action="append", type=_setting, default=[], metavar="KEY=VALUE",
+                        help="override one of the model's scaling knobs for the kvgate policy only, e.g. "
+                             "scale_down_delay_s=60 or forecast_enabled=true; repeatable")
     parser.add_argument("--json", metavar="OUT", help="write summaries and timelines as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write a PNG of demand vs replicas over time")
     return parser
@@ -106,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         scenario = Scenario(args.spot_interruptions_per_hour, tuple(args.stockout), args.seed)
         started = time.perf_counter()
         comparison = run_comparison(trace, snapshot, model, policies=args.policy or POLICIES,
-                                    scenario=scenario, warmup_s=max(0.0, args.warmup_s))
+                                    scenario=scenario, warmup_s=max(0.0, args.warmup_s),
+                                    kvgate_scaling=dict(args.kvgate_set))
         elapsed = time.perf_counter() - started
     except (RegistryInvalid, TraceError, SimConfigError, UnknownName, OSError) as error:
         print(f"kvgate sim: {error}", file=sys.stderr)

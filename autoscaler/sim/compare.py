@@ -13,8 +13,11 @@ schedule of this family, not a proven optimum. Static-at-peak holds that curve's
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
 
 from autoscaler.scaler import ScalerSpec
 from autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
@@ -22,6 +25,7 @@ from autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, Ray
 from autoscaler.sim.engine import FleetSetup, Policy, RunResult, Scenario, simulate
 from autoscaler.sim.service import SimConfigError, placements
 from autoscaler.sim.traces import Trace, with_warmup
+from registry.schema import Scaling
 from registry.snapshot import Snapshot
 
 POLICIES = ("kvgate", "kpa", "ray-serve", "static-peak", "oracle")
@@ -63,6 +67,15 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(math.ceil(q * len(sorted_values))) - 1)]
 
 
+def _with_overrides(scaling: Scaling, overrides: Mapping[str, Any]) -> Scaling:
+    """`scaling` with some fields replaced, validated like the registry; raises `SimConfigError`."""
+    try:
+        return Scaling.model_validate({**scaling.model_dump(), **overrides})
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'scaling'}: {e['msg']}" for e in error.errors())
+        raise SimConfigError(f"bad kvgate scaling override: {problems}") from None
+
+
 def build_fleet(snapshot: Snapshot, model_name: str, initial_replicas: int = 0) -> FleetSetup:
     """The fleet of `model_name` from the registry. Raises `UnknownName` or `SimConfigError`."""
     model = snapshot.model(model_name)
@@ -86,8 +99,12 @@ class Comparison:
 
 
 def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policies: Sequence[str] = POLICIES,
-                   scenario: Scenario = Scenario(), warmup_s: float = 600.0) -> Comparison:
+                   scenario: Scenario = Scenario(), warmup_s: float = 600.0,
+                   kvgate_scaling: Mapping[str, Any] | None = None) -> Comparison:
     """Run each named policy on `trace` and summarize.
+
+    `kvgate_scaling` overrides fields of the model's `spec.scaling` for the kvgate policy only (to try
+    a knob without editing the registry; the baselines keep the registry's target).
 
     Every run starts with the replicas the oracle needs in its first cold start, ready, and plays
     `warmup_s` of mirrored trace first, unscored (`traces.with_warmup`): each policy meets the trace
@@ -146,7 +163,7 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     fleet = fleet_for(need)
     target = scaling.target_ongoing_requests
     runners: dict[str, Policy] = {
-        "kvgate": KvgatePolicy(ScalerSpec.of(model, cold_start_s)),
+        "kvgate": KvgatePolicy(ScalerSpec(_with_overrides(scaling, kvgate_scaling or {}), cold_start_s)),
         "kpa": KpaPolicy(target, scaling.min_replicas, scaling.max_replicas),
         "ray-serve": RayServePolicy(target, scaling.min_replicas, scaling.max_replicas),
         "static-peak": StaticPolicy(max(need, default=1)),

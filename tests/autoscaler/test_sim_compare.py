@@ -85,6 +85,7 @@ def test_cli_prints_the_table_and_writes_json_and_png(tmp_path: Path) -> None:
     (["--trace", "/nonexistent.csv", "--model", "chat-70b"], "no such file"),
     (["--bursty", "--model", "nope"], "no model named 'nope'"),
     (["--bursty"], "pick one with --model"),
+    (["--bursty", "--model", "burst-8b", "--kvgate-set", "scale_down_delay_s=soon"], "bad kvgate scaling override"),
 ])
 def test_cli_mistakes_are_one_line_and_exit_2(args: list[str], message: str) -> None:
     result = _sim("--registry", str(EXAMPLES), *args)
