@@ -121,6 +121,7 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     cold_start_s = cheapest.cold_start_s
     slo_s = base.ttft_slo_s
     scaling = model.spec.scaling
+    kvgate_knobs = _with_overrides(scaling, kvgate_scaling or {})  # checked before the long part
 
     def fleet_for(need: tuple[int, ...]) -> FleetSetup:
         first = max(need[:int(cold_start_s) + 1], default=0)
@@ -163,7 +164,7 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     fleet = fleet_for(need)
     target = scaling.target_ongoing_requests
     runners: dict[str, Policy] = {
-        "kvgate": KvgatePolicy(ScalerSpec(_with_overrides(scaling, kvgate_scaling or {}), cold_start_s)),
+        "kvgate": KvgatePolicy(ScalerSpec(kvgate_knobs, cold_start_s)),
         "kpa": KpaPolicy(target, scaling.min_replicas, scaling.max_replicas),
         "ray-serve": RayServePolicy(target, scaling.min_replicas, scaling.max_replicas),
         "static-peak": StaticPolicy(max(need, default=1)),
