@@ -70,7 +70,7 @@ class RoutingKnobs:
     """A model's routing settings, from its registry `Routing`."""
 
     policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
-    load_epsilon: float = 0.25
+    load_epsilon: float = 0.5  # the registry default
 
     @classmethod
     def from_routing(cls, routing: Routing) -> RoutingKnobs:
