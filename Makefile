@@ -46,10 +46,11 @@ system-deps:
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-# Until the whole stack lands (`kvgate up`), the main job validates the demo registry and prints its plan.
+# The main job: the whole stack on this box with the demo registry (Ctrl-C stops it and every replica).
+# The demo's two LoRA adapters are written first (deterministic; a rerun rewrites nothing).
 run: setup
-	$(VENV)/bin/kvgate registry validate examples/registry
-	$(VENV)/bin/kvgate registry plan examples/registry
+	$(PY) examples/registry/demo_adapters.py .kvgate/demo-adapters
+	$(VENV)/bin/kvgate up --registry examples/registry
 
 # pytest exits 5 when it collected nothing: that is a broken set-up, not a pass.
 test: setup

@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         "autoscaler", add_help=False, help="run the control loops: replicas per model, nodes per pool",
         description="Run `kvgate autoscaler --help` for the autoscaler's options.")
     autoscaler.set_defaults(run=_run_autoscaler)
+    up = commands.add_parser(
+        "up", add_help=False, help="run the whole stack on this machine: gateway, autoscaler, engine replicas",
+        description="Run `kvgate up --help` for its options.")
+    up.set_defaults(run=_run_up)
     sim = commands.add_parser(
         "sim", add_help=False, help="replay a request trace against the autoscaler and baselines",
         description="Run `kvgate sim --help` for the simulator's options.")
@@ -58,6 +62,12 @@ def _run_autoscaler(args: argparse.Namespace) -> int:
     return autoscaler_main(args.forwarded)
 
 
+def _run_up(args: argparse.Namespace) -> int:
+    from kvgate.stack import main as up_main
+
+    return up_main(args.forwarded)
+
+
 def _run_sim(args: argparse.Namespace) -> int:
     from autoscaler.sim.cli import main as sim_main
 
@@ -67,7 +77,7 @@ def _run_sim(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("engine", "router", "autoscaler", "sim"):
+    if args.command in ("engine", "router", "autoscaler", "up", "sim"):
         args.forwarded = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

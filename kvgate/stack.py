@@ -1,0 +1,393 @@
+"""`kvgate up`: the whole stack on one box, in one process and one event loop.
+
+    kvgate up [--registry examples/registry] [--host 127.0.0.1] [--port 8080] [--cache-dir DIR]
+
+The composition root (DESIGN.md: it may import everything). In order:
+
+1. **Registry**: load and validate it; every problem is printed with file:line and the command exits 1
+   before anything starts. Adapters with a local `source` must exist (an engine would fail on them).
+2. **Gateway**: the router app (`router.app.build_app`) with an in-memory state store, bound to
+   --host/--port at once: a port in use is a one-line error and exit 1. From here on requests are
+   accepted; a model with no replica yet holds them (up to its `max_queue_wait_s`).
+3. **Models**: builtin model sources are prepared (built or downloaded into the cache) before any
+   replica starts, with a line per model and its time.
+4. **Autoscaler**: `autoscaler.loop.Autoscaler` embedded in this loop, one provider per pool (`local`
+   pools get the cache directory), reading the hot-reloaded registry. It starts `kvgate engine`
+   child processes (replicas), retries failed starts with back-off, and scales idle models to zero.
+5. **Progress**: replica starting / ready / gone lines (the autoscaler logs its own decisions and
+   failures with their reasons), then the OpenAI base URL and the dashboard URL once every model with
+   `min_replicas` > 0 has its replicas ready or has failed once.
+6. **Stop** (SIGINT or SIGTERM): the autoscaler stops, the gateway stops taking requests and lets
+   in-flight ones finish, then every replica is drained and stopped and every node released
+   (`Autoscaler.release_fleet`). Nothing is left running: this process owns the fleet.
+
+The decisions here (what to print when) are pure functions; `serve` is the thin async shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvgate.clock import Clock, RealClock
+from kvgate.state import MemberRecord, MemoryStateStore, ReplicaState
+from registry.problems import Problem, RegistryInvalid
+from registry.snapshot import Snapshot
+
+log = logging.getLogger("kvgate.up")
+
+DEFAULT_REGISTRY = "examples/registry"
+CLUSTER = "kvgate-up"  # tagged on the local nodes and replicas this process owns
+_PROGRESS_POLL_S = 0.5  # how often membership is read for the progress log (an in-memory read)
+
+
+class StackError(Exception):
+    """A user mistake or an environment problem that stops `kvgate up`; the message is one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpSettings:
+    """What `kvgate up` is asked to run. Times in seconds."""
+
+    registry: Path = Path(DEFAULT_REGISTRY)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    cache_dir: Path | None = None  # builtin model files; None: $KVGATE_CACHE_DIR, else ~/.cache/kvgate
+    interval_s: float = 1.0  # autoscaler tick
+    drain_timeout_s: float = 10.0  # on stop: how long in-flight requests may take to finish
+    admin_token: str | None = None  # protects /admin/* and the dashboard when set
+
+
+# ------------------------------------------------------------------------------------ pure decisions
+
+
+def missing_adapter_sources(snapshot: Snapshot, cwd: Path) -> list[Problem]:
+    """Adapters whose local `source` directory does not exist (an engine given one fails at start).
+    Relative sources are relative to `cwd`, where the engines run. s3:// sources are not checked."""
+    problems = []
+    for name, adapter in sorted(snapshot.adapters.items()):
+        source = adapter.spec.source
+        if "://" in source:
+            continue
+        path = Path(source).expanduser()
+        if not (path if path.is_absolute() else cwd / path).is_dir():
+            file, line = snapshot.origins.get(("Adapter", name), (snapshot.source, 0))
+            problems.append(Problem(file, line, f"Adapter/{name}", ("spec", "source"),
+                                    f"{source!r} is not a directory (relative to {cwd}); write the adapter "
+                                    "there or point source at a PEFT directory"))
+    return problems
+
+
+def display_host(host: str) -> str:
+    """The host to put in URLs a person will paste: a wildcard bind is reached on loopback."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else (f"[{host}]" if ":" in host else host)
+
+
+def urls_banner(host: str, port: int) -> str:
+    base = f"http://{display_host(host)}:{port}"
+    return (f"kvgate is up.\n"
+            f"  OpenAI base URL  {base}/v1\n"
+            f"  dashboard        {base}/dashboard\n"
+            f"  Ctrl-C stops everything (replicas are drained and stopped).")
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What the progress log knows between polls: the replicas seen (id -> state) and when each was
+    first seen (monotonic s), and which models have been reported settled."""
+
+    states: Mapping[str, ReplicaState] = field(default_factory=dict)
+    first_seen: Mapping[str, float] = field(default_factory=dict)
+    banner_shown: bool = False
+
+
+def progress_step(progress: Progress, members: Iterable[MemberRecord], now: float,
+                  wanted: Mapping[str, int], failed_models: Iterable[str]) -> tuple[Progress, list[str], bool]:
+    """Compare membership with the last poll: returns the new progress, the lines to log, and whether
+    the URL banner is due now (once: every model in `wanted` (model -> min_replicas > 0) has that many
+    ready replicas or is in `failed_models`)."""
+    current = {m.replica_id: m for m in members}
+    lines = []
+    first_seen = dict(progress.first_seen)
+    for replica_id, member in sorted(current.items()):
+        before = progress.states.get(replica_id)
+        if before == member.state:
+            continue
+        first_seen.setdefault(replica_id, now)
+        if member.state is ReplicaState.STARTING:
+            lines.append(f"{member.model}: replica {replica_id} starting (loading the model) at {member.url}")
+        elif member.state is ReplicaState.READY:
+            lines.append(f"{member.model}: replica {replica_id} ready at {member.url} "
+                         f"({now - first_seen[replica_id]:.1f} s after it was seen starting)")
+        elif member.state is ReplicaState.DRAINING:
+            lines.append(f"{member.model}: replica {replica_id} draining")
+    for replica_id in sorted(set(progress.states) - set(current)):
+        lines.append(f"replica {replica_id} is gone")
+        first_seen.pop(replica_id, None)
+    due = False
+    if not progress.banner_shown:
+        ready: dict[str, int] = {}
+        for member in current.values():
+            if member.state is ReplicaState.READY:
+                ready[member.model] = ready.get(member.model, 0) + 1
+        failed = set(failed_models)
+        due = all(ready.get(model, 0) >= count or model in failed for model, count in wanted.items())
+    new = Progress(states={rid: m.state for rid, m in current.items()}, first_seen=first_seen,
+                   banner_shown=progress.banner_shown or due)
+    return new, lines, due
+
+
+def failed_models_of(status: Mapping[str, Any] | None) -> set[str]:
+    """Models with a replica_failed event in the autoscaler's status record."""
+    events = (status or {}).get("events") or ()
+    return {e.get("model") for e in events if e.get("kind") == "replica_failed" and e.get("model")}
+
+
+# --------------------------------------------------------------------------------------- the shell
+
+
+async def serve(settings: UpSettings, clock: Clock | None = None) -> int:
+    """Run the stack until SIGINT/SIGTERM; returns the exit status (0 after a clean stop, 1 when the
+    registry is invalid, the port is taken or a model cannot be prepared: nothing is left running)."""
+    from aiohttp import web
+
+    from router.app import GatewaySettings, build_app
+    from router.replicas import ReplicaTracker  # grpc: imported only when serving
+    from registry.watch import RegistryWatcher
+
+    clock = clock or RealClock()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    try:
+        watcher = await RegistryWatcher.open(settings.registry, clock)
+        problems = missing_adapter_sources(watcher.current, Path.cwd())
+        if problems:
+            raise RegistryInvalid(str(settings.registry), problems)
+    except RegistryInvalid as exc:
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return 1
+    snapshot = watcher.current
+    log.info("registry %s (version %s): %d model(s), %d adapter(s), %d pool(s); hot reload on",
+             settings.registry, snapshot.version, len(snapshot.models), len(snapshot.adapters), len(snapshot.pools))
+
+    store = MemoryStateStore(clock)
+    tracker = ReplicaTracker(clock=clock, store=store, poll_interval_s=_PROGRESS_POLL_S)
+    gateway = GatewaySettings(admin_token=settings.admin_token, gateway_id="kvgate-up")
+    runner = web.AppRunner(build_app(gateway, tracker, watcher, clock, store), handler_cancellation=True,
+                           access_log=None, shutdown_timeout=settings.drain_timeout_s)
+    await runner.setup()
+    try:
+        await _listen(runner, settings.host, settings.port)
+    except StackError as exc:
+        await runner.cleanup()
+        await store.close()
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return 1
+    log.info("gateway listening on http://%s:%d (requests wait there while replicas start)",
+             display_host(settings.host), settings.port)
+
+    watch = asyncio.create_task(watcher.watch(), name="kvgate-registry-watch")
+    autoscaler = None
+    progress = None
+    try:
+        if not await _prepare_models(snapshot, settings.cache_dir, stop):
+            return 0 if stop.is_set() else 1
+        autoscaler = _build_autoscaler(watcher, store, clock, settings)
+        await autoscaler.start()
+        progress = asyncio.create_task(_report_progress(store, snapshot, settings), name="kvgate-up-progress")
+        await stop.wait()
+        log.info("stopping: no new replicas; the gateway finishes in-flight requests (up to %.0f s)",
+                 settings.drain_timeout_s)
+        return 0
+    finally:
+        # Signals during the stop must not kill it half-way: the fleet is released whatever happens.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: log.info("already stopping; replicas are being drained"))
+        if progress is not None:
+            progress.cancel()
+            await asyncio.gather(progress, return_exceptions=True)
+        if autoscaler is not None:
+            await autoscaler.stop()
+        await runner.cleanup()
+        if autoscaler is not None:
+            await _release(autoscaler)
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await store.close()
+
+
+async def _listen(runner: Any, host: str, port: int) -> None:
+    from aiohttp import web
+
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise StackError(f"port {port} on {host} is already in use; stop what uses it or pick "
+                             "another with --port") from None
+        raise StackError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+async def _prepare_models(snapshot: Snapshot, cache_dir: Path | None, stop: asyncio.Event) -> bool:
+    """Build or download every builtin model into the cache before replicas start (they would each do
+    it, and a first download takes a minute). False when one fails (logged) or a stop came first."""
+    from engine.builtin import BUILTIN_PREFIX, ModelSourceError, default_cache_dir, resolve_model_source
+
+    cache = cache_dir or default_cache_dir()
+    models_of: dict[str, list[str]] = {}  # several models may share one source: prepared once
+    for name, model in sorted(snapshot.models.items()):
+        if model.spec.source.startswith(BUILTIN_PREFIX):
+            models_of.setdefault(model.spec.source, []).append(name)
+    for source, names in sorted(models_of.items()):
+        name = ", ".join(names)
+        started = time.monotonic()
+        log.info("%s: preparing %s in %s (the first run builds or downloads it)", name, source, cache)
+        # A thread, not the loop: the gateway keeps serving /health and the dashboard meanwhile.
+        task = asyncio.ensure_future(asyncio.to_thread(resolve_model_source, source, cache))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not task.done():
+            log.info("stopping while %s is being prepared; it finishes in the background first", name)
+            await asyncio.gather(task, return_exceptions=True)
+            return False
+        try:
+            path = task.result()
+        except ModelSourceError as exc:
+            log.error("%s: cannot prepare %s: %s", name, source, exc)
+            return False
+        log.info("%s: model ready at %s (%.1f s)", name, path, time.monotonic() - started)
+    return True
+
+
+def _build_autoscaler(watcher: Any, store: MemoryStateStore, clock: Clock, settings: UpSettings) -> Any:
+    from autoscaler.loop import Autoscaler, AutoscalerSettings
+    from providers.build import build_provider
+    from registry.schema import PoolDoc, Provider as ProviderKind
+
+    def provider_for(pool_name: str, pool: PoolDoc) -> Any:
+        # Only local pools run engines here and need the model cache; cloud pools take no options.
+        options = {"cache_dir": settings.cache_dir} if pool.spec.provider is ProviderKind.LOCAL else {}
+        return build_provider(pool_name, pool.spec, cluster=CLUSTER, clock=clock, **options)
+
+    autoscaler_settings = AutoscalerSettings(
+        interval_s=settings.interval_s, lease_ttl_s=max(10.0, 3 * settings.interval_s),
+        member_ttl_s=max(10.0, 3 * settings.interval_s), drain_timeout_s=settings.drain_timeout_s)
+    return Autoscaler(watcher, store, clock, provider_factory=provider_for, settings=autoscaler_settings,
+                      holder=f"kvgate-up-{os.getpid()}")
+
+
+async def _report_progress(store: MemoryStateStore, snapshot: Snapshot, settings: UpSettings) -> None:
+    from autoscaler.status import STATUS_COLLECTION, STATUS_ID
+
+    wanted = {name: doc.spec.scaling.min_replicas for name, doc in snapshot.models.items()
+              if doc.spec.scaling.min_replicas > 0 and not doc.spec.routing.static_replicas}
+    progress = Progress()
+    while True:
+        record = await store.get_record(STATUS_COLLECTION, STATUS_ID)
+        failed = failed_models_of(record.data if record is not None else None)
+        progress, lines, due = progress_step(progress, await store.list_members(), time.monotonic(), wanted, failed)
+        for line in lines:
+            log.info("%s", line)
+        if due:
+            print(urls_banner(settings.host, settings.port), flush=True)
+        await asyncio.sleep(_PROGRESS_POLL_S)
+
+
+async def _release(autoscaler: Any) -> None:
+    """Drain and stop every replica and release every node; then make sure no replica is listed."""
+    from providers.base import ProviderError
+
+    started = time.monotonic()
+    try:
+        await autoscaler.release_fleet()  # its events are logged by the autoscaler as they happen
+    except Exception as exc:  # the memory store does not fail; anything else must not skip the sweep below
+        log.error("releasing the fleet failed: %s; stopping what is listed", exc)
+    left = 0
+    for pool, provider in sorted(autoscaler.providers.items()):
+        try:
+            for replica in await provider.list_replicas():  # e.g. on no node the fleet knew of
+                await provider.stop_replica(replica.id, 0.0)
+                left += 1
+            await provider.close()
+        except ProviderError as exc:
+            log.error("pool %s: %s", pool, exc)
+    log.info("stopped in %.1f s: every replica and node released%s", time.monotonic() - started,
+             f" ({left} stray replica(s) killed)" if left else "")
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate up", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the whole stack on this machine: the gateway (OpenAI API and /dashboard), the "
+                    "autoscaler with the local provider, and engine replicas as child processes.",
+        epilog="Ctrl-C or SIGTERM drains in-flight requests, stops every replica and exits; nothing is left "
+               "running.\nExample: kvgate up --registry examples/registry --port 8080")
+    parser.add_argument("--registry", type=Path, default=Path(DEFAULT_REGISTRY), metavar="DIR",
+                        help="registry directory, hot-reloaded (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: %(default)s)")
+    parser.add_argument("--port", type=_port, default=8080, help="gateway port (default: %(default)s)")
+    parser.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                        help="where builtin models are built and kept (default: $KVGATE_CACHE_DIR, "
+                             "else ~/.cache/kvgate)")
+    parser.add_argument("--interval-s", type=_positive, default=1.0,
+                        help="seconds between autoscaler ticks (default: %(default)s)")
+    parser.add_argument("--drain-timeout-s", type=_positive, default=10.0,
+                        help="on stop, how long in-flight requests may finish (default: %(default)s)")
+    parser.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
+                        help="token for /admin/* and the dashboard (default: $KVGATE_ADMIN_TOKEN; unset: open)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if args.log_level != "DEBUG":
+        # The gateway retries a starting engine's state stream (each refusal a warning) until the model has
+        # loaded: noise here, where the progress lines and the autoscaler's events say how replicas are.
+        logging.getLogger("router.sources").setLevel(logging.ERROR)
+    settings = UpSettings(registry=args.registry, host=args.host, port=args.port, cache_dir=args.cache_dir,
+                          interval_s=args.interval_s, drain_timeout_s=args.drain_timeout_s,
+                          admin_token=args.admin_token or None)
+    try:
+        import uvloop
+    except ImportError:  # a dependency; fall back rather than refuse to start
+        return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
