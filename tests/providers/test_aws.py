@@ -319,3 +319,30 @@ def test_launch_times_are_wall_clock_seconds() -> None:
     node = node_from_instance({"InstanceId": "i-1", "State": {"Name": "running"}, "LaunchTime": launched,
                                "Tags": [{"Key": TAG_CLAIM, "Value": "c"}]}, None, pool="p", price_usd_per_hour=1.0)
     assert node.launched_at == launched.timestamp() and node.claim_id == "c" and node.address is None
+
+
+async def test_without_an_image_id_the_default_ami_lookup_fails_clearly(moto_endpoint_url: str) -> None:
+    """moto's SSM holds no Deep Learning AMI parameter, so the default lookup fails: the error says
+    what to set instead of leaking botocore's ParameterNotFound."""
+    session = moto_session()
+    spec = pool_spec(session, moto_endpoint_url)
+    spec = spec.model_copy(update={"aws": spec.aws.model_copy(update={"image_id": None})})
+    provider = AwsProvider(POOL, spec, cluster=f"t-{uuid.uuid4().hex[:8]}", clock=FakeClock(), session=session)
+    try:
+        with pytest.raises(ProviderError, match="set aws.image_id"):
+            await provider.create(claim())
+        assert await provider.list() == []
+    finally:
+        await provider.close()
+
+
+async def test_build_provider_makes_an_aws_provider(moto_endpoint_url: str) -> None:
+    from providers.build import build_provider
+    session = moto_session()
+    provider = build_provider(POOL, pool_spec(session, moto_endpoint_url), cluster="c", clock=FakeClock(),
+                              session=session)
+    try:
+        assert isinstance(provider, AwsProvider) and (provider.pool, provider.cluster) == (POOL, "c")
+        assert len(await provider.offerings()) == 3
+    finally:
+        await provider.close()

@@ -308,3 +308,13 @@ def test_pod_states_map_to_replica_states(pod: dict, expected: ReplicaState) -> 
     state, reason = pod_replica_state(pod)
     assert state is expected
     assert bool(reason) == (expected is ReplicaState.FAILED)
+
+
+async def test_build_provider_makes_a_kubernetes_provider(world: KubeWorld) -> None:
+    from providers.build import build_provider
+    provider = build_provider(POOL, pool_spec(world.kubeconfig), cluster="c", clock=FakeClock())
+    try:
+        assert isinstance(provider, KubernetesProvider) and provider.namespace == NAMESPACE
+        assert [n.name for n in await provider.gpu_nodes()] == ["gpu-a"]
+    finally:
+        await provider.close()
