@@ -152,6 +152,21 @@ async def test_replicas_are_named_and_scale_by_one(world: KubeWorld, provider: K
     assert [h.id for h in await provider.list_replicas()] == ["r-2"]
 
 
+async def test_replicas_of_another_cluster_are_not_listed(world: KubeWorld, provider: KubernetesProvider) -> None:
+    """kmock answers every list with everything (it ignores label selectors), so this checks that the
+    provider filters by its own labels too, as it must against a stale cache or a careless proxy."""
+    other = KubernetesProvider(POOL, pool_spec(world.kubeconfig), cluster="staging", clock=FakeClock())
+    try:
+        await provider.start_replica("gpu-a", SPEC, replica_id="prod-1")
+        await other.start_replica("gpu-a", SPEC, replica_id="staging-1")
+        assert [h.id for h in await provider.list_replicas()] == ["prod-1"]
+        assert [h.id for h in await other.list_replicas()] == ["staging-1"]
+        await provider.stop_replica("staging-1")  # not ours: no change
+        assert [h.id for h in await other.list_replicas()] == ["staging-1"]
+    finally:
+        await other.close()
+
+
 async def test_a_crashing_engine_is_reported_failed_with_the_reason(world: KubeWorld,
                                                                     provider: KubernetesProvider) -> None:
     await provider.start_replica("gpu-a", SPEC, replica_id="r-1")
