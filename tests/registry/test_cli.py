@@ -22,7 +22,7 @@ def kvgate(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 def test_validate_the_examples() -> None:
     result = kvgate("registry", "validate", "examples/registry", "examples/fleet")
     assert result.returncode == 0, result.stderr
-    assert "examples/registry: valid (2 Models, 0 Adapters, 1 Pool, 0 Tenants); version " in result.stdout
+    assert "examples/registry: valid (2 Models, 2 Adapters, 1 Pool, 0 Tenants); version " in result.stdout
     assert "examples/fleet: valid (2 Models, 3 Adapters, 2 Pools, 2 Tenants); version " in result.stdout
 
 
@@ -49,7 +49,7 @@ def test_plan_prints_a_readable_diff() -> None:
     assert result.returncode == 0, result.stderr
     assert "  + Model/llama-3.1-8b-instruct" in result.stdout
     assert "  - Model/tiny-llama" in result.stdout
-    assert result.stdout.rstrip().endswith("Plan: 9 to add, 0 to change, 3 to remove.")
+    assert result.stdout.rstrip().endswith("Plan: 9 to add, 0 to change, 5 to remove.")
 
 
 def test_plan_detailed_exit_code_and_json() -> None:
@@ -57,7 +57,7 @@ def test_plan_detailed_exit_code_and_json() -> None:
     assert same.returncode == 0 and "No changes" in same.stdout
     changed = kvgate("registry", "plan", "examples/registry", "--detailed-exitcode", "--json")
     assert changed.returncode == 2
-    assert json.loads(changed.stdout)["summary"] == {"add": 3, "change": 0, "remove": 0}
+    assert json.loads(changed.stdout)["summary"] == {"add": 5, "change": 0, "remove": 0}
 
 
 def test_plan_of_an_invalid_registry_exits_1(tmp_path: Path) -> None:
