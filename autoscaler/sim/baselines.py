@@ -107,8 +107,8 @@ class KpaPolicy:
         target = self.target * self.target_utilization
         ready = max(1, obs.ready_replicas)
         stable = _ceil_div(window.mean(now, self.stable_window_s), target)
-        panic_value = window.mean(now, self.panic_window_s) / target
-        panic = _ceil_div(panic_value * target, target)
+        panic_value = window.mean(now, self.panic_window_s) / target  # unrounded, as Knative compares it
+        panic = _ceil_div(window.mean(now, self.panic_window_s), target)
         max_up = math.ceil(self.max_scale_up_rate * ready)
         max_down = math.floor(ready / self.max_scale_down_rate)
         stable, panic = min(max_up, max(max_down, stable)), min(max_up, max(max_down, panic))
