@@ -204,6 +204,7 @@ def run_sglang(backend_url: str, args: argparse.Namespace, rows: dict) -> str | 
     log = (WORK / "bench_gateway_overhead-sglang.log").open("w")
     process = subprocess.Popen([str(SGLANG_PY), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                 "--port", str(port), "--policy", "cache_aware", "--log-level", "warn",
+                                "--prometheus-port", str(free_port()),  # its default port may be taken
                                 "--worker-urls", backend_url], stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:

@@ -272,7 +272,9 @@ def start_router(name: str, fleet: Fleet | list[str], tmp: Path, log: Path,
     Not yet ready when this returns: send a request until one goes through (`bench_routing.wait_ready`)."""
     urls = fleet if isinstance(fleet, list) else fleet.urls
     kind, policy = name.split(":")
-    (port,) = free_ports(1)
+    # The peers also serve Prometheus on a fixed default port: two runs at once (or a run beside the
+    # overhead benchmark) would collide there, so each gets a free one.
+    port, metrics_port = free_ports(2)
     if kind == "kvgate":
         reg = tmp / "registry"
         reg.mkdir(exist_ok=True)
@@ -281,10 +283,10 @@ def start_router(name: str, fleet: Fleet | list[str], tmp: Path, log: Path,
                "--log-level", "WARNING"]
     elif kind == "sglang":
         cmd = [str(SGLANG_PY), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-               "--policy", policy, "--worker-urls", *urls]
+               "--policy", policy, "--prometheus-port", str(metrics_port), "--worker-urls", *urls]
     else:
         cmd = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-               "--worker-urls", *urls]
+               "--prometheus-port", str(metrics_port), "--worker-urls", *urls]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
