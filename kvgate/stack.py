@@ -103,8 +103,8 @@ def urls_banner(host: str, port: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """What the progress log knows between polls: the replicas seen (id -> state) and when each was
-    first seen (monotonic s), and which models have been reported settled."""
+    """What the progress log knows between polls: the replicas seen (id -> state), when each was first
+    seen (monotonic s), and whether the URL banner has been printed."""
 
     states: Mapping[str, ReplicaState] = field(default_factory=dict)
     first_seen: Mapping[str, float] = field(default_factory=dict)
