@@ -50,8 +50,8 @@ from providers.aws_ec2 import (
 from providers.aws_userdata import ENGINE_GRPC_PORT, ENGINE_PORT, READY_TAG, render_user_data
 from providers.base import (
     TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState,
-    NotFound, Offering, OfferingKey, ProviderError, ProviderUnavailable, QuotaExceeded, ReplicaHandle,
-    ReplicaSpec, ReplicaState, node_tags, offerings_from_pool,
+    NotFound, Offering, OfferingKey, ProviderError, ProviderUnavailable, ReplicaHandle,
+    ReplicaSpec, ReplicaState, check_quota, node_tags, offerings_from_pool,
 )
 from registry.schema import AwsSettings, CapacityType, PoolSpec
 
@@ -241,19 +241,12 @@ class AwsProvider:
     async def _check_quota(self, offering: Offering) -> None:
         spec = self._spec
         if spec.max_nodes is None and spec.max_gpus is None and spec.budget_usd_per_hour is None:
-            return
-        active = [n for n in await self.list() if n.state not in _GONE]
+            return  # no limits: skip the DescribeInstances call
         gpus = {o.instance_type: o.gpu_count for o in self._catalogue}
-        if spec.max_nodes is not None and len(active) + 1 > spec.max_nodes:
-            raise QuotaExceeded(f"pool {self._pool!r}: max_nodes is {spec.max_nodes} and {len(active)} are up")
-        used_gpus = sum(gpus.get(n.instance_type, 0) for n in active)
-        if spec.max_gpus is not None and used_gpus + offering.gpu_count > spec.max_gpus:
-            raise QuotaExceeded(f"pool {self._pool!r}: max_gpus is {spec.max_gpus}, {used_gpus} in use, "
-                                f"{offering.instance_type} has {offering.gpu_count}")
-        spend = sum(n.price_usd_per_hour for n in active)
-        if spec.budget_usd_per_hour is not None and spend + offering.price_usd_per_hour > spec.budget_usd_per_hour:
-            raise QuotaExceeded(f"pool {self._pool!r}: budget is ${spec.budget_usd_per_hour:.2f}/h, ${spend:.2f}/h "
-                                f"spent, {offering.key} costs ${offering.price_usd_per_hour:.2f}/h")
+        in_use = [(gpus.get(n.instance_type, 0), n.price_usd_per_hour)
+                  for n in await self.list() if n.state not in _GONE]
+        check_quota(self._pool, offering, in_use, max_nodes=spec.max_nodes, max_gpus=spec.max_gpus,
+                    budget_usd_per_hour=spec.budget_usd_per_hour)
 
     async def _image(self) -> str:
         if self._image_id is None:

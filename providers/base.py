@@ -36,7 +36,7 @@ __all__ = [
     "CapacityType", "OfferingKey", "Offering", "NodeClaim", "NodeState", "Node", "ReplicaState",
     "ReplicaSpec", "ReplicaHandle", "ProviderError", "InsufficientCapacity", "QuotaExceeded", "NotFound",
     "ProviderUnavailable", "NodeNotReady", "Provider", "TAG_CLUSTER", "TAG_CLAIM", "TAG_POOL", "TAG_MODEL",
-    "node_tags", "offerings_from_pool", "replica_spec_for", "engine_args",
+    "node_tags", "offerings_from_pool", "check_quota", "replica_spec_for", "engine_args",
 ]
 
 # Tags kvgate puts on every node it buys; `list()` finds nodes by TAG_CLUSTER (and TAG_POOL).
@@ -329,6 +329,27 @@ def offerings_from_pool(pool_name: str, spec: PoolSpec, *, default_region: str =
                 memory_gib=offer.memory_gib, capacity_type=offer.capacity_type, region=region, zone=zone,
                 price_usd_per_hour=offer.price_usd_per_hour, available=True))
     return result
+
+
+def check_quota(pool_name: str, offering: Offering, in_use: Sequence[tuple[int, float]], *,
+                max_nodes: int | None, max_gpus: int | None, budget_usd_per_hour: float | None) -> None:
+    """Raise `QuotaExceeded` when one more node of `offering`, on top of the live nodes `in_use` (one
+    `(gpu_count, usd_per_hour)` pair each), would pass one of the pool's limits; None means no limit.
+
+    The one rule every provider applies before it buys (the planner applies the same limits first; this
+    is the provider's own guard). The message names the limit (`max_nodes`, `max_gpus`, `budget`) and
+    the numbers, so a person can see which one to raise."""
+    if max_nodes is not None and len(in_use) + 1 > max_nodes:
+        raise QuotaExceeded(f"pool {pool_name!r}: max_nodes is {max_nodes} and {len(in_use)} nodes are up")
+    gpus = sum(g for g, _ in in_use)
+    if max_gpus is not None and gpus + offering.gpu_count > max_gpus:
+        raise QuotaExceeded(f"pool {pool_name!r}: max_gpus is {max_gpus}; {gpus} GPUs in use and "
+                            f"{offering.instance_type} has {offering.gpu_count}")
+    spend = sum(p for _, p in in_use)
+    # The epsilon: prices are summed floats, and a budget met exactly must still allow the node.
+    if budget_usd_per_hour is not None and spend + offering.price_usd_per_hour > budget_usd_per_hour + 1e-9:
+        raise QuotaExceeded(f"pool {pool_name!r}: budget is ${budget_usd_per_hour:.2f}/h; ${spend:.2f}/h spent "
+                            f"and {offering.key} costs ${offering.price_usd_per_hour:.2f}/h")
 
 
 def replica_spec_for(model: ModelDoc, adapters: Sequence[AdapterDoc] = ()) -> ReplicaSpec:

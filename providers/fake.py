@@ -29,8 +29,8 @@ from typing import Any
 
 from kvgate.clock import Clock
 from providers.base import (CapacityType, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState, NotFound,
-                            Offering, OfferingKey, ProviderUnavailable, QuotaExceeded, ReplicaHandle, ReplicaSpec,
-                            ReplicaState, node_tags, offerings_from_pool)
+                            Offering, OfferingKey, ProviderUnavailable, ReplicaHandle, ReplicaSpec,
+                            ReplicaState, check_quota, node_tags, offerings_from_pool)
 from registry.schema import PoolSpec
 
 
@@ -253,17 +253,10 @@ class FakeProvider:
     def _check_quota(self, offering: Offering) -> None:
         mine = [self._current(r) for r in self.cloud.nodes.values()
                 if r.cluster == self._cluster and r.node.pool == self._pool and self._present(r)]
-        live = [n for n in mine if n.state not in (NodeState.TERMINATING, NodeState.TERMINATED)]
-        if self.max_nodes is not None and len(live) + 1 > self.max_nodes:
-            raise QuotaExceeded(f"pool {self._pool!r} allows {self.max_nodes} nodes and has {len(live)}")
-        gpus = sum(self.cloud.nodes[n.id].gpus for n in live)
-        if self.max_gpus is not None and gpus + offering.gpu_count > self.max_gpus:
-            raise QuotaExceeded(f"pool {self._pool!r} allows {self.max_gpus} GPUs; {gpus} in use, "
-                                f"{offering.instance_type} has {offering.gpu_count}")
-        spend = sum(n.price_usd_per_hour for n in live)
-        if self.budget_usd_per_hour is not None and spend + offering.price_usd_per_hour > self.budget_usd_per_hour + 1e-9:
-            raise QuotaExceeded(f"pool {self._pool!r} budget is ${self.budget_usd_per_hour}/h; ${spend:.2f}/h spent, "
-                                f"{offering.instance_type} costs ${offering.price_usd_per_hour}/h")
+        in_use = [(self.cloud.nodes[n.id].gpus, n.price_usd_per_hour)
+                  for n in mine if n.state not in (NodeState.TERMINATING, NodeState.TERMINATED)]
+        check_quota(self._pool, offering, in_use, max_nodes=self.max_nodes, max_gpus=self.max_gpus,
+                    budget_usd_per_hour=self.budget_usd_per_hour)
 
     def _present(self, record: _NodeRecord) -> bool:
         if record.gone_at is not None and self._clock.now() >= record.gone_at:

@@ -46,8 +46,8 @@ from kubernetes.config.config_exception import ConfigException
 from kvgate.clock import Clock
 from providers.base import (
     TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState,
-    NotFound, Offering, ProviderError, ProviderUnavailable, QuotaExceeded, ReplicaHandle, ReplicaSpec,
-    ReplicaState, offerings_from_pool,
+    NotFound, Offering, ProviderError, ProviderUnavailable, ReplicaHandle, ReplicaSpec,
+    ReplicaState, check_quota, offerings_from_pool,
 )
 from providers.k8s_manifests import (
     ANNOTATION_DELETION_COST, ANNOTATION_SPEC_HASH, ENGINE_GRPC_PORT, ENGINE_PORT, LABEL_CLUSTER, LABEL_MODEL,
@@ -210,7 +210,7 @@ class KubernetesProvider:
     async def create(self, claim: NodeClaim) -> Node:
         """Grow the node pool by one for `claim`, or return the node already recorded for it.
         Raises NotFound (offering not sold here), InsufficientCapacity (no node_pool to grow),
-        QuotaExceeded (max_nodes / max_gpus of the pool), ProviderError/ProviderUnavailable (API)."""
+        QuotaExceeded (max_nodes / max_gpus / budget_usd_per_hour of the pool), ProviderError/ProviderUnavailable (API)."""
         offering = next((o for o in self._catalogue if o.key == claim.offering), None)
         if offering is None:
             raise NotFound(f"pool {self._pool!r} does not sell {claim.offering}")
@@ -239,12 +239,10 @@ class KubernetesProvider:
         raise ProviderUnavailable(f"pool {self._pool!r}: node pool {self._node_pool} kept changing under us")
 
     def _check_quota(self, replicas: int, offering: Offering) -> None:
-        if self._spec.max_nodes is not None and replicas + 1 > self._spec.max_nodes:
-            raise QuotaExceeded(f"pool {self._pool!r}: max_nodes is {self._spec.max_nodes} and the node pool "
-                                f"{self._node_pool} has {replicas}")
-        if self._spec.max_gpus is not None and (replicas + 1) * offering.gpu_count > self._spec.max_gpus:
-            raise QuotaExceeded(f"pool {self._pool!r}: max_gpus is {self._spec.max_gpus}; {replicas + 1} nodes of "
-                                f"{offering.gpu_count} GPUs would exceed it")
+        # Every node of the node pool is of this one offering.
+        check_quota(self._pool, offering, [(offering.gpu_count, offering.price_usd_per_hour)] * replicas,
+                    max_nodes=self._spec.max_nodes, max_gpus=self._spec.max_gpus,
+                    budget_usd_per_hour=self._spec.budget_usd_per_hour)
 
     async def delete(self, node_id: str) -> None:
         """Remove the claim and shrink the node pool by one; unknown ids and other clusters' nodes succeed

@@ -10,7 +10,7 @@ import pytest
 from engine.server.main import build_parser, engine_config, served_name
 from providers.base import (TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, CapacityType, InsufficientCapacity,
                             NodeClaim, NodeNotReady, NotFound, OfferingKey, Provider, ProviderError,
-                            ProviderUnavailable, QuotaExceeded, ReplicaSpec, engine_args, node_tags,
+                            ProviderUnavailable, QuotaExceeded, ReplicaSpec, check_quota, engine_args, node_tags,
                             offerings_from_pool, replica_spec_for)
 from providers.fake import FakeProvider
 from providers.local import LocalProvider
@@ -95,3 +95,30 @@ def test_implementations_satisfy_the_protocol(tmp_path) -> None:
 
     assert isinstance(FakeProvider(POOL, SPEC, cluster="c", clock=FakeClock()), Provider)
     assert isinstance(LocalProvider("l", pool_spec(tmp_path), cluster="c", clock=RealClock()), Provider)
+
+
+# One 8-GPU node at $10/h is up; the candidate is another (8 GPUs, $10/h). Each row: the limits and the
+# limit named in the error, or None when the node may be bought.
+@pytest.mark.parametrize("limits,refused_by", [
+    ({}, None),                                                   # no limits
+    ({"max_nodes": 2}, None),                                     # 1 + 1 = 2 nodes: fits exactly
+    ({"max_nodes": 1}, "max_nodes is 1 and 1 nodes are up"),
+    ({"max_gpus": 16}, None),                                     # 8 + 8 = 16 GPUs: fits exactly
+    ({"max_gpus": 15}, "max_gpus is 15; 8 GPUs in use"),
+    ({"budget_usd_per_hour": 20.0}, None),                        # $10 + $10 = $20/h: fits exactly
+    ({"budget_usd_per_hour": 19.99}, "budget is \\$19.99/h; \\$10.00/h spent"),
+])
+def test_check_quota_refuses_a_node_past_any_limit(limits: dict, refused_by: str | None) -> None:
+    offering = dataclasses.replace(offerings_from_pool(POOL, SPEC)[0], gpu_count=8, price_usd_per_hour=10.0)
+    bounds = {"max_nodes": None, "max_gpus": None, "budget_usd_per_hour": None, **limits}
+    if refused_by is None:
+        check_quota(POOL, offering, [(8, 10.0)], **bounds)
+    else:
+        with pytest.raises(QuotaExceeded, match=refused_by):
+            check_quota(POOL, offering, [(8, 10.0)], **bounds)
+
+
+def test_check_quota_tolerates_float_sums_at_the_budget() -> None:
+    # 0.1 + 0.2 > 0.3 in floats: a budget met exactly must not be refused for rounding.
+    offering = dataclasses.replace(offerings_from_pool(POOL, SPEC)[0], price_usd_per_hour=0.2)
+    check_quota(POOL, offering, [(0, 0.1)], max_nodes=None, max_gpus=None, budget_usd_per_hour=0.3)

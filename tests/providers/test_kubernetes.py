@@ -235,13 +235,22 @@ async def test_create_and_delete_resize_the_node_pool(world: KubeWorld, provider
     assert [n.claim_id for n in await provider.list()] == [second.id]
 
 
-async def test_the_pool_quota_limits_the_node_pool(world: KubeWorld) -> None:
+async def test_the_pool_quota_and_budget_limit_the_node_pool(world: KubeWorld) -> None:
     provider = KubernetesProvider(POOL, pool_spec(world.kubeconfig, max_gpus=16), cluster="prod", clock=FakeClock())
     try:
         await provider.create(claim())
         await provider.create(claim())
         with pytest.raises(QuotaExceeded, match="max_gpus"):
             await provider.create(claim())  # three nodes of 8 GPUs
+        assert world.node_pool()["spec"]["replicas"] == 2
+    finally:
+        await provider.close()
+    # Two nodes at $17.60/h spend $35.20/h; a third would pass a $50/h budget.
+    provider = KubernetesProvider(POOL, pool_spec(world.kubeconfig, budget_usd_per_hour=50.0), cluster="prod",
+                                  clock=FakeClock())
+    try:
+        with pytest.raises(QuotaExceeded, match="budget"):
+            await provider.create(claim())
         assert world.node_pool()["spec"]["replicas"] == 2
     finally:
         await provider.close()
