@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 
+from autoscaler.argtypes import positive_float
 from autoscaler.loop import Autoscaler, AutoscalerSettings, default_holder, provider_factory_for
 from kvgate.clock import RealClock
 from kvgate.state import StateStoreError, open_state_store
@@ -29,16 +30,6 @@ Stopping (SIGTERM, Ctrl-C) releases the lease and leaves every node and replica 
 autoscaler of the same --cluster on the same --state adopts them. To release a fleet, set its models'
 min_replicas to 0 (or remove its pools) and let the autoscaler scale it down.
 """
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "nodes of its own cluster (default: %(default)s)")
     parser.add_argument("--key-prefix", default="kvgate:",
                         help="key prefix in Redis, so several clusters can share one (default: %(default)s)")
-    parser.add_argument("--interval-s", type=_positive, default=1.0, help="seconds between ticks (default: 1)")
-    parser.add_argument("--lease-ttl-s", type=_positive, default=None,
+    parser.add_argument("--interval-s", type=positive_float, default=1.0, help="seconds between ticks (default: 1)")
+    parser.add_argument("--lease-ttl-s", type=positive_float, default=None,
                         help="a dead active copy is replaced this long after its last tick "
                              "(default: max(10, 3 x interval))")
     parser.add_argument("--holder", default=None, help="this copy's name in the lease (default: host-pid-random)")
@@ -69,7 +60,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         watcher = await RegistryWatcher.open(args.registry, clock)
     except RegistryInvalid as exc:
-        print(exc, file=sys.stderr)
+        print(f"kvgate autoscaler: {exc}", file=sys.stderr)
         return 2
     try:
         store = open_state_store(args.state, clock, prefix=args.key_prefix)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoscaler.argtypes import positive_float
 from kvgate.clock import Clock, RealClock
 from kvgate.state import MemberRecord, MemoryStateStore, ReplicaState
 from registry.problems import Problem, RegistryInvalid
@@ -332,16 +333,6 @@ async def _release(autoscaler: Any) -> None:
 # ------------------------------------------------------------------------------------------ the CLI
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise argparse.ArgumentTypeError(f"a port is 1-65535, got {text!r}")
@@ -362,9 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                         help="where builtin models are built and kept (default: $KVGATE_CACHE_DIR, "
                              "else ~/.cache/kvgate)")
-    parser.add_argument("--interval-s", type=_positive, default=1.0,
+    parser.add_argument("--interval-s", type=positive_float, default=1.0,
                         help="seconds between autoscaler ticks (default: %(default)s)")
-    parser.add_argument("--drain-timeout-s", type=_positive, default=10.0,
+    parser.add_argument("--drain-timeout-s", type=positive_float, default=10.0,
                         help="on stop, how long in-flight requests may finish (default: %(default)s)")
     parser.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
                         help="token for /admin/* and the dashboard (default: $KVGATE_ADMIN_TOKEN; unset: open)")

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from autoscaler.argtypes import positive_float
 from autoscaler.sim.compare import POLICIES, run_comparison
 from autoscaler.sim.engine import Scenario, Stockout
 from autoscaler.sim.report import table, write_json, write_plot
@@ -29,16 +30,6 @@ node_boot_s + model performance.model_load_s) come from the registry; see exampl
 Policies: kvgate (autoscaler.scaler.decide_replicas), kpa (Knative defaults), ray-serve (Ray Serve
 defaults), static-peak, oracle (perfect foresight, searched for the cheapest schedule meeting 99%).
 """
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def _stockout(text: str) -> Stockout:
@@ -70,12 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="the Model to simulate (default: the only one, else required)")
     parser.add_argument("--policy", action="append", choices=POLICIES, metavar="NAME",
                         help=f"policy to run, repeatable (default: all of {', '.join(POLICIES)})")
-    parser.add_argument("--rate-scale", type=_positive, default=1.0,
+    parser.add_argument("--rate-scale", type=positive_float, default=1.0,
                         help="multiply the arrival rate on the same timeline (default: 1)")
-    parser.add_argument("--time-compress", type=_positive, default=1.0,
+    parser.add_argument("--time-compress", type=positive_float, default=1.0,
                         help="play the trace this many times faster (default: 1)")
-    parser.add_argument("--duration-s", type=_positive, help="replay only the first this-many seconds")
-    parser.add_argument("--bursty-base-rps", type=_positive, default=BurstySpec.base_rps,
+    parser.add_argument("--duration-s", type=positive_float, help="replay only the first this-many seconds")
+    parser.add_argument("--bursty-base-rps", type=positive_float, default=BurstySpec.base_rps,
                         help="--bursty: quiet-phase rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed for rate scaling, --bursty and spot (default: 0)")
     parser.add_argument("--warmup-s", type=float, default=600.0,
@@ -103,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                                      f"({', '.join(sorted(snapshot.models))})")
             model = next(iter(snapshot.models))
         snapshot.model(model)
+        for out in (args.json, args.plot):  # fail before the long part, not after it
+            if out and not Path(out).resolve().parent.is_dir():
+                raise SimConfigError(f"{out}: no such directory {str(Path(out).parent)!r} to write into")
         if args.bursty:
             trace = bursty_trace(BurstySpec(base_rps=args.bursty_base_rps, seed=args.seed))
         else:
@@ -125,12 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     print(table(comparison))
     print(f"\nsimulated {trace.duration_s / 60:.1f} min x {len(comparison.results)} policies "
           f"(+ oracle search) in {elapsed:.1f}s")
-    if args.json:
-        write_json(comparison, args.json)
-        print(f"wrote {Path(args.json)}")
-    if args.plot:
-        write_plot(comparison, args.plot)
-        print(f"wrote {Path(args.plot)}")
+    try:
+        if args.json:
+            write_json(comparison, args.json)
+            print(f"wrote {Path(args.json)}")
+        if args.plot:
+            write_plot(comparison, args.plot)
+            print(f"wrote {Path(args.plot)}")
+    except OSError as error:  # e.g. a read-only directory
+        print(f"kvgate sim: cannot write {error.filename or 'the output'}: {error.strerror or error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -109,7 +109,8 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     Every run starts with the replicas the oracle needs in its first cold start, ready, and plays
     `warmup_s` of mirrored trace first, unscored (`traces.with_warmup`): each policy meets the trace
     with a history and a fleet at the trace's opening level, so no policy pays for an empty start.
-    Raises `SimConfigError` for a policy name it does not know or a registry it cannot simulate.
+    Raises `SimConfigError` for a policy name it does not know, a registry it cannot simulate, or a
+    stockout whose key prefix matches none of the model's placements.
     """
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -117,6 +118,11 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     model = snapshot.model(model_name)
     trace = with_warmup(trace, warmup_s)
     base = build_fleet(snapshot, model_name)
+    keys = [p.key for p in base.placements]
+    for stockout in scenario.stockouts:  # a typo would otherwise stock out nothing, silently
+        if not any(key.startswith(stockout.key_prefix) for key in keys):
+            raise SimConfigError(f"stockout {stockout.key_prefix!r} matches none of {model_name}'s placements: "
+                                 f"{', '.join(keys)}")
     cheapest = base.placements[0]
     cold_start_s = cheapest.cold_start_s
     slo_s = base.ttft_slo_s

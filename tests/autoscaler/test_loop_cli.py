@@ -110,6 +110,9 @@ def test_an_invalid_registry_is_reported_with_file_and_line(tmp_path: Path) -> N
     done = run_cli("--registry", str(tmp_path), "--state", "memory://")
     assert done.returncode == 2
     assert "bad.yaml:" in done.stderr and "min_replicas" in done.stderr and "Traceback" not in done.stderr
+    missing = run_cli("--registry", str(tmp_path / "nowhere"), "--state", "memory://")
+    assert missing.returncode == 2 and "nowhere: does not exist" in missing.stderr
+    assert missing.stderr.startswith("kvgate autoscaler: ") and "Traceback" not in missing.stderr
 
 
 def test_a_bad_state_url_and_an_unreachable_redis_are_one_line_errors(tmp_path: Path) -> None:

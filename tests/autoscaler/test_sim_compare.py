@@ -86,6 +86,10 @@ def test_cli_prints_the_table_and_writes_json_and_png(tmp_path: Path) -> None:
     (["--bursty", "--model", "nope"], "no model named 'nope'"),
     (["--bursty"], "pick one with --model"),
     (["--bursty", "--model", "burst-8b", "--kvgate-set", "scale_down_delay_s=soon"], "bad kvgate scaling override"),
+    (["--bursty", "--model", "burst-8b", "--stockout", "aws/p5:0:60"], "matches none of burst-8b's placements"),
+    (["--bursty", "--model", "burst-8b", "--json", "/nonexistent/out.json"], "no such directory '/nonexistent'"),
+    (["--bursty", "--model", "burst-8b", "--plot", "/nonexistent/out.png"], "no such directory '/nonexistent'"),
+    (["--bursty", "--model", "burst-8b", "--rate-scale", "0"], "--rate-scale: must be > 0"),
 ])
 def test_cli_mistakes_are_one_line_and_exit_2(args: list[str], message: str) -> None:
     result = _sim("--registry", str(EXAMPLES), *args)
