@@ -44,6 +44,23 @@ def test_every_policy_is_scored_on_the_same_requests(azure_slice_comparison) -> 
         assert s.ttft_p50_s <= s.ttft_p99_s
 
 
+def test_issue_targets_hold_on_the_whole_azure_trace_at_ten_times_its_rate() -> None:
+    """Issue 7's acceptance, as docs/benchmarks.md reports it: on the full Azure trace at 10x (193,660
+    requests), kvgate reaches >= 99% TTFT-SLO attainment at <= 1.15x the oracle's GPU-hours, and uses
+    fewer GPU-hours than the KPA-like and Ray-like baselines at equal or better attainment. The run is
+    seeded and deterministic; about 20 s on a 2-core box (static-peak left out: it bounds nothing here)."""
+    trace = scale_rate(load_trace(AZURE), 10.0)
+    comparison = run_comparison(trace, load_registry(EXAMPLES), "chat-70b",
+                                policies=("kvgate", "kpa", "ray-serve", "oracle"))
+    s = {summary.policy: summary for summary in comparison.summaries}
+    assert s["kvgate"].num_requests == 193_660
+    assert s["kvgate"].slo_attainment >= 0.99
+    assert s["kvgate"].gpu_hours <= 1.15 * s["oracle"].gpu_hours
+    for baseline in ("kpa", "ray-serve"):
+        assert s["kvgate"].gpu_hours < s[baseline].gpu_hours
+        assert s["kvgate"].slo_attainment >= s[baseline].slo_attainment
+
+
 def test_the_table_names_the_trace_and_each_policy(azure_slice_comparison) -> None:
     text = table(azure_slice_comparison)
     assert "azure_llm_2023_conv" in text and "chat-70b" in text
