@@ -112,7 +112,10 @@ def load_mooncake_jsonl(path: str | Path, *, seed: int = 0) -> Trace:
                 row = json.loads(text)
                 arrival = float(row["timestamp"]) / 1000.0 + rng.uniform(0.0, 3.0)
                 requests.append(Request(arrival, _tokens(row["input_length"]), _tokens(row["output_length"])))
-            except (ValueError, TypeError, KeyError) as error:
+            except KeyError as error:
+                raise TraceError(f"{path}:{line}: no field {error}; a Mooncake row has timestamp (ms), "
+                                 "input_length and output_length") from None
+            except (ValueError, TypeError) as error:
                 raise TraceError(f"{path}:{line}: {type(error).__name__}: {error}") from None
     return _from_unsorted(path.stem, requests)
 
