@@ -155,10 +155,18 @@ class Routing(_Strict):
     load_epsilon: float = Field(default=0.5, ge=0, le=10,
                                 description="Load bound: no replica above (1 + epsilon) x mean load + 1 "
                                             "while another has room.")
+    min_match_fraction: float = Field(
+        default=0.25, ge=0, le=1,
+        description="cache_aware: a held prefix counts only when it covers at least this share of the prompt "
+                    "past what every replica holds; a shorter one is placed as new text, by rendezvous.")
+    min_load_cap_requests: int = Field(
+        default=4, ge=1,
+        description="The load bound never caps a replica below this many requests in flight: an engine "
+                    "batches that few at once with no queue, and spilling a prefix hit costs a full prefill.")
     affinity_depth_chars: int = Field(
         default=1024, ge=1,
-        description="A prompt nobody holds is placed by rendezvous hash of its first this-many characters "
-                    "(whole chunks, at least one), the same in every gateway.")
+        description="New text is placed by rendezvous hash of this many characters (whole chunks, at least "
+                    "one) past what every replica holds, the same in every gateway.")
     max_queued_requests: int = Field(default=256, ge=0,
                                      description="Requests held at a gateway while the model has no ready replica.")
     max_retries: int = Field(default=2, ge=0, le=10, description="Retries on other replicas before the first byte.")

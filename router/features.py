@@ -69,7 +69,17 @@ class RouteRequest:
     stream: bool
     request_seq: int  # a counter the shell assigns per model; round robin cycles on it
     chunk_chars: int = 256  # the cut `prefix_hashes` were made at (the model's routing.prefix_chunk_chars)
+    affinity_depth_chunks: int = 1  # how many chunks the affinity key reaches (routing.affinity_depth_chars)
     chars_per_token: float = CHARS_PER_TOKEN  # the gateway's calibrated estimate for this model
+
+    def affinity_key_after(self, skip_chunks: int) -> int:
+        """The affinity key of the text after its first `skip_chunks` chunks: the chain hash reaching
+        `affinity_depth_chunks` past them (or the last chunk). With skip 0 it is `affinity_key`. A
+        policy skips an opening every replica holds, so conversations that share a long system prompt
+        still spread by their own first turns."""
+        if skip_chunks <= 0 or not self.prefix_hashes:
+            return self.affinity_key
+        return self.prefix_hashes[min(len(self.prefix_hashes), skip_chunks + max(self.affinity_depth_chunks, 1)) - 1]
 
     def uncached_tokens(self, match_chunks: int) -> int:
         """Prompt tokens a replica holding `match_chunks` leading chunks must still prefill."""
@@ -211,4 +221,5 @@ def build_route_request(body: Mapping[str, object], model: str, adapter: str | N
         request_seq=request_seq,
         chunk_chars=chunk_chars,
         chars_per_token=chars_per_token,
+        affinity_depth_chunks=max(affinity_depth_chars // chunk_chars, 1),
     )

@@ -57,7 +57,7 @@ class Reason(enum.Enum):
     PREFIX_HIT = "prefix_hit"  # it holds the longest prefix of the prompt, within the load bound
     ADAPTER_AFFINITY = "adapter_affinity"  # no prefix anywhere; it has the adapter loaded (or a free slot)
     RENDEZVOUS = "rendezvous"  # no prefix, no adapter preference: placed by rendezvous hash
-    NEW_TEXT = "new_text"  # every replica holds its opening and no more: where the least new text went
+    NEW_TEXT = "new_text"  # held somewhere, too little to count: rendezvous within the new-text bound
     LOAD_FALLBACK = "load_fallback"  # the preferred replica was over the load bound
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"
@@ -70,11 +70,14 @@ class RoutingKnobs:
     """A model's routing settings, from its registry `Routing`."""
 
     policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
-    load_epsilon: float = 0.5  # the registry default
+    load_epsilon: float = 0.5  # the registry's defaults
+    min_load_cap: int = 4
+    min_match_fraction: float = 0.25
 
     @classmethod
     def from_routing(cls, routing: Routing) -> RoutingKnobs:
-        return cls(policy=routing.policy, load_epsilon=routing.load_epsilon)
+        return cls(policy=routing.policy, load_epsilon=routing.load_epsilon,
+                   min_load_cap=routing.min_load_cap_requests, min_match_fraction=routing.min_match_fraction)
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,11 @@ def rendezvous_weight(key: int, replica_id: str) -> int:
     return xxhash.xxh64_intdigest(struct.pack("<Q", key) + replica_id.encode())
 
 
-def load_cap(candidates: tuple[ReplicaState, ...], epsilon: float) -> int:
-    """The most load a replica may reach by taking this request (see the module docstring)."""
+def load_cap(candidates: tuple[ReplicaState, ...], epsilon: float, floor: int = 1) -> int:
+    """The most load a replica may reach by taking this request (see the module docstring), never
+    below `floor` (the registry's min_load_cap_requests)."""
     mean_after = (sum(r.load for r in candidates) + 1) / len(candidates)
-    return max(math.floor((1 + epsilon) * mean_after), math.ceil(mean_after))
+    return max(math.floor((1 + epsilon) * mean_after), math.ceil(mean_after), floor)
 
 
 def _decision(request: RouteRequest, view: ReplicaView, chosen: ReplicaState, reason: Reason,
@@ -143,7 +147,7 @@ def consistent_hash(request: RouteRequest, view: ReplicaView, knobs: RoutingKnob
     candidates = view.candidates(request.model)
     if not candidates:
         return _no_replica()
-    cap = load_cap(candidates, knobs.load_epsilon)
+    cap = load_cap(candidates, knobs.load_epsilon, knobs.min_load_cap)
     ranked = sorted(candidates, key=lambda r: rendezvous_weight(request.affinity_key, r.replica_id), reverse=True)
     chosen = next(r for r in ranked if r.load + 1 <= cap)  # the least-loaded always has room
     reason = Reason.CONSISTENT_HASH if chosen is ranked[0] else Reason.LOAD_FALLBACK
@@ -151,27 +155,47 @@ def consistent_hash(request: RouteRequest, view: ReplicaView, knobs: RoutingKnob
 
 
 def cache_aware_score(request: RouteRequest, replica: ReplicaState, match_chunks: int,
-                      spread: int = 0) -> tuple[int, int, int, int]:
+                      spread: int = 0, key: int | None = None) -> tuple[int, int, int, int]:
     """cache_aware's preference, compared lexicographically, higher is better:
 
     1. match_chunks: the longest prefix held wins (every chunk is chunk_chars / chars-per-token prompt
        tokens not prefilled again);
     2. adapter fit: loaded (or no adapter) > free slot > must evict;
     3. `spread` (the caller's): among holders of a prefix, -load, so several holders of a hot prefix
-       share it; for new text after an opening every replica holds, -new text already sent there, so
-       new text fills replicas evenly, as sglang-router's "smallest tree" does; for a prompt matching
-       nowhere, 0: the cap still applies, but gateways whose counts differ still agree;
-    4. rendezvous weight of the affinity key: where a prompt with no prefix anywhere lives, the same in
-       every gateway.
+       share it; for new text, -1 for a replica over its share of new text (`new_text_cap`) or above
+       the mean load, else 0, so new text spreads by content and load (sglang-router sends it to the
+       "smallest tree", which no other gateway can know) and rendezvous picks among the rest, the same
+       in every gateway as far as their counts, samples of the same traffic, agree;
+    4. rendezvous weight of `key` (default the affinity key; cache_aware passes the key of the text
+       after an opening every replica holds): where new text lives, the same in every gateway.
     """
     return (match_chunks, int(replica.adapter_fit(request.adapter)), spread,
-            rendezvous_weight(request.affinity_key, replica.replica_id))
+            rendezvous_weight(request.affinity_key if key is None else key, replica.replica_id))
 
 
 def token_cap(request: RouteRequest, candidates: tuple[ReplicaState, ...], epsilon: float) -> int:
     """The most pending prefill tokens a replica may reach by taking this request (module docstring)."""
     mean = sum(r.pending_prefill_tokens for r in candidates) / len(candidates)
     return math.floor((1 + epsilon) * mean) + request.estimated_prompt_tokens
+
+
+def _counted_match(request: RouteRequest, match_chunks: int, skip_chunks: int, min_fraction: float) -> int:
+    """`match_chunks` (held past the first `skip_chunks`) when they cover at least `min_fraction` of
+    the prompt after those chunks, else 0. Worked: a 6,000-char system prompt every replica holds, then
+    500 chars of conversation of which one replica holds 450: 450 >= 0.25 x 500, it counts."""
+    rest_chars = max(request.num_prompt_chars - skip_chunks * request.chunk_chars, 0)
+    return match_chunks if match_chunks * request.chunk_chars >= min_fraction * rest_chars else 0
+
+
+def new_text_cap(request: RouteRequest, candidates: tuple[ReplicaState, ...], view: ReplicaView,
+                 held_everywhere: int, epsilon: float) -> float:
+    """The most new text (chunks this gateway has sent) a replica may have had and still be a
+    rendezvous choice for more: (1 + epsilon) x the mean, plus this request's new chunks. Consistent
+    hashing with bounded loads again, with load = text held, so new conversations spread by content
+    (a replica sent long ones takes fewer) and yet every gateway, whose counts are proportional samples
+    of the same traffic, mostly agrees on where each one goes."""
+    mean = sum(view.inserted_chunks(r.replica_id) for r in candidates) / len(candidates)
+    return (1 + epsilon) * mean + max(len(request.prefix_hashes) - held_everywhere, 1)
 
 
 def _kv_fits(replica: ReplicaState, uncached: int) -> bool:
@@ -182,33 +206,52 @@ def _kv_fits(replica: ReplicaState, uncached: int) -> bool:
 def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
     """kvgate's policy: the best `cache_aware_score` among candidates with room: under the request
     cap, under the token cap, and with free KV for the uncached part (a test that no candidate passes
-    is dropped, KV first, then the token cap; the request cap always leaves one). Only the part of a
-    match that sets a replica apart counts: an opening every candidate holds (a shared system prompt)
-    says nothing about where the rest of the prompt lives. In a trace where every conversation opens
-    with one shared block, preferring the least-loaded holder of that block piles new text on
-    replicas by request count; counting it out places a new conversation as new text, on the replica
-    that has been sent the least (as sglang-router's "smallest tree"), and its later turns follow it.
-    Reason: LOAD_FALLBACK when the best-scoring
-    candidate overall had no room; else PREFIX_HIT when the chosen one holds a prefix; else
-    ADAPTER_AFFINITY when its adapter fit beat another candidate's; else NEW_TEXT when every candidate
-    holds the same opening of the prompt, RENDEZVOUS when none holds any."""
+    is dropped, KV first, then the token cap; the request cap always leaves one).
+
+    What counts as a match: only the part that sets a replica apart (an opening every candidate holds
+    says nothing about where the rest lives), and only when it covers `min_match_fraction` of the
+    prompt past that opening. A prompt that matches in no counted way is new text: it goes by
+    rendezvous of its own opening (`affinity_depth_chars` past what every replica holds) among the
+    replicas not over their share of new text and, when part of it is held somewhere, at or under
+    the mean load. Every Mooncake conversation opens with one shared block; preferring whoever holds
+    that block piled new conversations on its holders. As new text, a conversation lands where the
+    rendezvous of its own opening says among the less loaded half, and its later turns (same opening,
+    now a counted match) follow it there. A second gateway that has not seen the conversation places
+    a later turn by the same rule, which finds the same replica unless their loads disagree.
+
+    Reason: LOAD_FALLBACK when the best-scoring candidate overall had no room; else PREFIX_HIT when
+    the chosen one holds a counted prefix; else ADAPTER_AFFINITY when its adapter fit beat another
+    candidate's; else NEW_TEXT when some candidate holds part of the prompt, RENDEZVOUS when none does."""
     candidates = view.candidates(request.model)
     if not candidates:
         return _no_replica()
-    cap = load_cap(candidates, knobs.load_epsilon)
+    cap = load_cap(candidates, knobs.load_epsilon, knobs.min_load_cap)
     tokens_cap = token_cap(request, candidates, knobs.load_epsilon)
     held = {r.replica_id: view.match_length(r.replica_id, request.prefix_hashes) for r in candidates}
     held_everywhere = min(held.values())
-    matches = {rid: n - held_everywhere for rid, n in held.items()}  # what sets a replica apart
+    matches = {rid: _counted_match(request, n - held_everywhere, held_everywhere, knobs.min_match_fraction)
+               for rid, n in held.items()}
+    key = request.affinity_key_after(held_everywhere)
     uncached = {rid: request.uncached_tokens(n) for rid, n in held.items()}
-    opens_like_held = held_everywhere > 0
+    text_cap = new_text_cap(request, candidates, view, held_everywhere, knobs.load_epsilon)
+    mean_load = sum(r.load for r in candidates) / len(candidates)
+
+    held_somewhere = any(held.values())
 
     def spread(r: ReplicaState) -> int:
         if matches[r.replica_id] > 0:
             return -r.load
-        return -view.inserted_chunks(r.replica_id) if opens_like_held else 0
+        if view.inserted_chunks(r.replica_id) > text_cap:
+            return -1  # had more than its share of new text
+        if held_somewhere and r.load > mean_load:
+            # New text after a shared opening gains nothing from any replica's cache; it waits for a
+            # batch slot like any request, so it goes to a replica at or under the mean load. Text
+            # nobody holds (a system prompt's first sight) skips this, so gateways agree on its home.
+            return -1
+        return 0
 
-    scores = {r.replica_id: cache_aware_score(request, r, matches[r.replica_id], spread(r)) for r in candidates}
+    scores = {r.replica_id: cache_aware_score(request, r, matches[r.replica_id], spread(r), key)
+              for r in candidates}
     preferred = max(candidates, key=lambda r: scores[r.replica_id])
     # Each cap alone always leaves a replica (the least loaded by its measure); both together usually
     # do. When no replica is under both, requests decide: a queue of requests is what the cap bounds.
@@ -218,15 +261,14 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
         under_caps = [r for r in candidates if r.load + 1 <= cap]
     with_room = [r for r in under_caps if _kv_fits(r, uncached[r.replica_id])] or under_caps
     chosen = max(with_room, key=lambda r: scores[r.replica_id])
-    match = matches[chosen.replica_id]
     if chosen is not preferred:
         reason = Reason.LOAD_FALLBACK
-    elif match > 0:
+    elif matches[chosen.replica_id] > 0:
         reason = Reason.PREFIX_HIT
     elif chosen.adapter_fit(request.adapter) > min(r.adapter_fit(request.adapter) for r in with_room):
         reason = Reason.ADAPTER_AFFINITY
     else:
-        reason = Reason.NEW_TEXT if opens_like_held else Reason.RENDEZVOUS
+        reason = Reason.NEW_TEXT if any(held.values()) else Reason.RENDEZVOUS
     # predicted_match_chunks is what it holds, counted or not: the prefill estimate and the
     # predicted-vs-realised check need the truth.
     return _decision(request, view, chosen, reason, len(candidates), cap, held[chosen.replica_id])

@@ -35,6 +35,18 @@ def test_same_replica_share_counts_only_answered_repeats() -> None:
     assert share["by_kind"]["conversation"] == {"same": 0, "total": 1, "share": 0.0}
 
 
+def test_home_replica_share_accepts_any_replica_an_earlier_request_with_the_prefix_went_to() -> None:
+    a = "x" * 100
+    reqs = [req(a), req(a + "1"), req(a + "2"), req(a + "3"), req("z" * 100)]
+    earlier = bench_routing_gateways.earlier_with_prefix(reqs)
+    assert earlier == [[], [0], [0, 1], [0, 1, 2], []]
+    # The prefix lives on r1 and then also on r2 (spread by the load bound): request 3 on r2 counts.
+    results = [{"replica": r, "kind": "hot"} for r in ("r1", "r2", "r1", "r2")] + [{"replica": "r3", "kind": "hot"}]
+    share = bench_routing_gateways.home_replica_share(results, earlier)
+    # 1 (r2 not yet a home: miss), 2 (r1: hit), 3 (r2 is a home by then: hit); 4 repeats nothing
+    assert (share["repeated_prefix_requests"], share["to_a_home"]) == (3, 2)
+
+
 def test_classify_splits_failures_by_what_the_client_saw() -> None:
     results = [{"ok": True, "streamed": True, "error_event": False},
                {"ok": False, "streamed": False, "error_event": False},

@@ -33,8 +33,9 @@ def request(prompt: str, seq: int = 0, adapter: str | None = None) -> RouteReque
     return build_route_request({"prompt": prompt}, "m", adapter, CHUNK, seq)
 
 
-def knobs(policy: RoutingPolicy, epsilon: float = 0.25) -> RoutingKnobs:
-    return RoutingKnobs(policy=policy, load_epsilon=epsilon)
+def knobs(policy: RoutingPolicy, epsilon: float = 0.25, min_load_cap: int = 1) -> RoutingKnobs:
+    """Epsilon 0.25 and no floor under the cap: the worked numbers below exercise the bound itself."""
+    return RoutingKnobs(policy=policy, load_epsilon=epsilon, min_load_cap=min_load_cap)
 
 
 class Gateway:
@@ -57,7 +58,7 @@ class Gateway:
 
 def test_every_registry_policy_has_a_function() -> None:
     assert set(POLICIES) == set(RoutingPolicy)
-    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5)
+    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5, 4)
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
@@ -149,6 +150,21 @@ def test_load_cap(loads: tuple[int, ...], epsilon: float, cap: int) -> None:
     assert load_cap(tuple(replica(f"r{i}", load=x) for i, x in enumerate(loads)), epsilon) == cap
 
 
+def test_under_the_floor_a_holder_keeps_its_prefix_at_low_load() -> None:
+    # 4 replicas, the holder has 3 in flight, the others 1: mean_after 1.75, epsilon 0.25 -> cap
+    # max(floor(2.19), 2) = 2, so 3 + 1 > 2 would spill the hit; with min_load_cap 4 the cap is 4 and
+    # it stays (an engine batches 4 at once: spilling would only cost a prefill elsewhere).
+    gateway = Gateway(fleet(4))
+    holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
+    view = ReplicaView.of([replace(r, in_flight=3 if rid == holder else 1) for rid, r in gateway.replicas.items()],
+                          gateway.indexes)
+    req = request(HOT_SYSTEM + "question 1")
+    spilled = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE))
+    assert spilled.replica_id != holder and spilled.reason is Reason.LOAD_FALLBACK
+    kept = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=4))
+    assert (kept.replica_id, kept.reason, kept.load_cap) == (holder, Reason.PREFIX_HIT, 4)
+
+
 def test_two_gateways_sharing_nothing_agree_on_repeated_prefixes_below_the_load_bound() -> None:
     # each gateway has its own index and its own in-flight counts; 40 system prompts, each sent 5 times
     # to both, interleaved with unrelated traffic that differs per gateway
@@ -209,25 +225,35 @@ def test_a_prefix_match_outranks_adapter_fit_and_rendezvous() -> None:
     assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (other, Reason.PREFIX_HIT, 6)
 
 
-def test_an_opening_every_replica_holds_does_not_count_and_new_text_goes_where_least_went() -> None:
+def test_an_opening_every_replica_holds_does_not_count_and_new_text_is_bounded_by_content() -> None:
     # Every conversation opens with one shared chunk (as every Mooncake request opens with block 0).
-    # All replicas hold it, so it sets none apart: the new conversation is placed as new text, on the
-    # replica this gateway has sent the least new text (b: 1 chunk, a: 3), though their loads tie and
-    # the rendezvous order might say otherwise.
-    indexes = PrefixIndexes(CHUNK)
+    # All replicas hold it, so it sets none apart: a new conversation is new text, placed by rendezvous
+    # among the replicas not over their share of new text.
     shared = "s" * CHUNK
-    for rid in ("a", "b"):
-        indexes.ensure(rid, 1024, 16, CHUNK)  # both known from the start (a newcomer starts level)
-    indexes.record("a", request(shared + "a" * 2 * CHUNK).prefix_hashes)  # 3 chunks of new text
-    indexes.record("b", request(shared).prefix_hashes)  # 1
-    req = request(shared + "n" * 4 * CHUNK)
-    view = ReplicaView.of([replica("a", load=3), replica("b", load=3)], indexes)
+    req = request(shared + "n" * 4 * CHUNK)  # 5 chunks, 4 of them new
+
+    def gateway_with(new_text: dict[str, int]) -> tuple[PrefixIndexes, ReplicaView]:
+        indexes = PrefixIndexes(CHUNK)
+        for rid in ("a", "b"):
+            indexes.ensure(rid, 1024, 16, CHUNK)  # both known from the start (a newcomer starts level)
+        for rid in ("a", "b"):
+            indexes.record(rid, request(shared + rid * (new_text[rid] - 1) * CHUNK).prefix_hashes)
+        return indexes, ReplicaView.of([replica("a", load=3), replica("b", load=3)], indexes)
+
+    # Even: 3 chunks each; cap 1.25 x 3 + 4 = 7.75, both under it: the rendezvous home takes it.
+    _, even = gateway_with({"a": 3, "b": 3})
+    home = choose(req, even, knobs(RoutingPolicy.CACHE_AWARE))
+    assert home.reason is Reason.NEW_TEXT and home.predicted_match_chunks == 1
+    # The home was sent 40 chunks, the other 2: mean 21, cap 1.25 x 21 + 4 = 30.25; the home is over.
+    skewed = {home.replica_id: 40, ("b" if home.replica_id == "a" else "a"): 2}
+    _, view = gateway_with(skewed)
     decision = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE))
-    assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == ("b", Reason.NEW_TEXT, 1)
-    # A later turn of a's conversation: a holds 3 chunks, b 1; the 2 that set a apart count.
-    turn = request(shared + "a" * 2 * CHUNK + "next question")
+    assert decision.replica_id != home.replica_id and decision.reason is Reason.NEW_TEXT
+    # A later turn of the home's conversation: what sets the home apart counts, over-share or not.
+    turn = request(shared + home.replica_id * 39 * CHUNK + "next question")
     decision = choose(turn, view, knobs(RoutingPolicy.CACHE_AWARE))
-    assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == ("a", Reason.PREFIX_HIT, 3)
+    assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (home.replica_id,
+                                                                                        Reason.PREFIX_HIT, 40)
 
 
 def test_the_same_text_under_another_adapter_does_not_match() -> None:
@@ -309,3 +335,44 @@ def test_a_replica_without_free_kv_for_the_uncached_prompt_is_passed_over() -> N
     all_full = [replace(r, kv_blocks_free=10) for r in gateway.replicas.values()]
     decision = choose(req, ReplicaView.of(all_full, gateway.indexes), knobs(RoutingPolicy.CACHE_AWARE))
     assert (decision.replica_id, decision.reason) == (holder, Reason.PREFIX_HIT)
+
+
+def test_a_short_opening_held_by_one_replica_does_not_attract_new_conversations() -> None:
+    # Early in a trace only one replica holds the shared opening (1 chunk of 64 chars). A new
+    # conversation of 10 chunks matches 64 of 640 chars there: 10%, under min_match_fraction 0.25, so it
+    # is new text placed by its own rendezvous key, not piled onto that holder.
+    shared = "s" * CHUNK
+    indexes = PrefixIndexes(CHUNK)
+    for rid in ("a", "b", "c", "d"):
+        indexes.ensure(rid, 1024, 16, CHUNK)
+    indexes.record("a", request(shared).prefix_hashes)
+    view = ReplicaView.of([replica(rid) for rid in "abcd"], indexes)
+    homes = Counter()
+    for i in range(40):
+        req = build_route_request({"prompt": shared + f"conversation {i:03d} " * 40}, "m", None, CHUNK, i,
+                                  affinity_depth_chars=1024)  # the registry's default depth
+        decision = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE))
+        assert decision.reason in (Reason.NEW_TEXT, Reason.RENDEZVOUS)
+        homes[decision.replica_id] += 1
+    assert len(homes) == 4 and max(homes.values()) <= 20  # spread by rendezvous, not all on "a"
+    # With the fraction at 0 the 1-chunk match counts and every one goes to the holder.
+    lenient = RoutingKnobs(policy=RoutingPolicy.CACHE_AWARE, load_epsilon=0.25, min_load_cap=1, min_match_fraction=0.0)
+    decision = choose(request(shared + "conversation 999 " * 40), view, lenient)
+    assert (decision.replica_id, decision.reason) == ("a", Reason.PREFIX_HIT)
+
+
+def test_new_text_after_a_shared_opening_skips_replicas_above_the_mean_load() -> None:
+    shared = "s" * CHUNK
+    indexes = PrefixIndexes(CHUNK)
+    for rid in ("a", "b", "c"):
+        indexes.ensure(rid, 1024, 16, CHUNK)
+        indexes.record(rid, request(shared).prefix_hashes)  # all hold the opening: 1 chunk of new text each
+    req = request(shared + "fresh conversation " * 20)
+    even = ReplicaView.of([replica(rid, load=2) for rid in "abc"], indexes)
+    home = choose(req, even, knobs(RoutingPolicy.CACHE_AWARE)).replica_id
+    # The home has 4 in flight, the others 1 (mean 2): above the mean, it is passed over, although
+    # the request cap (here raised to min_load_cap 8) would let it take one more.
+    loads = {rid: 4 if rid == home else 1 for rid in "abc"}
+    busy = ReplicaView.of([replica(rid, load=loads[rid]) for rid in "abc"], indexes)
+    decision = choose(req, busy, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8))
+    assert decision.replica_id != home and decision.reason is Reason.NEW_TEXT
