@@ -152,7 +152,7 @@ class Routing(_Strict):
                                   description="round_robin, least_load, consistent_hash or cache_aware.")
     prefix_chunk_chars: int = Field(default=256, ge=16, le=65536,
                                     description="Characters per hashed prefix chunk of the canonical prompt.")
-    load_epsilon: float = Field(default=0.5, ge=0, le=10,
+    load_epsilon: float = Field(default=0.25, ge=0, le=10,
                                 description="Load bound: no replica above (1 + epsilon) x mean load + 1 "
                                             "while another has room.")
     min_match_fraction: float = Field(

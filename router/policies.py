@@ -70,7 +70,7 @@ class RoutingKnobs:
     """A model's routing settings, from its registry `Routing`."""
 
     policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
-    load_epsilon: float = 0.5  # the registry's defaults
+    load_epsilon: float = 0.25  # the registry's defaults
     min_load_cap: int = 4
     min_match_fraction: float = 0.25
 
