@@ -447,6 +447,7 @@ def _release_empty(tick: _Tick, empty_since: Mapping[str, float]) -> dict[str, f
             tick.actions.append(DeleteNode(host.id, host.pool, f"empty for {tick.now - since:.0f}s >= {grace:g}s"))
             if host.offering is not None:
                 tick.usage[host.pool].remove(host.offering)
+            del tick.hosts[host.id]  # gone: consolidation later in this tick must not count it as room
         else:
             result[host.id] = since
     return result

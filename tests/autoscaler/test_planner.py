@@ -338,6 +338,22 @@ def test_consolidation_onto_free_room_deletes_the_underused_node(tmp_path: Path)
     assert [d.node_id for d in state.disruptions] == ["a"]
 
 
+def test_a_node_released_as_empty_is_not_room_for_a_consolidation_in_the_same_tick(tmp_path: Path) -> None:
+    # "b" (l40s-4, $7.00) has been empty past the grace and is deleted; "a" (l40s-4, $7.00) holds one
+    # steady replica that would fit in b's free GPUs. Found by the simulator: the same tick deleted b and
+    # started a's replica on it. Now a's consolidation must buy an l40s-1 ($2.00) instead.
+    snap = registry(tmp_path)
+    nodes = (node("a", "east:l40s-4:on_demand:a", price=7.0), node("b", "east:l40s-4:on_demand:a", price=7.0))
+    reps = (replica("r1", "steady", "a"),)
+    state, _ = plan(snap, {"steady": 1}, nodes=nodes, replicas=reps, now=T0,
+                    settings=PlannerSettings(consolidation_enabled=False))
+    assert state.empty_since == {"b": T0}
+    _, actions = plan(snap, {"steady": 1}, nodes=nodes, replicas=reps, state=state, now=T0 + 120)
+    assert DeleteNode("b", "east", "empty for 120s >= 120s") in actions
+    assert not any(isinstance(a, StartReplica) and a.node_id == "b" for a in actions), actions
+    assert bought(actions) == [("east:l40s-1:on_demand/a", "1")]
+
+
 def test_consolidation_respects_the_disruption_budget_and_the_minimum_saving(tmp_path: Path) -> None:
     # Two l40s-4 nodes, each with one steady replica: each could become an l40s-1 (saves 71 %), but the
     # budget is one node at a time. And an l40s-1 with one replica is never replaced (nothing cheaper
