@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-s", type=float, default=600.0,
                         help="seconds of mirrored trace played unscored first (default: %(default)s)")
     parser.add_argument("--spot-interruptions-per-hour", type=float, default=0.0,
-                        help="interruption rate of each spot replica (default: 0)")
+                        help="interruption rate of each spot replica, or of each spot node for kvgate, whose nodes "
+                             "come from the live planner (default: 0)")
     parser.add_argument("--stockout", action="append", type=_stockout, default=[], metavar="KEY:START:END",
                         help="placements whose key starts with KEY sell nothing in [START, END) s; repeatable")
     parser.add_argument("--kvgate-set", action="append", type=_setting, default=[], metavar="KEY=VALUE",

@@ -23,6 +23,7 @@ from autoscaler.scaler import ScalerSpec
 from autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
                                       oracle_need)
 from autoscaler.sim.engine import FleetSetup, Policy, RunResult, Scenario, simulate
+from autoscaler.sim.nodes import node_planning
 from autoscaler.sim.service import SimConfigError, placements
 from autoscaler.sim.traces import Trace, with_warmup
 from registry.schema import Scaling
@@ -180,6 +181,11 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
         if name == "oracle":
             assert oracle_result is not None
             results.append(oracle_result)
+        elif name == "kvgate":
+            # kvgate runs the live loop's decisions end to end: the scaler, then the node planner on
+            # simulated nodes (charged per node); the baselines keep the per-replica placement model.
+            planned = FleetSetup(**{**fleet.__dict__, "nodes": node_planning(snapshot, model_name)})
+            results.append(simulate(trace, planned, runners[name], scenario, score_from_s=warmup_s))
         else:
             results.append(simulate(trace, fleet, runners[name], scenario, score_from_s=warmup_s))
     return Comparison(trace.name, model_name, tuple(results), tuple(summarize(r, slo_s) for r in results),

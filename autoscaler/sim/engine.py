@@ -14,6 +14,7 @@ about a second. Events, in time order (ties in the order they were scheduled):
   new ones started (on-demand up to the model's on-demand base, spot beyond it where allowed, the
   cheapest available placement, on-demand when spot is stocked out); when shrinking, starting replicas
   are cancelled first, then the ready ones with the fewest requests drain (no request is dropped).
+  With `FleetSetup.nodes` set, the live node planner places them instead, on simulated nodes (`nodes.py`).
 
 GPU time is charged from a replica's start (a node is bought) to its release; a run ends
 `tail_s` after the last arrival, and requests without a first token by then count as SLO misses.
@@ -30,15 +31,24 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from autoscaler.planner import (CreateNode, DeleteNode, PlannerInputs, PlannerState, StartReplica, StopReplica,
+                                note_insufficient_capacity, plan_nodes)
 from autoscaler.scaler import ModelObservation
+from autoscaler.sim.nodes import NodePlanning, SimNode
 from autoscaler.sim.service import Placement, choose_placement
 from autoscaler.sim.traces import Trace
+from providers.base import NodeState, ReplicaHandle, ReplicaState
 from registry.schema import CapacityType
 
 # Event kinds, in the order they run when due at the same instant (frees before starts before ticks).
-_FREE, _READY, _PREEMPT, _TICK = 0, 1, 2, 3
+_FREE, _READY, _NODE_UP, _PREEMPT, _NODE_PREEMPT, _TICK = 0, 1, 2, 3, 4, 5
 # The gateway reports arrivals per second over this many seconds (router/observe does the same).
 _RATE_WINDOW_S = 10
+# With node planning, the planner runs at a tick when anything it sees changed (the desired count, a
+# node or replica state), and at least this often otherwise (time alone moves the empty-node grace,
+# the ICE cache and consolidation): identical ticks in between would return nothing new, and skipping
+# them keeps the replay fast.
+_PLAN_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,7 @@ class Stockout:
 class Scenario:
     """What the world does to the fleet: spot interruptions and stockouts. Seeded, so runs repeat."""
 
-    spot_interruptions_per_hour: float = 0.0  # per spot replica
+    spot_interruptions_per_hour: float = 0.0  # per spot replica, or per spot node where nodes are planned (kvgate)
     stockouts: tuple[Stockout, ...] = ()
     seed: int = 0
 
@@ -90,6 +100,7 @@ class FleetSetup:
     ttft_slo_s: float
     initial_replicas: int = 0  # ready at t=0 on the cheapest on-demand-first placements (warm start)
     tail_s: float = 120.0
+    nodes: NodePlanning | None = None  # set: the live node planner places replicas on simulated nodes
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,8 @@ class _Replica:
     in_flight: set[int] = field(default_factory=set)
     prefill_free_at: float = 0.0
     max_batch: int = 0  # copied from the placement's service model: read on every dispatch
+    node: SimNode | None = None  # the node it runs on (node planning only; then the node is charged)
+    handle: str = ""  # the planner's replica id (node planning only)
 
     def __post_init__(self) -> None:
         self.max_batch = self.placement.service.max_batch
@@ -158,6 +171,14 @@ class _Run:
         self.timeline: list[TimelinePoint] = []
         self.ready: list[_Replica] | None = None  # replicas in state "ready"; None: to be rebuilt
         self.end = trace.duration_s + fleet.tail_s
+        self.nodes: dict[str, SimNode] = {}
+        self.node_serials: dict[int, SimNode] = {}
+        self.next_node = 0
+        self.by_handle: dict[str, _Replica] = {}
+        self.planner = PlannerState()
+        self.planned: tuple[float, int] | None = None  # (when, desired) of the last planner tick
+        self.fleet_changed = True
+        self.placement_of = {p.key: p for p in fleet.placements}
 
     # ---------------------------------------------------------------------------------------- events
 
@@ -167,8 +188,12 @@ class _Run:
 
     def run(self) -> RunResult:
         requests = self.trace.requests
-        for _ in range(self.fleet.initial_replicas):
-            self.start_replica(0.0, warm=True)
+        if self.fleet.nodes is not None:
+            self.plan(0.0, self.fleet.initial_replicas, warm=True)  # buys the nodes, RUNNING at once
+            self.plan(0.0, self.fleet.initial_replicas, warm=True)  # starts the replicas, ready at once
+        else:
+            for _ in range(self.fleet.initial_replicas):
+                self.start_replica(0.0, warm=True)
         self.push(0.0, _TICK)
         state, last_desired, now, i = self.policy.initial_state(), None, 0.0, 0
         while True:
@@ -192,21 +217,36 @@ class _Run:
                     replica.state = "ready"
                     self.ready = None
                     replica.prefill_free_at = now
+                    self.fleet_changed = True
                     self.dispatch(now)
             elif kind == _PREEMPT:
                 self.preempt(now, a)
+            elif kind == _NODE_UP:
+                node = self.node_serials.get(a)
+                if node is not None and node.state is NodeState.PENDING:
+                    node.state = NodeState.RUNNING
+                    self.fleet_changed = True
+            elif kind == _NODE_PREEMPT:
+                self.preempt_node(now, a)
             else:
                 state, decision = self.policy.decide(state, self.observe(now), now)
                 desired = min(self.fleet.max_replicas, max(self.fleet.min_replicas, decision.desired))
                 if last_desired is not None and desired != last_desired and now >= self.score_from:
                     self.actions += 1
                 last_desired = desired
-                self.scale_to(now, desired)
+                if self.fleet.nodes is not None:
+                    if (self.fleet_changed or self.planned is None or self.planned[1] != desired
+                            or now - self.planned[0] >= _PLAN_EVERY_S):
+                        self.plan(now, desired)
+                else:
+                    self.scale_to(now, desired)
                 if now >= self.score_from:
                     self.record(now, desired, decision.panic)
                 self.push(now + self.policy.tick_s, _TICK)
         for replica in list(self.replicas.values()):
             self.release(self.end, replica)
+        for node in list(self.nodes.values()):
+            self.release_node(self.end, node)
         scored = tuple(t for t, r in zip(self.ttft, requests) if r.arrival_s >= self.score_from)
         return RunResult(self.policy.name, scored, self.gpu_seconds, self.cost_usd, self.cold_starts,
                          self.actions, self.preemptions, self.end - self.score_from, tuple(self.timeline), self.peak)
@@ -252,8 +292,11 @@ class _Run:
         if replica is None:
             return
         self.preemptions += now >= self.score_from
-        # Requests still waiting for a first token start over elsewhere; ones already streaming are lost
-        # mid-answer (their TTFT stands: the client saw the first token).
+        self.evict(now, replica)
+
+    def evict(self, now: float, replica: _Replica) -> None:
+        """The replica is gone at once (its machine was taken): requests still waiting for a first token
+        start over elsewhere; ones already streaming are lost mid-answer (the client saw the first token)."""
         retry = sorted((i for i in replica.in_flight if self.first_token_at[i] > now), reverse=True)
         for index in retry:
             self.attempt[index] += 1
@@ -291,10 +334,15 @@ class _Run:
         return True
 
     def release(self, now: float, replica: _Replica) -> None:
-        lifetime = max(0.0, now - max(replica.started_at, self.score_from))
-        self.gpu_seconds += lifetime * replica.placement.gpus
-        self.cost_usd += lifetime * replica.placement.price_usd_per_hour / 3600.0
+        if replica.node is None:  # with node planning the node is charged instead (release_node)
+            lifetime = max(0.0, now - max(replica.started_at, self.score_from))
+            self.gpu_seconds += lifetime * replica.placement.gpus
+            self.cost_usd += lifetime * replica.placement.price_usd_per_hour / 3600.0
+        else:
+            replica.node.replicas.discard(replica.id)
+            self.by_handle.pop(replica.handle, None)
         replica.state = "gone"
+        self.fleet_changed = True
         del self.replicas[replica.id]
         self.ready = None
 
@@ -328,6 +376,112 @@ class _Run:
 
     # ---------------------------------------------------------------------------------- observation
 
+    # ---------------------------------------------------------------------- nodes (the live planner)
+
+    def plan(self, now: float, desired: int, *, warm: bool = False) -> None:
+        """One `plan_nodes` tick over the sim's nodes and replicas, and its actions performed.
+
+        Draining replicas are left out of the planner's input, as the live loop leaves them out.
+        `warm`: bought nodes are RUNNING and started replicas ready at once (the run's opening fleet).
+        """
+        setup = self.fleet.nodes
+        assert setup is not None
+        replicas = tuple(ReplicaHandle(r.handle, self.fleet.model, r.node.id, "", None,
+                                       ReplicaState.READY if r.state == "ready" else ReplicaState.STARTING,
+                                       r.started_at)
+                         for r in self.replicas.values() if r.node is not None and r.state in ("starting", "ready"))
+        inputs = PlannerInputs(setup.snapshot, {self.fleet.model: desired},
+                               tuple(n.as_node() for n in self.nodes.values()), replicas, setup.offerings,
+                               settings=setup.settings, id_prefix="sim")
+        self.planner, actions = plan_nodes(inputs, self.planner, now)
+        self.planned, self.fleet_changed = (now, desired), False
+        for action in actions:
+            if isinstance(action, CreateNode):
+                self.create_node(now, action, warm)
+            elif isinstance(action, DeleteNode):
+                node = self.nodes.get(action.node_id)
+                if node is not None:
+                    self.release_node(now, node)
+            elif isinstance(action, StartReplica):
+                self.start_on_node(now, action, warm)
+            elif isinstance(action, StopReplica):
+                replica = self.by_handle.get(action.replica_id)
+                if replica is None:
+                    continue
+                if replica.state == "starting" or not replica.in_flight:
+                    self.release(now, replica)
+                else:
+                    replica.state = "draining"
+                    self.ready = None
+        if now >= self.score_from:
+            self.peak = max(self.peak, len(self.replicas))
+        self.dispatch(now)
+
+    def create_node(self, now: float, action: CreateNode, warm: bool) -> None:
+        setup = self.fleet.nodes
+        assert setup is not None
+        key = action.claim.offering
+        prefix = f"{key.pool}/{key.instance_type}/{key.capacity_type.value}"
+        if any(s.start_s <= now < s.end_s and prefix.startswith(s.key_prefix) for s in self.scenario.stockouts):
+            # What the reconciler does when `create` raises InsufficientCapacity.
+            self.planner = note_insufficient_capacity(self.planner, key, now, setup.settings.ice_ttl_s)
+            self.fleet_changed = True  # the next tick's claim goes to the next cheapest offering
+            return
+        offering = next(o for o in setup.offerings if o.key == key)
+        self.next_node += 1  # serials are never reused: a stale event must not hit a newer node
+        node = SimNode(self.next_node, action.claim, offering, now)
+        self.nodes[node.id] = node
+        self.node_serials[node.serial] = node
+        if warm:
+            node.state = NodeState.RUNNING
+        else:
+            self.push(now + setup.node_boot_s[key.pool], _NODE_UP, node.serial)
+        rate = self.scenario.spot_interruptions_per_hour
+        if key.capacity_type is CapacityType.SPOT and rate > 0:
+            self.push(now + self.rng.expovariate(rate / 3600.0), _NODE_PREEMPT, node.serial)
+
+    def start_on_node(self, now: float, action: StartReplica, warm: bool) -> None:
+        setup = self.fleet.nodes
+        node = self.nodes.get(action.node_id)
+        assert setup is not None and node is not None and node.state is NodeState.RUNNING
+        o = node.offering
+        placement = self.placement_of[f"{o.pool}/{o.instance_type}/{o.capacity_type.value}"]
+        replica = _Replica(self.next_replica, placement, started_at=now,
+                           ready_at=now if warm else now + setup.model_load_s, node=node, handle=action.replica_id)
+        self.next_replica += 1
+        self.replicas[replica.id] = replica
+        self.by_handle[replica.handle] = replica
+        node.replicas.add(replica.id)
+        if warm:
+            replica.state = "ready"
+            self.ready = None
+        else:
+            self.cold_starts += now >= self.score_from
+            self.push(replica.ready_at, _READY, replica.id)
+
+    def preempt_node(self, now: float, serial: int) -> None:
+        node = self.node_serials.get(serial)
+        if node is None or node.id not in self.nodes or node.state is NodeState.INTERRUPTED:
+            return
+        self.fleet_changed = True
+        node.state = NodeState.INTERRUPTED  # the planner deletes and replaces it on its next tick
+        self.preemptions += now >= self.score_from
+        for replica_id in sorted(node.replicas):
+            self.evict(now, self.replicas[replica_id])
+        self.dispatch(now)
+
+    def release_node(self, now: float, node: SimNode) -> None:
+        """Release `node`: whatever still runs on it is gone; all its GPUs are charged from purchase."""
+        for replica_id in sorted(node.replicas):
+            self.evict(now, self.replicas[replica_id])
+        lifetime = max(0.0, now - max(node.launched_at, self.score_from))
+        self.gpu_seconds += lifetime * node.offering.gpu_count
+        self.cost_usd += lifetime * node.offering.price_usd_per_hour / 3600.0
+        del self.nodes[node.id]
+        del self.node_serials[node.serial]
+
+    # ---------------------------------------------------------------------------------- observation
+
     def observe(self, now: float) -> ModelObservation:
         second = int(now)
         # Over the last 10 s, or over the time elapsed when less (a gateway that just started does the same).
@@ -338,7 +492,12 @@ class _Run:
             model=self.fleet.model, queued_at_gateways=len(self.queue), waiting=0, running=running,
             arrivals_per_s=sum(window) / span, ttft_p99_s=None,
             ready_replicas=sum(1 for r in self.replicas.values() if r.state == "ready"),
-            starting_replicas=sum(1 for r in self.replicas.values() if r.state == "starting"))
+            starting_replicas=sum(1 for r in self.replicas.values() if r.state == "starting") + self.booking())
+
+    def booking(self) -> int:
+        """Replicas bought for nodes still booting (they count as starting, as pending claims do live)."""
+        return sum(max(0, n.planned_replicas - len(n.replicas)) for n in self.nodes.values()
+                   if n.state is NodeState.PENDING)
 
     def record(self, now: float, desired: int, panic: bool) -> None:
         obs = self.observe(now)
