@@ -220,7 +220,8 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     a later turn by the same rule, which finds the same replica unless their loads disagree.
 
     Reason: LOAD_FALLBACK when the best-scoring candidate overall had no room; else PREFIX_HIT when
-    the chosen one holds a counted prefix; else ADAPTER_AFFINITY when its adapter fit beat another
+    the chosen one holds a counted prefix, or what every candidate holds is itself a counted share of
+    the prompt (a fleet of one, or a hot prompt cached everywhere); else ADAPTER_AFFINITY when its adapter fit beat another
     candidate's; else NEW_TEXT when some candidate holds part of the prompt, RENDEZVOUS when none does."""
     candidates = view.candidates(request.model)
     if not candidates:
@@ -263,8 +264,8 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     chosen = max(with_room, key=lambda r: scores[r.replica_id])
     if chosen is not preferred:
         reason = Reason.LOAD_FALLBACK
-    elif matches[chosen.replica_id] > 0:
-        reason = Reason.PREFIX_HIT
+    elif matches[chosen.replica_id] > 0 or _counted_match(request, held_everywhere, 0, knobs.min_match_fraction):
+        reason = Reason.PREFIX_HIT  # it holds a counted prefix, or every replica does (one replica, say)
     elif chosen.adapter_fit(request.adapter) > min(r.adapter_fit(request.adapter) for r in with_room):
         reason = Reason.ADAPTER_AFFINITY
     else:

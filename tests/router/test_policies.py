@@ -376,3 +376,13 @@ def test_new_text_after_a_shared_opening_skips_replicas_above_the_mean_load() ->
     busy = ReplicaView.of([replica(rid, load=loads[rid]) for rid in "abc"], indexes)
     decision = choose(req, busy, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8))
     assert decision.replica_id != home and decision.reason is Reason.NEW_TEXT
+
+
+def test_a_fleet_of_one_reports_its_prefix_hits_as_hits() -> None:
+    # The only replica holds 11 of 11 chunks: held everywhere, so nothing sets it apart, but the
+    # request is a cache hit wherever it goes and the reason says so (the dashboard counts reasons).
+    gateway = Gateway(fleet(1))
+    gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
+    decision = choose(request(HOT_SYSTEM + "question 1"), ReplicaView.of(gateway.replicas.values(), gateway.indexes),
+                      knobs(RoutingPolicy.CACHE_AWARE))
+    assert (decision.reason, decision.predicted_match_chunks) == (Reason.PREFIX_HIT, 11)
