@@ -80,7 +80,7 @@ def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSou
             store=store, gateway_id=settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}", clock=clock,
             model_names=lambda: registry.current.models, arrivals=app[SEQUENCE_KEY], queued=app[QUEUES_KEY].depth,
             in_flight=lambda: gauge_values(metrics.in_flight),
-            ttft_p99_s=lambda model: _ttft_p99_s(dashboard, model), interval_s=settings.observation_interval_s)
+            ttft_p99_s=lambda: _ttft_p99_s(dashboard), interval_s=settings.observation_interval_s)
         app.cleanup_ctx.append(lambda app: _publishing(publisher))
     install_routes(app)
     return app
@@ -112,9 +112,8 @@ async def _dashboard_sampler(app: web.Application) -> AsyncIterator[None]:
         await asyncio.gather(sampler, return_exceptions=True)
 
 
-def _ttft_p99_s(dashboard: Dashboard, model: str) -> float | None:
-    stats = dashboard.history.latest(dashboard.window_s).get(model)
-    return stats.ttft_p99_s if stats is not None else None
+def _ttft_p99_s(dashboard: Dashboard) -> dict[str, float | None]:
+    return {model: stats.ttft_p99_s for model, stats in dashboard.history.latest(dashboard.window_s).items()}
 
 
 async def _publishing(publisher: ObservationPublisher) -> AsyncIterator[None]:

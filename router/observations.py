@@ -74,12 +74,12 @@ class ObservationPublisher:
     """Writes this gateway's observations every `interval_s`; owned by the app when it has a store.
 
     The readers are callables into the gateway (arrival counts, wait-queue depths, in-flight gauges,
-    TTFT over the window), so this class holds no request path state of its own."""
+    every model's TTFT p99 over the window), so this class holds no request path state of its own."""
 
     def __init__(self, *, store: StateStore, gateway_id: str, clock: Clock,
                  model_names: Callable[[], Iterable[str]], arrivals: Mapping[str, int],
                  queued: Callable[[str], int], in_flight: Callable[[], Mapping[str, float]],
-                 ttft_p99_s: Callable[[str], float | None], interval_s: float = 1.0, window_s: float = 10.0) -> None:
+                 ttft_p99_s: Callable[[], Mapping[str, float | None]], interval_s: float = 1.0, window_s: float = 10.0) -> None:
         self._store = store
         self.gateway_id = gateway_id
         self._clock = clock
@@ -97,13 +97,14 @@ class ObservationPublisher:
         """Every registry model's observation now (synchronous: one consistent reading)."""
         now, wall = self._clock.now(), self._clock.wall()
         in_flight = self._in_flight()
+        ttft_p99_s = self._ttft_p99_s()  # every model's, from one reading of the window
         out = []
         for model in self._model_names():
             rate = self._rates.setdefault(model, ArrivalRate(self._window_s))
             out.append(GatewayObservation(
                 model=model, gateway_id=self.gateway_id, queued=self._queued(model),
                 in_flight=int(in_flight.get(model, 0)), arrivals_per_s=round(rate.add(now, self._arrivals[model]), 4),
-                ttft_p99_s=self._ttft_p99_s(model), updated_at=wall))
+                ttft_p99_s=ttft_p99_s.get(model), updated_at=wall))
         return out
 
     async def publish_once(self) -> None:

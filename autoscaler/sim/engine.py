@@ -365,16 +365,22 @@ class _Run:
             ready = sorted((r for r in live if r.state == "ready"),
                            key=lambda r: (r.placement.capacity_type is CapacityType.ON_DEMAND, len(r.in_flight)))
             for replica in (starting + ready)[:-missing]:
-                if replica.state == "starting" or not replica.in_flight:
-                    self.release(now, replica)
-                else:
-                    replica.state = "draining"
-                    self.ready = None
+                self.stop(now, replica)
+        self.settle(now)
+
+    def stop(self, now: float, replica: _Replica) -> None:
+        """Cancel a replica still starting or idle; else let it drain its in-flight requests."""
+        if replica.state == "starting" or not replica.in_flight:
+            self.release(now, replica)
+        else:
+            replica.state = "draining"
+            self.ready = None
+
+    def settle(self, now: float) -> None:
+        """After a scaling step: note the peak (once scoring started) and hand out queued requests."""
         if now >= self.score_from:
             self.peak = max(self.peak, len(self.replicas))
         self.dispatch(now)
-
-    # ---------------------------------------------------------------------------------- observation
 
     # ---------------------------------------------------------------------- nodes (the live planner)
 
@@ -406,16 +412,9 @@ class _Run:
                 self.start_on_node(now, action, warm)
             elif isinstance(action, StopReplica):
                 replica = self.by_handle.get(action.replica_id)
-                if replica is None:
-                    continue
-                if replica.state == "starting" or not replica.in_flight:
-                    self.release(now, replica)
-                else:
-                    replica.state = "draining"
-                    self.ready = None
-        if now >= self.score_from:
-            self.peak = max(self.peak, len(self.replicas))
-        self.dispatch(now)
+                if replica is not None:
+                    self.stop(now, replica)
+        self.settle(now)
 
     def create_node(self, now: float, action: CreateNode, warm: bool) -> None:
         setup = self.fleet.nodes

@@ -32,7 +32,7 @@ async def test_the_publisher_writes_one_record_per_model_and_withdraws_them() ->
     publisher = ObservationPublisher(
         store=store, gateway_id="gw-1", clock=clock, model_names=lambda: ["chat", "tiny"], arrivals=arrivals,
         queued=lambda model: queued.get(model, 0), in_flight=lambda: {"chat": 2.0},
-        ttft_p99_s=lambda model: 0.25 if model == "chat" else None, window_s=10.0)
+        ttft_p99_s=lambda: {"chat": 0.25}, window_s=10.0)
     await publisher.publish_once()
     arrivals["chat"] += 40  # 40 arrivals over the next 10 s
     await clock.advance(10.0)
