@@ -327,9 +327,10 @@ async def _stream(request: web.Request, req: _Completion, seq: SimSequence, even
         num_sent += 1
         return True
 
-    if req.chat and not await send(_chunk(req, ident, created, None, None)):
-        return response
     async for event in events:
+        # Like vLLM and kvgate's engine, the role chunk goes out with the first token, after prefill.
+        if req.chat and event.index == 0 and not await send(_chunk(req, ident, created, None, None)):
+            return response
         finish = "length" if event.finished else None
         if not await send(_chunk(req, ident, created, filler_text(event.index), finish)):
             return response

@@ -270,7 +270,6 @@ class Proxy:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream broke before its first event") from exc
         if not first:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream ended before its first event")
-        prefill.done()  # the first event follows the prompt's prefill
         model = preq.route.model
         response = web.StreamResponse(status=upstream.status, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", REPLICA_HEADER: replica_id})
@@ -283,8 +282,11 @@ class Proxy:
                 out = relay.feed(chunk)
                 if out:
                     await response.write(out)
-                    if not ttft_observed:
+                    if relay.first_token and not ttft_observed:
+                        # The prompt's prefill is over at the first token, not at the first event: a
+                        # server may open the stream with a role-only chunk before it has prefilled.
                         ttft_observed = True
+                        prefill.done()
                         self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
                 if relay.done:
                     break
@@ -348,11 +350,12 @@ class Proxy:
 
 class _SseRelay:
     """Cuts an SSE byte stream at event boundaries ("\\n\\n"), so only whole events reach the client
-    (an error event after a break then parses), and notes `[DONE]` and the usage chunk's prompt and
-    cached tokens."""
+    (an error event after a break then parses), and notes the first token, `[DONE]` and the usage
+    chunk's prompt and cached tokens."""
 
     def __init__(self) -> None:
         self._pending = b""
+        self.first_token = False  # an event carried output (text, a tool call, a finish reason, usage)
         self.done = False
         self.cached_tokens: int | None = None
         self.prompt_tokens: int | None = None
@@ -374,8 +377,10 @@ class _SseRelay:
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
-                self.done = True
-            elif b'"usage"' in data and b"prompt_tokens" in data:  # only a usage chunk: skip parsing the rest
+                self.done = self.first_token = True
+            elif not self.first_token:
+                self.first_token = _carries_output(data)
+            if b'"usage"' in data and b"prompt_tokens" in data:  # only a usage chunk: skip parsing the rest
                 try:
                     payload = json.loads(data)
                 except ValueError:
@@ -383,3 +388,24 @@ class _SseRelay:
                 self.cached_tokens = cached_tokens_of(payload) if self.cached_tokens is None else self.cached_tokens
                 self.prompt_tokens = prompt_tokens_of(payload) if self.prompt_tokens is None else self.prompt_tokens
 
+
+def _carries_output(data: bytes) -> bool:
+    """Whether one SSE event's data holds output: a choice with text, a tool call or a finish reason,
+    or a usage chunk. A role-only opening chunk (`{"delta": {"role": "assistant", "content": ""}}`)
+    does not. Parsed only until the first such event of a stream."""
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return False
+    if not isinstance(payload, dict):
+        return False
+    if payload.get("usage"):
+        return True
+    for choice in payload.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        if (choice.get("text") or choice.get("finish_reason") or delta.get("content")
+                or delta.get("tool_calls") or delta.get("reasoning_content")):
+            return True
+    return False

@@ -362,3 +362,47 @@ async def test_a_client_that_goes_away_aborts_the_upstream_request(tmp_path: Pat
                 break
             await asyncio.sleep(0.05)
         assert (await gw.stats(gw.sims[0]))["num_aborted"] == 1
+
+
+async def test_pending_prefill_lasts_until_the_first_token_not_an_opening_role_chunk(tmp_path: Path) -> None:
+    # A backend that opens every stream with a role-only chunk at once and sends the token only when
+    # told: the gateway must count the prompt as waiting for prefill until that token.
+    release = asyncio.Event()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        await response.write(f"data: {json.dumps(role)}\n\n".encode())
+        await release.wait()
+        token = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "length"}]}
+        await response.write(f"data: {json.dumps(token)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    backend = "http://127.0.0.1:%d" % runner.addresses[0][1]
+    try:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(backend,)) as gw:
+            def pending() -> int:
+                return sum(r.pending_prefill_tokens for r in gw.tracker.view("m").candidates("m"))
+
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(gw.url + "/v1/chat/completions", json=chat(LONG_PROMPT, stream=True))
+                assert json.loads((await r.content.readline())[5:])["choices"][0]["delta"]["role"] == "assistant"
+                await asyncio.sleep(0.05)
+                assert pending() > 400  # ~2,000 characters of prompt still to prefill
+                release.set()
+                assert b"[DONE]" in await r.read()
+            assert pending() == 0
+    finally:
+        release.set()
+        await runner.cleanup()
