@@ -8,8 +8,10 @@ Cost model (vLLM-like chunked prefill, continuous batching):
 - a prompt has ceil(chars / 4) tokens; full blocks of 16 tokens (64 characters) are hashed as a chain
   seeded with the model (or adapter) name, so the same text under another adapter never hits;
 - at most `max_batch` sequences run; the rest wait (FCFS) -> `num_waiting`;
-- a sequence's cached tokens are looked up when it is admitted to the running batch: the leading blocks
-  found in the cache, never the whole prompt (the last token is always computed, as in vLLM);
+- a sequence's cached tokens are looked up when it first gets prefill budget in a step (as vLLM's
+  scheduler looks up computed blocks when it schedules a request), not when it joins the batch: a request
+  behind another with the same prefix finds the blocks that one computed in an earlier step; the leading
+  blocks found in the cache, never the whole prompt (the last token is always computed, as in vLLM);
 - each step spends up to `max_prefill_tokens_per_step` uncached prompt tokens, shared FCFS across the
   running batch, and gives one token to every running sequence that has finished its prefill;
   step time = prefill tokens / prefill_tokens_per_s + (1 / decode_tokens_per_s if anything decodes).
@@ -128,7 +130,8 @@ class SimSequence:
     hashes: tuple[int, ...]
     max_tokens: int
     state: SeqState = SeqState.WAITING
-    num_cached_tokens: int = 0  # known once admitted to the running batch
+    num_cached_tokens: int = 0  # known once it first gets prefill budget (`looked_up`)
+    looked_up: bool = False
     num_computed_tokens: int = 0  # prompt tokens cached or prefilled so far
     num_generated: int = 0
 
@@ -233,6 +236,8 @@ class Scheduler:
         prefill: list[tuple[int, int]] = []
         decode: list[int] = []
         for seq in self._running:
+            if not seq.looked_up and budget > 0:
+                self._look_up(seq)
             remaining = seq.num_prompt_tokens - seq.num_computed_tokens
             if remaining == 0:
                 decode.append(seq.seq_id)
@@ -265,13 +270,16 @@ class Scheduler:
         return events
 
     def _admit(self, seq: SimSequence) -> None:
+        seq.state = SeqState.RUNNING
+        self._running.append(seq)
+
+    def _look_up(self, seq: SimSequence) -> None:
         # Never the whole prompt: the last token is computed to produce the first output token.
         matchable_blocks = (seq.num_prompt_tokens - 1) // BLOCK_SIZE_TOKENS
         num_blocks = self.cache.match(seq.hashes[:matchable_blocks])
+        seq.looked_up = True
         seq.num_cached_tokens = num_blocks * BLOCK_SIZE_TOKENS
         seq.num_computed_tokens = seq.num_cached_tokens
-        seq.state = SeqState.RUNNING
-        self._running.append(seq)
         self.counters.num_prompt_tokens_queried += seq.num_prompt_tokens
         self.counters.num_prompt_tokens_hit += seq.num_cached_tokens
 
