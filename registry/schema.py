@@ -156,17 +156,23 @@ class Routing(_Strict):
                                 description="Load bound: no replica above (1 + epsilon) x mean load + 1 "
                                             "while another has room.")
     min_match_fraction: float = Field(
-        default=0.25, ge=0, le=1,
-        description="cache_aware: a held prefix counts only when it covers at least this share of the prompt "
-                    "past what every replica holds; a shorter one is placed as new text, by rendezvous.")
+        default=0.0, ge=0, le=1,
+        description="cache_aware: a held prefix counts (lowers the cost, wins ties, is reported as a prefix hit) "
+                    "only when it covers at least this share of the prompt past what every replica holds; raise "
+                    "it if a short common opening draws new conversations to whoever holds it.")
+    miss_cost_weight: float = Field(
+        default=16.0, ge=1, le=1000,
+        description="cache_aware: a replica's cost is its pending prefill tokens plus this weight x the prompt "
+                    "tokens it does not hold; above 1, a cache miss also counts what it costs those behind it "
+                    "and the conversation's later turns.")
     min_load_cap_requests: int = Field(
-        default=4, ge=1,
+        default=8, ge=1,
         description="The load bound never caps a replica below this many requests in flight: an engine "
                     "batches that few at once with no queue, and spilling a prefix hit costs a full prefill.")
     affinity_depth_chars: int = Field(
         default=1024, ge=1,
-        description="New text is placed by rendezvous hash of this many characters (whole chunks, at least "
-                    "one) past what every replica holds, the same in every gateway.")
+        description="Ties (new text on equally loaded replicas) go by rendezvous hash of this many characters "
+                    "(whole chunks, at least one) past what every replica holds, the same in every gateway.")
     max_queued_requests: int = Field(default=256, ge=0,
                                      description="Requests held at a gateway while the model has no ready replica.")
     max_retries: int = Field(default=2, ge=0, le=10, description="Retries on other replicas before the first byte.")

@@ -19,20 +19,24 @@ large. Worked: 4 replicas, 99 in flight, epsilon 0.25 -> mean_after 25, cap max(
 so max/mean <= 31 / 25 = 1.24.
 
 Requests are a coarse unit: one request may need 2,000 prompt tokens prefilled and the next, a later
-turn of a cached conversation, 40. `cache_aware` therefore also bounds load in tokens, as what delays a
-request's first token is the prefill queued ahead of it. A replica's token load is the prompt tokens
-this gateway routed there that are not yet prefilled (their first token has not come back), counted
-after its cache: a request adds only what that replica does not hold (`uncached`). A replica has token
-room when
+turn of a cached conversation, 40. Within the bound, `cache_aware` therefore chooses by a cost in tokens,
+as what delays a request's first token is the prefill queued ahead of it plus its own:
 
-    token_load + uncached <= (1 + epsilon) x mean(token_load) + prompt_tokens
+    cost = pending_prefill_tokens + miss_cost_weight x uncached
 
-(the "+ prompt_tokens" is the "+1" again: the least token-loaded replica always has room, since
-uncached <= prompt_tokens). Worked: 4 replicas with 0, 300, 900 and 2,800 pending tokens (mean 1,000),
-epsilon 0.25, a 1,600-token prompt: cap 2,850; the replica at 900 holding 1,500 tokens of it (uncached
-100) has room, the one at 2,800 does not even with a full hit (2,900 > 2,850). And KV use: a replica
-that reports its KV blocks and has fewer free tokens than the request's uncached part would have to
-evict or preempt to start it, so it has no room while another one does.
+`pending_prefill_tokens` are the prompt tokens this gateway routed to the replica whose first token has
+not come back, counted after its cache; `uncached` is what of this prompt the replica does not hold. With
+a weight of 1 this is the replica's time to first token in tokens, a greedy choice that gives the cache
+away at the first queue; the default weight of 16 also charges a miss for what it costs later: the
+tokens are prefilled again while others wait behind them, and the conversation's next turns find their
+cache split or elsewhere (`loadtests/routing_replay.py` on the Mooncake replay at 4 and 16 replicas:
+weight 1 reached 0.75 and 0.54 of the best hit rate, weight 16 0.93 and 0.87, with the lower p99 too). Worked, weight 16: a 1,600-token prompt; replica A holds 1,500 of it and has
+2,800 tokens pending (cost 2,800 + 1,600 = 4,400), B holds nothing and has 0 pending (cost 25,600): A.
+With 24,000 pending on A (cost 25,600) they tie and the score below decides. New text (held nowhere)
+costs the same everywhere but for the queues: it goes to the least pending prefill, and on ties (idle
+replicas) to the rendezvous home of its opening. And KV use: a replica that reports its KV blocks and
+has fewer free tokens than the request's uncached part would have to evict or preempt to start it, so it
+has no room while another one does.
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ class Reason(enum.Enum):
     PREFIX_HIT = "prefix_hit"  # it holds the longest prefix of the prompt, within the load bound
     ADAPTER_AFFINITY = "adapter_affinity"  # no prefix anywhere; it has the adapter loaded (or a free slot)
     RENDEZVOUS = "rendezvous"  # no prefix, no adapter preference: placed by rendezvous hash
-    NEW_TEXT = "new_text"  # held somewhere, too little to count: rendezvous within the new-text bound
-    LOAD_FALLBACK = "load_fallback"  # the preferred replica was over the load bound
+    NEW_TEXT = "new_text"  # held somewhere, too little to count: placed as new text
+    LOAD_FALLBACK = "load_fallback"  # the holder of a counted prefix was over the bound or its queue too long
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"
     CONSISTENT_HASH = "consistent_hash"
@@ -71,13 +75,15 @@ class RoutingKnobs:
 
     policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     load_epsilon: float = 0.25  # the registry's defaults
-    min_load_cap: int = 4
-    min_match_fraction: float = 0.25
+    min_load_cap: int = 8
+    min_match_fraction: float = 0.0
+    miss_cost_weight: float = 16.0
 
     @classmethod
     def from_routing(cls, routing: Routing) -> RoutingKnobs:
         return cls(policy=routing.policy, load_epsilon=routing.load_epsilon,
-                   min_load_cap=routing.min_load_cap_requests, min_match_fraction=routing.min_match_fraction)
+                   min_load_cap=routing.min_load_cap_requests, min_match_fraction=routing.min_match_fraction,
+                   miss_cost_weight=routing.miss_cost_weight)
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,11 @@ class RouteDecision:
     load_cap: int = 0  # the load bound's cap (0 where the policy has none)
     num_candidates: int = 0
 
+
+# The reason calls a request whose replicas all hold the same opening a prefix hit when that opening is
+# at least this share of its prompt (a fleet of one; a hot prompt cached everywhere), not for a common
+# first block.
+HELD_EVERYWHERE_HIT_SHARE = 0.5
 
 PolicyFn = Callable[[RouteRequest, ReplicaView, RoutingKnobs], RouteDecision]
 
@@ -155,28 +166,21 @@ def consistent_hash(request: RouteRequest, view: ReplicaView, knobs: RoutingKnob
 
 
 def cache_aware_score(request: RouteRequest, replica: ReplicaState, match_chunks: int,
-                      spread: int = 0, key: int | None = None) -> tuple[int, int, int, int]:
-    """cache_aware's preference, compared lexicographically, higher is better:
+                      key: int | None = None) -> tuple[int, int, int]:
+    """cache_aware's preference apart from load, compared lexicographically, higher is better:
 
-    1. match_chunks: the longest prefix held wins (every chunk is chunk_chars / chars-per-token prompt
-       tokens not prefilled again);
+    1. match_chunks: the longest counted prefix held wins;
     2. adapter fit: loaded (or no adapter) > free slot > must evict;
-    3. `spread` (the caller's): among holders of a prefix, -load, so several holders of a hot prefix
-       share it; for new text, -1 for a replica over its share of new text (`new_text_cap`) or above
-       the mean load, else 0, so new text spreads by content and load (sglang-router sends it to the
-       "smallest tree", which no other gateway can know) and rendezvous picks among the rest, the same
-       in every gateway as far as their counts, samples of the same traffic, agree;
-    4. rendezvous weight of `key` (default the affinity key; cache_aware passes the key of the text
+    3. rendezvous weight of `key` (default the affinity key; cache_aware passes the key of the text
        after an opening every replica holds): where new text lives, the same in every gateway.
     """
-    return (match_chunks, int(replica.adapter_fit(request.adapter)), spread,
+    return (match_chunks, int(replica.adapter_fit(request.adapter)),
             rendezvous_weight(request.affinity_key if key is None else key, replica.replica_id))
 
 
-def token_cap(request: RouteRequest, candidates: tuple[ReplicaState, ...], epsilon: float) -> int:
-    """The most pending prefill tokens a replica may reach by taking this request (module docstring)."""
-    mean = sum(r.pending_prefill_tokens for r in candidates) / len(candidates)
-    return math.floor((1 + epsilon) * mean) + request.estimated_prompt_tokens
+def prefill_cost(replica: ReplicaState, uncached_tokens: int, miss_cost_weight: float) -> float:
+    """The prefill queued at `replica` plus this request's uncached part, weighted (module docstring)."""
+    return replica.pending_prefill_tokens + miss_cost_weight * uncached_tokens
 
 
 def _counted_match(request: RouteRequest, match_chunks: int, skip_chunks: int, min_fraction: float) -> int:
@@ -187,84 +191,52 @@ def _counted_match(request: RouteRequest, match_chunks: int, skip_chunks: int, m
     return match_chunks if match_chunks * request.chunk_chars >= min_fraction * rest_chars else 0
 
 
-def new_text_cap(request: RouteRequest, candidates: tuple[ReplicaState, ...], view: ReplicaView,
-                 held_everywhere: int, epsilon: float) -> float:
-    """The most new text (chunks this gateway has sent) a replica may have had and still be a
-    rendezvous choice for more: (1 + epsilon) x the mean, plus this request's new chunks. Consistent
-    hashing with bounded loads again, with load = text held, so new conversations spread by content
-    (a replica sent long ones takes fewer) and yet every gateway, whose counts are proportional samples
-    of the same traffic, mostly agrees on where each one goes."""
-    mean = sum(view.inserted_chunks(r.replica_id) for r in candidates) / len(candidates)
-    return (1 + epsilon) * mean + max(len(request.prefix_hashes) - held_everywhere, 1)
-
-
 def _kv_fits(replica: ReplicaState, uncached: int) -> bool:
     """Whether the replica's free KV holds the uncached prompt; True when it does not report KV."""
     return replica.kv_blocks_total == 0 or replica.kv_blocks_free * replica.block_size_tokens >= uncached
 
 
 def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
-    """kvgate's policy: the best `cache_aware_score` among candidates with room: under the request
-    cap, under the token cap, and with free KV for the uncached part (a test that no candidate passes
-    is dropped, KV first, then the token cap; the request cap always leaves one).
+    """kvgate's policy: among candidates under the load bound with free KV for their uncached part
+    (a KV test that no candidate passes is dropped; the bound always leaves one), the lowest
+    `prefill_cost`; ties go to the best `cache_aware_score`.
 
-    What counts as a match: only the part that sets a replica apart (an opening every candidate holds
-    says nothing about where the rest lives), and only when it covers `min_match_fraction` of the
-    prompt past that opening. A prompt that matches in no counted way is new text: it goes by
-    rendezvous of its own opening (`affinity_depth_chars` past what every replica holds) among the
-    replicas not over their share of new text and, when part of it is held somewhere, at or under
-    the mean load. Every Mooncake conversation opens with one shared block; preferring whoever holds
-    that block piled new conversations on its holders. As new text, a conversation lands where the
-    rendezvous of its own opening says among the less loaded half, and its later turns (same opening,
-    now a counted match) follow it there. A second gateway that has not seen the conversation places
-    a later turn by the same rule, which finds the same replica unless their loads disagree.
+    Cost and KV use what each replica holds; the reason and the tie-break use only the part that sets
+    a replica apart (an opening every candidate holds says nothing about where the rest lives), and
+    only when it covers `min_match_fraction` of the prompt past that opening. Ties are common at low
+    load (nothing pending anywhere): new text then goes by rendezvous of its own opening
+    (`affinity_depth_chars` past what every replica holds), the same choice in every gateway.
 
-    Reason: LOAD_FALLBACK when the best-scoring candidate overall had no room; else PREFIX_HIT when
-    the chosen one holds a counted prefix, or what every candidate holds is itself a counted share of
-    the prompt (a fleet of one, or a hot prompt cached everywhere); else ADAPTER_AFFINITY when its adapter fit beat another
-    candidate's; else NEW_TEXT when some candidate holds part of the prompt, RENDEZVOUS when none does."""
+    Reason: LOAD_FALLBACK when the best-scoring candidate holds a counted prefix and was not chosen
+    (over the bound, or its queue outweighed the miss); else PREFIX_HIT when the chosen one holds a
+    counted prefix, or what every candidate holds is at least HELD_EVERYWHERE_HIT_SHARE of the prompt (a
+    fleet of one, or a hot prompt cached everywhere); else ADAPTER_AFFINITY when its adapter fit beat another
+    candidate's; else NEW_TEXT when some candidate holds part of the prompt, RENDEZVOUS when none does.
+    Measured against the previous rules (token cap, new text by rendezvous among the less loaded) in
+    docs/benchmarks.md."""
     candidates = view.candidates(request.model)
     if not candidates:
         return _no_replica()
     cap = load_cap(candidates, knobs.load_epsilon, knobs.min_load_cap)
-    tokens_cap = token_cap(request, candidates, knobs.load_epsilon)
     held = {r.replica_id: view.match_length(r.replica_id, request.prefix_hashes) for r in candidates}
     held_everywhere = min(held.values())
     matches = {rid: _counted_match(request, n - held_everywhere, held_everywhere, knobs.min_match_fraction)
                for rid, n in held.items()}
     key = request.affinity_key_after(held_everywhere)
-    uncached = {rid: request.uncached_tokens(n) for rid, n in held.items()}
-    text_cap = new_text_cap(request, candidates, view, held_everywhere, knobs.load_epsilon)
-    mean_load = sum(r.load for r in candidates) / len(candidates)
-
-    held_somewhere = any(held.values())
-
-    def spread(r: ReplicaState) -> int:
-        if matches[r.replica_id] > 0:
-            return -r.load
-        if view.inserted_chunks(r.replica_id) > text_cap:
-            return -1  # had more than its share of new text
-        if held_somewhere and r.load > mean_load:
-            # New text after a shared opening gains nothing from any replica's cache; it waits for a
-            # batch slot like any request, so it goes to a replica at or under the mean load. Text
-            # nobody holds (a system prompt's first sight) skips this, so gateways agree on its home.
-            return -1
-        return 0
-
-    scores = {r.replica_id: cache_aware_score(request, r, matches[r.replica_id], spread(r), key)
-              for r in candidates}
+    uncached = {rid: request.uncached_tokens(n) for rid, n in held.items()}  # what it would prefill
+    # What the cost counts as held: the opening every candidate holds plus a counted match. A short
+    # match that does not count would otherwise still pull new conversations onto whoever holds a
+    # common opening (min_match_fraction), one weighted block at a time.
+    counted_uncached = {rid: request.uncached_tokens(held_everywhere + matches[rid]) for rid in held}
+    scores = {r.replica_id: cache_aware_score(request, r, matches[r.replica_id], key) for r in candidates}
+    under_cap = [r for r in candidates if r.load + 1 <= cap]
+    with_room = [r for r in under_cap if _kv_fits(r, uncached[r.replica_id])] or under_cap
+    chosen = min(with_room, key=lambda r: (prefill_cost(r, counted_uncached[r.replica_id], knobs.miss_cost_weight),
+                                           tuple(-x for x in scores[r.replica_id])))
     preferred = max(candidates, key=lambda r: scores[r.replica_id])
-    # Each cap alone always leaves a replica (the least loaded by its measure); both together usually
-    # do. When no replica is under both, requests decide: a queue of requests is what the cap bounds.
-    under_caps = [r for r in candidates
-                  if r.load + 1 <= cap and r.pending_prefill_tokens + uncached[r.replica_id] <= tokens_cap]
-    if not under_caps:
-        under_caps = [r for r in candidates if r.load + 1 <= cap]
-    with_room = [r for r in under_caps if _kv_fits(r, uncached[r.replica_id])] or under_caps
-    chosen = max(with_room, key=lambda r: scores[r.replica_id])
-    if chosen is not preferred:
+    if matches[preferred.replica_id] > 0 and chosen is not preferred:
         reason = Reason.LOAD_FALLBACK
-    elif matches[chosen.replica_id] > 0 or _counted_match(request, held_everywhere, 0, knobs.min_match_fraction):
+    elif matches[chosen.replica_id] > 0 or _counted_match(request, held_everywhere, 0, HELD_EVERYWHERE_HIT_SHARE):
         reason = Reason.PREFIX_HIT  # it holds a counted prefix, or every replica does (one replica, say)
     elif chosen.adapter_fit(request.adapter) > min(r.adapter_fit(request.adapter) for r in with_room):
         reason = Reason.ADAPTER_AFFINITY

@@ -58,7 +58,7 @@ class Gateway:
 
 def test_every_registry_policy_has_a_function() -> None:
     assert set(POLICIES) == set(RoutingPolicy)
-    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5, 4)
+    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5, 8)
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
@@ -225,35 +225,29 @@ def test_a_prefix_match_outranks_adapter_fit_and_rendezvous() -> None:
     assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (other, Reason.PREFIX_HIT, 6)
 
 
-def test_an_opening_every_replica_holds_does_not_count_and_new_text_is_bounded_by_content() -> None:
+def test_new_text_goes_to_the_least_pending_prefill_and_on_ties_to_its_rendezvous_home() -> None:
     # Every conversation opens with one shared chunk (as every Mooncake request opens with block 0).
-    # All replicas hold it, so it sets none apart: a new conversation is new text, placed by rendezvous
-    # among the replicas not over their share of new text.
+    # All replicas hold it, so it sets none apart: a new conversation is new text. It costs the same
+    # everywhere but for the queues, so it goes where the least prefill waits; on idle replicas, to the
+    # rendezvous home of its own opening, the same in every gateway.
     shared = "s" * CHUNK
     req = request(shared + "n" * 4 * CHUNK)  # 5 chunks, 4 of them new
-
-    def gateway_with(new_text: dict[str, int]) -> tuple[PrefixIndexes, ReplicaView]:
-        indexes = PrefixIndexes(CHUNK)
-        for rid in ("a", "b"):
-            indexes.ensure(rid, 1024, 16, CHUNK)  # both known from the start (a newcomer starts level)
-        for rid in ("a", "b"):
-            indexes.record(rid, request(shared + rid * (new_text[rid] - 1) * CHUNK).prefix_hashes)
-        return indexes, ReplicaView.of([replica("a", load=3), replica("b", load=3)], indexes)
-
-    # Even: 3 chunks each; cap 1.25 x 3 + 4 = 7.75, both under it: the rendezvous home takes it.
-    _, even = gateway_with({"a": 3, "b": 3})
-    home = choose(req, even, knobs(RoutingPolicy.CACHE_AWARE))
+    indexes = PrefixIndexes(CHUNK)
+    for rid in "abc":
+        indexes.record(rid, request(shared).prefix_hashes)
+    idle = ReplicaView.of([replica(rid, load=3) for rid in "abc"], indexes)
+    home = choose(req, idle, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8))
     assert home.reason is Reason.NEW_TEXT and home.predicted_match_chunks == 1
-    # The home was sent 40 chunks, the other 2: mean 21, cap 1.25 x 21 + 4 = 30.25; the home is over.
-    skewed = {home.replica_id: 40, ("b" if home.replica_id == "a" else "a"): 2}
-    _, view = gateway_with(skewed)
-    decision = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE))
-    assert decision.replica_id != home.replica_id and decision.reason is Reason.NEW_TEXT
-    # A later turn of the home's conversation: what sets the home apart counts, over-share or not.
-    turn = request(shared + home.replica_id * 39 * CHUNK + "next question")
-    decision = choose(turn, view, knobs(RoutingPolicy.CACHE_AWARE))
-    assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (home.replica_id,
-                                                                                        Reason.PREFIX_HIT, 40)
+    assert choose(request(shared + "n" * 4 * CHUNK + "longer"), idle,
+                  knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8)).replica_id == home.replica_id
+    # The home has 900 tokens of prefill waiting, another 100 and the third 300: the 100 takes it,
+    # whatever the request counts under the cap (the one at 100 has the most requests in flight).
+    pending = dict(zip(sorted("abc", key=lambda r: r != home.replica_id), (900, 100, 300)))
+    loads = dict(zip(sorted("abc", key=lambda r: r != home.replica_id), (3, 5, 3)))
+    busy = ReplicaView.of([replace(replica(rid, load=loads[rid]), pending_prefill_tokens=pending[rid])
+                           for rid in "abc"], indexes)
+    decision = choose(req, busy, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8))
+    assert decision.reason is Reason.NEW_TEXT and pending[decision.replica_id] == 100
 
 
 def test_the_same_text_under_another_adapter_does_not_match() -> None:
@@ -284,21 +278,20 @@ def test_uncached_tokens_counts_what_the_replica_does_not_hold() -> None:
 
 
 @pytest.mark.parametrize("holder_pending,holder_is_chosen", [
-    # The module docstring's example: pending 0, 300, 900 (holder), 2,800; mean 1,000, epsilon 0.25,
-    # a 1,600-token prompt -> cap floor(1,250) + 1,600 = 2,850. The holder holds 94 of 100 chunks
-    # (uncached 96): 900 + 96 <= 2,850, room.
-    (900, True),
-    # Holder at 2,800 (others 0, 300, 900; mean 1,000, cap 2,850): 2,800 + 96 = 2,896 > 2,850. Under
-    # the request cap alone it would have stayed (every replica has 1 request in flight).
-    (2800, False),
+    # The module docstring's example at weight 16: a 1,600-token prompt of which the holder holds 94 of
+    # 100 chunks (96 tokens uncached, cost 2,800 + 16 x 96 = 4,336); the others hold nothing and have
+    # 0, 300 and 900 pending (cost 25,600 at best). The holder keeps it.
+    (2800, True),
+    # With 25,000 pending the holder's cost is 26,536 > 25,600: its queue outweighs the miss.
+    (25_000, False),
 ])
-def test_the_token_cap_bounds_pending_prefill(holder_pending: int, holder_is_chosen: bool) -> None:
-    prompt = "y" * 6400
-    req = request(prompt)
+def test_a_holder_keeps_its_prefix_until_its_queue_outweighs_the_weighted_miss(holder_pending: int,
+                                                                                holder_is_chosen: bool) -> None:
+    req = request("y" * 6400)
     gateway = Gateway(fleet(4))
     holder = "r2"
     gateway.indexes.record(holder, req.prefix_hashes[:94])
-    others = iter(p for p in (0, 300, 900, 2800) if p != holder_pending)
+    others = iter((0, 300, 900))
     pending = {rid: holder_pending if rid == holder else next(others) for rid in gateway.replicas}
     states = _with_pending([replace(r, in_flight=1) for r in gateway.replicas.values()], pending)
     decision = choose(req, ReplicaView.of(states, gateway.indexes), knobs(RoutingPolicy.CACHE_AWARE))
@@ -306,13 +299,14 @@ def test_the_token_cap_bounds_pending_prefill(holder_pending: int, holder_is_cho
         assert (decision.replica_id, decision.reason, decision.predicted_match_chunks) == (holder, Reason.PREFIX_HIT, 94)
     else:
         assert decision.replica_id != holder and decision.reason is Reason.LOAD_FALLBACK
+        assert pending[decision.replica_id] == 0  # the least pending of the rest
 
 
 def test_a_later_turn_stays_with_its_conversation_although_the_holder_has_more_requests() -> None:
     # Every replica has 2 requests in flight: request cap max(floor(1.25 x 2.25), ceil(2.25)) = 3, room
-    # everywhere. The holder also has the most pending prefill (120 tokens of other short turns; mean
-    # 30): token cap floor(1.25 x 30) + 500 prompt tokens = 537, and the turn adds only its uncached
-    # tail (5 tokens): 125 <= 537. Pending tokens do not push a cheap hit away.
+    # everywhere. The holder also has the most pending prefill (120 tokens of other short turns), but
+    # the turn adds only its uncached tail (5 tokens: cost 120 + 16 x 5 = 200) where elsewhere it
+    # costs 16 x 500. Pending tokens do not push a cheap hit away.
     history = "turn one of a long conversation. " * 60  # 1,980 chars
     req = request(history + "and now a follow-up")
     gateway = Gateway(fleet(4))
@@ -339,9 +333,10 @@ def test_a_replica_without_free_kv_for_the_uncached_prompt_is_passed_over() -> N
 
 def test_a_short_opening_held_by_one_replica_does_not_attract_new_conversations() -> None:
     # Early in a trace only one replica holds the shared opening (1 chunk of 64 chars). A new
-    # conversation of 10 chunks matches 64 of 640 chars there: 10%, under min_match_fraction 0.25, so it
-    # is new text placed by its own rendezvous key, not piled onto that holder.
+    # conversation of 10 chunks matches 64 of 640 chars there: 10%; with min_match_fraction 0.25 that
+    # does not count, so it is new text placed by its own rendezvous key, not piled onto that holder.
     shared = "s" * CHUNK
+    strict = RoutingKnobs(policy=RoutingPolicy.CACHE_AWARE, load_epsilon=0.25, min_load_cap=1, min_match_fraction=0.25)
     indexes = PrefixIndexes(CHUNK)
     for rid in ("a", "b", "c", "d"):
         indexes.ensure(rid, 1024, 16, CHUNK)
@@ -351,31 +346,14 @@ def test_a_short_opening_held_by_one_replica_does_not_attract_new_conversations(
     for i in range(40):
         req = build_route_request({"prompt": shared + f"conversation {i:03d} " * 40}, "m", None, CHUNK, i,
                                   affinity_depth_chars=1024)  # the registry's default depth
-        decision = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE))
+        decision = choose(req, view, strict)
         assert decision.reason in (Reason.NEW_TEXT, Reason.RENDEZVOUS)
         homes[decision.replica_id] += 1
     assert len(homes) == 4 and max(homes.values()) <= 20  # spread by rendezvous, not all on "a"
-    # With the fraction at 0 the 1-chunk match counts and every one goes to the holder.
+    # With the fraction at 0 (the default) the 1-chunk match counts: on idle replicas it goes to the holder.
     lenient = RoutingKnobs(policy=RoutingPolicy.CACHE_AWARE, load_epsilon=0.25, min_load_cap=1, min_match_fraction=0.0)
     decision = choose(request(shared + "conversation 999 " * 40), view, lenient)
     assert (decision.replica_id, decision.reason) == ("a", Reason.PREFIX_HIT)
-
-
-def test_new_text_after_a_shared_opening_skips_replicas_above_the_mean_load() -> None:
-    shared = "s" * CHUNK
-    indexes = PrefixIndexes(CHUNK)
-    for rid in ("a", "b", "c"):
-        indexes.ensure(rid, 1024, 16, CHUNK)
-        indexes.record(rid, request(shared).prefix_hashes)  # all hold the opening: 1 chunk of new text each
-    req = request(shared + "fresh conversation " * 20)
-    even = ReplicaView.of([replica(rid, load=2) for rid in "abc"], indexes)
-    home = choose(req, even, knobs(RoutingPolicy.CACHE_AWARE)).replica_id
-    # The home has 4 in flight, the others 1 (mean 2): above the mean, it is passed over, although
-    # the request cap (here raised to min_load_cap 8) would let it take one more.
-    loads = {rid: 4 if rid == home else 1 for rid in "abc"}
-    busy = ReplicaView.of([replica(rid, load=loads[rid]) for rid in "abc"], indexes)
-    decision = choose(req, busy, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8))
-    assert decision.replica_id != home and decision.reason is Reason.NEW_TEXT
 
 
 def test_a_fleet_of_one_reports_its_prefix_hits_as_hits() -> None:
