@@ -22,6 +22,7 @@ import heapq
 import itertools
 import json
 import math
+import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,17 +48,26 @@ class _Replica:
     replica_id: str
     scheduler: Scheduler
     busy: bool = False
-    in_flight: int = 0
-    pending_prefill_tokens: int = 0
     served: int = 0
+
+
+@dataclass
+class _Gateway:
+    """What one gateway knows: its own prefix indexes, and its own requests in flight and pending prefill
+    per replica. Gateways share nothing; the replicas' own queue counts are seen by all (fresh here)."""
+
+    indexes: PrefixIndexes
+    in_flight: dict[str, int] = field(default_factory=dict)
+    pending_prefill_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class _Pending:
     arrived_s: float
+    gateway: _Gateway
     replica_id: str
     prefill_tokens: int
-    route: object
+    route: RouteRequest
     predicted_chunks: int
     ttft_s: float | None = None
 
@@ -71,6 +81,7 @@ class ReplayResult:
     max_over_mean_load: float
     decisions: dict[str, int] = field(default_factory=dict)
     ttft_by_request: dict[int, float] = field(default_factory=dict)  # index in the request list -> seconds
+    replica_by_request: dict[int, str] = field(default_factory=dict)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -129,15 +140,21 @@ def _oracle(req: workloads.Request, replicas: dict[str, _Replica], knobs: Routin
 
 
 def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec, knobs: RoutingKnobs,
-           affinity_depth_chars: int = 1024, policy: PolicyFn | str = choose) -> ReplayResult:
+           affinity_depth_chars: int = 1024, policy: PolicyFn | str = choose, num_gateways: int = 1,
+           seed: int = 0) -> ReplayResult:
     """Route every request with `policy` (a policy function, or "oracle") and play the replicas' steps;
-    see the module docstring."""
+    see the module docstring. With several gateways each request goes to one at random (`seed`), as in
+    `bench_routing_gateways.py`."""
     replicas = {f"r{i:02d}": _Replica(f"r{i:02d}", Scheduler(spec)) for i in range(num_replicas)}
-    indexes = PrefixIndexes(CHUNK_CHARS)
     kv_blocks_total = spec.kv_capacity_tokens // BLOCK_SIZE_TOKENS
     index_blocks = 1 << 30 if policy is sglang_like else kv_blocks_total  # sglang's tree: no KV-sized limit
-    for rid in replicas:
-        indexes.ensure(rid, index_blocks, BLOCK_SIZE_TOKENS, CHUNK_CHARS, CHARS_PER_TOKEN)
+    gateways = [_Gateway(PrefixIndexes(CHUNK_CHARS)) for _ in range(num_gateways)]
+    for gateway in gateways:
+        for rid in replicas:
+            gateway.indexes.ensure(rid, index_blocks, BLOCK_SIZE_TOKENS, CHUNK_CHARS, CHARS_PER_TOKEN)
+            gateway.in_flight[rid] = gateway.pending_prefill_tokens[rid] = 0
+    rng = random.Random(seed)
+    pick = [rng.randrange(num_gateways) for _ in reqs]
     events: list[tuple[float, int, str, object]] = []
     order = itertools.count()
     for i, r in enumerate(reqs):
@@ -145,14 +162,15 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
     pending: dict[int, _Pending] = {}
     decisions: dict[str, int] = {}
 
-    def state(rep: _Replica) -> ReplicaState:
+    def state(gateway: _Gateway, rep: _Replica) -> ReplicaState:
         used = rep.scheduler.kv_usage()
+        rid = rep.replica_id
         return ReplicaState(
-            replica_id=rep.replica_id, url="", model=MODEL, healthy=True, draining=False, in_flight=rep.in_flight,
+            replica_id=rid, url="", model=MODEL, healthy=True, draining=False, in_flight=gateway.in_flight[rid],
             num_waiting=rep.scheduler.num_waiting, num_running=rep.scheduler.num_running,
             kv_blocks_free=int(kv_blocks_total * (1 - used)), kv_blocks_total=kv_blocks_total,
             adapters_loaded=frozenset(workloads.ADAPTERS), max_loaded_adapters=len(workloads.ADAPTERS),
-            pending_prefill_tokens=rep.pending_prefill_tokens)
+            pending_prefill_tokens=gateway.pending_prefill_tokens[rid])
 
     def kick(rep: _Replica, now: float) -> None:
         if rep.busy:
@@ -167,23 +185,24 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
         if kind == "arrive":
             i = payload
             req = reqs[i]
+            gateway = gateways[pick[i]]
             adapter = req.model if req.model in workloads.ADAPTERS else None
             route = build_route_request(req.body(), MODEL, adapter, CHUNK_CHARS, i, CHARS_PER_TOKEN,
                                         affinity_depth_chars)
-            view = ReplicaView.of((state(rep) for rep in replicas.values()), indexes)
             if policy == "oracle":
                 decision = _oracle(req, replicas, knobs)
             else:
+                view = ReplicaView.of((state(gateway, rep) for rep in replicas.values()), gateway.indexes)
                 decision = policy(route, view, knobs)
             decisions[decision.reason.value] = decisions.get(decision.reason.value, 0) + 1
             rep = replicas[decision.replica_id]
-            indexes.record(rep.replica_id, route.prefix_hashes)
+            gateway.indexes.record(rep.replica_id, route.prefix_hashes)
             prefill = route.uncached_tokens(decision.predicted_match_chunks)
-            rep.in_flight += 1
-            rep.pending_prefill_tokens += prefill
+            gateway.in_flight[rep.replica_id] += 1
+            gateway.pending_prefill_tokens[rep.replica_id] += prefill
             rep.served += 1
             text = req.prompt_text()
-            pending[i] = _Pending(now, rep.replica_id, prefill, route, decision.predicted_match_chunks)
+            pending[i] = _Pending(now, gateway, rep.replica_id, prefill, route, decision.predicted_match_chunks)
             rep.scheduler.add(SimSequence(i, req.model, num_prompt_tokens(text), block_hashes(text, req.model),
                                           req.max_tokens))
             kick(rep, now)
@@ -197,12 +216,13 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
                 p = pending[event.seq_id]
                 if event.index == 0:
                     p.ttft_s = now - p.arrived_s
-                    rep.pending_prefill_tokens = max(0, rep.pending_prefill_tokens - p.prefill_tokens)
+                    left = p.gateway.pending_prefill_tokens[rid] - p.prefill_tokens
+                    p.gateway.pending_prefill_tokens[rid] = max(0, left)
                 if event.finished:
-                    rep.in_flight -= 1
-                    if event.seq_id in cached and policy is choose:
-                        indexes.correct(rid, p.route.prefix_hashes, p.predicted_chunks, cached[event.seq_id],
-                                        CHARS_PER_TOKEN)
+                    p.gateway.in_flight[rid] -= 1
+                    if event.seq_id in cached and policy is choose:  # the proxy learns from usage.cached_tokens
+                        p.gateway.indexes.correct(rid, p.route.prefix_hashes, p.predicted_chunks, cached[event.seq_id],
+                                                  CHARS_PER_TOKEN)
             kick(rep, now)
     counters = [rep.scheduler.counters for rep in replicas.values()]
     queried = sum(c.num_prompt_tokens_queried for c in counters)
@@ -212,7 +232,17 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
     return ReplayResult(hit_rate=hit / queried if queried else 0.0, ttft_p50_s=_pct(ttfts, 0.5),
                         ttft_p99_s=_pct(ttfts, 0.99), ttft_mean_s=sum(ttfts) / len(ttfts),
                         max_over_mean_load=max(served) / (sum(served) / len(served)), decisions=decisions,
-                        ttft_by_request={i: p.ttft_s for i, p in pending.items() if p.ttft_s is not None})
+                        ttft_by_request={i: p.ttft_s for i, p in pending.items() if p.ttft_s is not None},
+                        replica_by_request={i: p.replica_id for i, p in pending.items()})
+
+
+def to_a_holder_share(reqs: list[workloads.Request], replica_by_request: dict[int, str]) -> float | None:
+    """`bench_routing_gateways.py`'s agreement figure: of the requests that repeat a prefix (share at
+    least half their prompt with an earlier one), the share sent to a replica an earlier one went to."""
+    from loadtests.bench_routing_gateways import earlier_with_prefix, home_replica_share
+
+    results = [{"replica": replica_by_request.get(i), "kind": r.kind} for i, r in enumerate(reqs)]
+    return home_replica_share(results, earlier_with_prefix(reqs))["share"]
 
 
 def bench_spec(reqs: list[workloads.Request], num_replicas: int, load: float = 1.0,
@@ -231,23 +261,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policy", choices=["kvgate", "sglang", "oracle"], default="kvgate",
                    help="kvgate: the registry's policy with --set overrides; sglang: sglang_like; oracle: "
                         "perfect knowledge of caches and queues, --set miss_cost_weight applies")
+    p.add_argument("--mooncake-requests", type=int, default=1200, help="first N trace rows (bench_routing's default)")
+    p.add_argument("--bursts", type=int, default=8, help="hot_prefix bursts (bench_routing's default)")
+    p.add_argument("--gateways", type=int, default=1, help="gateways sharing nothing; requests split at random")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a registry routing field, e.g. --set load_epsilon=0.5 (repeatable)")
     args = p.parse_args(argv)
+    bad = [item for item in args.set if "=" not in item]
+    if bad:
+        p.error(f"--set takes FIELD=VALUE, got {bad[0]!r}")
     overrides = dict(item.split("=", 1) for item in args.set)
-    routing = Routing(**overrides)
+    try:
+        routing = Routing(**overrides)
+    except ValueError as exc:  # pydantic's ValidationError: an unknown field or a bad value
+        p.error(f"--set: {exc}")
     knobs = RoutingKnobs.from_routing(routing)
     if args.workload == "mooncake":
-        reqs = workloads.mooncake(MODEL, 1200, 8.0)
+        reqs = workloads.mooncake(MODEL, args.mooncake_requests, 8.0)
     else:
-        reqs = workloads.hot_prefix(MODEL, 8, 2.0)
+        reqs = workloads.hot_prefix(MODEL, args.bursts, 2.0)
     best = workloads.infinite_cache_hit_rate(reqs)
     for n in args.replicas:
         res = replay(reqs, n, bench_spec(reqs, n), knobs, routing.affinity_depth_chars,
-                     {"kvgate": choose, "sglang": sglang_like, "oracle": "oracle"}[args.policy])
+                     {"kvgate": choose, "sglang": sglang_like, "oracle": "oracle"}[args.policy], args.gateways)
         print(json.dumps({"policy": args.policy, "workload": args.workload, "replicas": n, "hit_over_best": round(res.hit_rate / best, 3),
                           "p50_ms": round(res.ttft_p50_s * 1000), "p99_ms": round(res.ttft_p99_s * 1000),
-                          "max_over_mean": round(res.max_over_mean_load, 2), "decisions": res.decisions}))
+                          "max_over_mean": round(res.max_over_mean_load, 2), "decisions": res.decisions,
+                          **({"to_a_holder": round(to_a_holder_share(reqs, res.replica_by_request), 3)}
+                             if args.gateways > 1 else {})}))
 
 
 if __name__ == "__main__":

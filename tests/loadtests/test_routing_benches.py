@@ -114,3 +114,27 @@ def test_two_gateways_report_same_replica_share_and_hit_rate(tmp_path: Path) -> 
         # burst 2 repeats every conversation and the hot and LoRA system prompts of burst 1
         assert res["same_replica"]["repeated_prefix_requests"] >= 150
         assert 0.0 <= res["same_replica"]["share"] <= 1.0
+
+
+def test_the_routing_replay_is_deterministic_and_cache_aware_beats_least_load_on_hits() -> None:
+    from loadtests import routing_replay
+    from registry.schema import Routing, RoutingPolicy
+    from router.policies import RoutingKnobs
+
+    reqs = workloads.hot_prefix(routing_replay.MODEL, 3, 2.0)
+    spec = routing_replay.bench_spec(reqs, 4)
+    cache_aware = RoutingKnobs.from_routing(Routing())
+    first = routing_replay.replay(reqs, 4, spec, cache_aware)
+    assert routing_replay.replay(reqs, 4, spec, cache_aware) == first  # no clock, no randomness left
+    assert len(first.ttft_by_request) == len(reqs) and first.max_over_mean_load <= 1.25
+    least = routing_replay.replay(reqs, 4, spec, RoutingKnobs.from_routing(Routing(policy=RoutingPolicy.LEAST_LOAD)))
+    best = workloads.infinite_cache_hit_rate(reqs)
+    assert least.hit_rate < first.hit_rate <= best
+    # Two gateways sharing nothing: every request was routed by one of them, and the agreement figure
+    # is the bench's own.
+    two = routing_replay.replay(reqs, 4, spec, cache_aware, num_gateways=2)
+    share = routing_replay.to_a_holder_share(reqs, two.replica_by_request)
+    assert len(two.replica_by_request) == len(reqs) and 0.5 < share <= 1.0
+    oracle = routing_replay.replay(reqs, 4, spec, cache_aware, policy="oracle")
+    sglang = routing_replay.replay(reqs, 4, spec, cache_aware, policy=routing_replay.sglang_like)
+    assert oracle.hit_rate > least.hit_rate and sglang.hit_rate > least.hit_rate
