@@ -105,15 +105,16 @@ async def _load(url: str, connections: int, duration_s: float, warmup_s: float) 
     import aiohttp
 
     latencies_s: list[float] = []
-    num_failed = 0
+    num_failed = num_sent = 0
     clock = time.perf_counter  # uvloop's loop.time() ticks in whole milliseconds: too coarse here
     start = clock()
     measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
     async def client(session: aiohttp.ClientSession) -> None:
-        nonlocal num_failed
+        nonlocal num_failed, num_sent
         while (now := clock()) < stop_at:
+            num_sent += 1
             try:
                 async with session.post(url, data=BODY, headers=headers) as response:
                     data = await response.read()
@@ -132,6 +133,7 @@ async def _load(url: str, connections: int, duration_s: float, warmup_s: float) 
         await asyncio.gather(*(client(session) for _ in range(connections)))
     latencies_s.sort()
     return {"connections": connections, "duration_s": duration_s, "num_requests": len(latencies_s),
+            "num_sent_with_warmup": num_sent,
             "num_failed": num_failed, "requests_per_s": len(latencies_s) / duration_s,
             "p50_ms": _pct(latencies_s, 0.50) * 1e3, "p99_ms": _pct(latencies_s, 0.99) * 1e3,
             "mean_ms": (statistics.fmean(latencies_s) if latencies_s else 0.0) * 1e3}
@@ -228,6 +230,12 @@ def run_sglang(backend_url: str, args: argparse.Namespace, rows: dict) -> str | 
     return None
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/PID/stat, fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def load_run(url: str, connections: int, duration_s: float, warmup_s: float) -> dict:
     out = subprocess.run([sys.executable, __file__, "load", "--url", url, "--connections", str(connections),
                           "--duration-s", str(duration_s), "--warmup-s", str(warmup_s)],
@@ -265,7 +273,12 @@ def run_driver(args: argparse.Namespace) -> None:
         rows = {}
         for phase, connections in (("latency", args.latency_connections), ("throughput", args.connections)):
             for target, base in (("direct", backend_url), ("gateway", gateway_url)):
+                cpu_before = process_cpu_s(processes[1].pid)
                 rows[f"{phase}/{target}"] = load_run(base + path, connections, args.duration_s, args.warmup_s)
+                if target == "gateway":  # a figure this shared box's noise moves far less than req/s
+                    cpu_s = process_cpu_s(processes[1].pid) - cpu_before
+                    rows[f"{phase}/{target}"]["gateway_cpu_us_per_request"] = (
+                        cpu_s / max(rows[f"{phase}/{target}"]["num_sent_with_warmup"], 1) * 1e6)
                 print(f"  {phase:10s} {target:8s} {rows[f'{phase}/{target}']['requests_per_s']:9.0f} req/s",
                       file=sys.stderr)
         # kvgate's gateway is stopped first, so the peer gets the same CPU the gateway had.
@@ -291,6 +304,7 @@ def report(rows: dict, args: argparse.Namespace, sglang_skipped: str | None = No
         "added_p99_ms": lat_g["p99_ms"] - lat_d["p99_ms"],
         "gateway_streamed_requests_per_s": thr_g["requests_per_s"],
         "direct_streamed_requests_per_s": thr_d["requests_per_s"],
+        "gateway_cpu_us_per_request": thr_g.get("gateway_cpu_us_per_request"),
         "targets": {"streamed_requests_per_s_min": 3000, "added_p99_ms_max": 2.0},
         "cpu_count": os.cpu_count(),
         "note": "backend, gateway and load generator share this machine's cores",
@@ -317,7 +331,9 @@ def report(rows: dict, args: argparse.Namespace, sglang_skipped: str | None = No
     print(f"\nadded latency through the gateway: p50 {summary['added_p50_ms']:.3f} ms, "
           f"p99 {summary['added_p99_ms']:.3f} ms (target <= 2 ms)")
     print(f"streamed requests/s through the gateway: {summary['gateway_streamed_requests_per_s']:.0f} "
-          f"(target >= 3,000; direct to the backend: {summary['direct_streamed_requests_per_s']:.0f})")
+          f"(target >= 3,000; direct to the backend: {summary['direct_streamed_requests_per_s']:.0f}); the gateway "
+          f"used {summary['gateway_cpu_us_per_request']:.0f} us of CPU per request, i.e. "
+          f"{1e6 / summary['gateway_cpu_us_per_request']:.0f} requests/s per core")
     if "sglang_router" in summary:
         s, r = summary["sglang_router"], summary["kvgate_over_sglang"]
         ratio = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731

@@ -228,12 +228,20 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     # match that does not count would otherwise still pull new conversations onto whoever holds a
     # common opening (min_match_fraction), one weighted block at a time.
     counted_uncached = {rid: request.uncached_tokens(held_everywhere + matches[rid]) for rid in held}
-    scores = {r.replica_id: cache_aware_score(request, r, matches[r.replica_id], key) for r in candidates}
+
+    def score(r: ReplicaState) -> tuple[int, int, int]:
+        return cache_aware_score(request, r, matches[r.replica_id], key)
+
     under_cap = [r for r in candidates if r.load + 1 <= cap]
     with_room = [r for r in under_cap if _kv_fits(r, uncached[r.replica_id])] or under_cap
-    chosen = min(with_room, key=lambda r: (prefill_cost(r, counted_uncached[r.replica_id], knobs.miss_cost_weight),
-                                           tuple(-x for x in scores[r.replica_id])))
-    preferred = max(candidates, key=lambda r: scores[r.replica_id])
+    costs = {r.replica_id: prefill_cost(r, counted_uncached[r.replica_id], knobs.miss_cost_weight) for r in with_room}
+    least = min(costs.values())
+    cheapest = [r for r in with_room if costs[r.replica_id] == least]
+    chosen = cheapest[0] if len(cheapest) == 1 else max(cheapest, key=score)  # scores (hashes) only for ties
+    # The best-scoring candidate overall, for the reason: it matters only when one holds a counted match,
+    # and then only among those holding the longest.
+    longest = max(matches.values())
+    preferred = max((r for r in candidates if matches[r.replica_id] == longest), key=score) if longest else chosen
     if matches[preferred.replica_id] > 0 and chosen is not preferred:
         reason = Reason.LOAD_FALLBACK
     elif matches[chosen.replica_id] > 0 or _counted_match(request, held_everywhere, 0, HELD_EVERYWHERE_HIT_SHARE):

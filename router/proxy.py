@@ -198,10 +198,9 @@ class Proxy:
         started = self.clock.now()
         headers = {"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")}
         try:
-            upstream = await asyncio.wait_for(
-                self.session.post(self.tracker.url(replica_id) + preq.path, data=preq.body, headers=headers,
-                                  timeout=timeout),
-                routing.first_byte_timeout_s)
+            async with asyncio.timeout(routing.first_byte_timeout_s):  # no extra task, unlike wait_for
+                upstream = await self.session.post(self.tracker.url(replica_id) + preq.path, data=preq.body,
+                                                   headers=headers, timeout=timeout)
         except asyncio.TimeoutError as exc:  # aiohttp's connect timeout is one too
             raise AttemptFailed("timeout", f"replica {replica_id}: no answer in time ({type(exc).__name__})") from exc
         except aiohttp.ClientError as exc:
@@ -230,7 +229,11 @@ class Proxy:
                          swallow: bool = False) -> bytes:
         parts = []
         try:
-            while chunk := await asyncio.wait_for(upstream.content.readany(), idle_s):
+            while True:
+                async with asyncio.timeout(idle_s):
+                    chunk = await upstream.content.readany()
+                if not chunk:
+                    break
                 parts.append(chunk)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             if not swallow:
@@ -263,7 +266,8 @@ class Proxy:
         """Pass SSE through event by event, awaiting each write (backpressure: a slow client slows the
         upstream read, never a growing buffer)."""
         try:
-            first = await asyncio.wait_for(upstream.content.readany(), max(first_byte_s, 0.0))
+            async with asyncio.timeout(max(first_byte_s, 0.0)):
+                first = await upstream.content.readany()
         except asyncio.TimeoutError as exc:
             raise AttemptFailed("timeout", f"replica {replica_id}: no first event in time") from exc
         except aiohttp.ClientError as exc:
@@ -290,7 +294,8 @@ class Proxy:
                         self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
                 if relay.done:
                     break
-                chunk = await asyncio.wait_for(upstream.content.readany(), preq.routing.stream_idle_timeout_s)
+                async with asyncio.timeout(preq.routing.stream_idle_timeout_s):
+                    chunk = await upstream.content.readany()
                 if not chunk:
                     break
         except ConnectionResetError:  # the client went away: the caller's close() aborts the upstream
@@ -319,7 +324,8 @@ class Proxy:
         # What follows [DONE] is only the chunked terminator; reading it lets the connection return
         # to the pool instead of being dropped. Bounded, as the client already has everything.
         with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
-            await asyncio.wait_for(upstream.content.read(), _DRAIN_AFTER_DONE_S)
+            async with asyncio.timeout(_DRAIN_AFTER_DONE_S):
+                await upstream.content.read()
         return response
 
     @staticmethod
