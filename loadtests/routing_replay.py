@@ -13,6 +13,11 @@ old (here it is fresh), and learning characters per token (the sim's 4 is given)
 
     .venv/bin/python loadtests/routing_replay.py --workload mooncake --replicas 16
     .venv/bin/python loadtests/routing_replay.py --workload hot_prefix --replicas 4 --set miss_cost_weight=1
+    .venv/bin/python loadtests/routing_replay.py --workload mooncake --policy oracle     # or: sglang
+    .venv/bin/python loadtests/routing_replay.py --workload mooncake --replicas 4 --gateways 2 --mooncake-requests 600
+
+Each line printed is one cell as JSON: hit rate over the infinite-cache best, p50 / p99 TTFT, max/mean
+requests per replica, decisions by reason, and with --gateways > 1 the two-gateway bench's agreement figure.
 """
 
 from __future__ import annotations
@@ -98,7 +103,8 @@ def sglang_like(route: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> 
     loads = [r.in_flight for r in candidates]
     if max(loads) - min(loads) > 64 and max(loads) > 1.5 * min(loads):
         chosen = min(candidates, key=lambda r: r.in_flight)
-        return RouteDecision(chosen.replica_id, Reason.LEAST_LOAD, view.match_length(chosen.replica_id, route.prefix_hashes))
+        return RouteDecision(chosen.replica_id, Reason.LEAST_LOAD,
+                             view.match_length(chosen.replica_id, route.prefix_hashes))
     held = {r.replica_id: view.match_length(r.replica_id, route.prefix_hashes) for r in candidates}
     best = max(candidates, key=lambda r: held[r.replica_id])
     if held[best.replica_id] * route.chunk_chars > 0.5 * route.num_prompt_chars:
@@ -284,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     for n in args.replicas:
         res = replay(reqs, n, bench_spec(reqs, n), knobs, routing.affinity_depth_chars,
                      {"kvgate": choose, "sglang": sglang_like, "oracle": "oracle"}[args.policy], args.gateways)
-        print(json.dumps({"policy": args.policy, "workload": args.workload, "replicas": n, "hit_over_best": round(res.hit_rate / best, 3),
+        print(json.dumps({"policy": args.policy, "workload": args.workload, "replicas": n,
+                          "hit_over_best": round(res.hit_rate / best, 3),
                           "p50_ms": round(res.ttft_p50_s * 1000), "p99_ms": round(res.ttft_p99_s * 1000),
                           "max_over_mean": round(res.max_over_mean_load, 2), "decisions": res.decisions,
                           **({"to_a_holder": round(to_a_holder_share(reqs, res.replica_by_request), 3)}

@@ -30,8 +30,8 @@ a weight of 1 this is the replica's time to first token in tokens, a greedy choi
 away at the first queue; the default weight of 16 also charges a miss for what it costs later: the
 tokens are prefilled again while others wait behind them, and the conversation's next turns find their
 cache split or elsewhere (`loadtests/routing_replay.py` on the Mooncake replay at 4 and 16 replicas:
-weight 1 reached 0.75 and 0.54 of the best hit rate, weight 16 0.93 and 0.87, with the lower p99 too). Worked, weight 16: a 1,600-token prompt; replica A holds 1,500 of it and has
-2,800 tokens pending (cost 2,800 + 1,600 = 4,400), B holds nothing and has 0 pending (cost 25,600): A.
+weight 1 reached 0.75 and 0.54 of the best hit rate, weight 16 0.93 and 0.87, and a lower p99 too).
+Worked, weight 16: a 1,600-token prompt; replica A holds 1,500 of it and has 2,800 tokens pending (cost 2,800 + 1,600 = 4,400), B holds nothing and has 0 pending (cost 25,600): A.
 With 24,000 pending on A (cost 25,600) they tie and the score below decides. New text (held nowhere)
 costs the same everywhere but for the queues: it goes to the least pending prefill, and on ties (idle
 replicas) to the rendezvous home of its opening. And KV use: a replica that reports its KV blocks and
@@ -201,17 +201,19 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     (a KV test that no candidate passes is dropped; the bound always leaves one), the lowest
     `prefill_cost`; ties go to the best `cache_aware_score`.
 
-    Cost and KV use what each replica holds; the reason and the tie-break use only the part that sets
-    a replica apart (an opening every candidate holds says nothing about where the rest lives), and
-    only when it covers `min_match_fraction` of the prompt past that opening. Ties are common at low
-    load (nothing pending anywhere): new text then goes by rendezvous of its own opening
-    (`affinity_depth_chars` past what every replica holds), the same choice in every gateway.
+    A match counts only for the part that sets a replica apart (an opening every candidate holds says
+    nothing about where the rest lives), and only when it covers `min_match_fraction` of the prompt
+    past that opening (0 by default: all of it counts). The KV test uses what each replica holds; the
+    cost, the tie-break and the reason use the counted match. Ties are common at low load (nothing
+    pending anywhere): new text then goes by rendezvous of its own opening (`affinity_depth_chars`
+    past what every replica holds), the same choice in every gateway.
 
     Reason: LOAD_FALLBACK when the best-scoring candidate holds a counted prefix and was not chosen
-    (over the bound, or its queue outweighed the miss); else PREFIX_HIT when the chosen one holds a
-    counted prefix, or what every candidate holds is at least HELD_EVERYWHERE_HIT_SHARE of the prompt (a
-    fleet of one, or a hot prompt cached everywhere); else ADAPTER_AFFINITY when its adapter fit beat another
-    candidate's; else NEW_TEXT when some candidate holds part of the prompt, RENDEZVOUS when none does.
+    (over the bound, short of KV, or its queue outweighed the miss); else PREFIX_HIT when the chosen
+    one holds a counted prefix, or what every candidate holds is at least HELD_EVERYWHERE_HIT_SHARE of
+    the prompt (a fleet of one, or a hot prompt cached everywhere); else ADAPTER_AFFINITY when its
+    adapter fit beat another candidate's; else NEW_TEXT when some candidate holds part of the prompt,
+    RENDEZVOUS when none does.
     Measured against the previous rules (token cap, new text by rendezvous among the less loaded) in
     docs/benchmarks.md."""
     candidates = view.candidates(request.model)
@@ -234,7 +236,8 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
 
     under_cap = [r for r in candidates if r.load + 1 <= cap]
     with_room = [r for r in under_cap if _kv_fits(r, uncached[r.replica_id])] or under_cap
-    costs = {r.replica_id: prefill_cost(r, counted_uncached[r.replica_id], knobs.miss_cost_weight) for r in with_room}
+    costs = {r.replica_id: prefill_cost(r, counted_uncached[r.replica_id], knobs.miss_cost_weight)
+             for r in with_room}
     least = min(costs.values())
     cheapest = [r for r in with_room if costs[r.replica_id] == least]
     chosen = cheapest[0] if len(cheapest) == 1 else max(cheapest, key=score)  # scores (hashes) only for ties
