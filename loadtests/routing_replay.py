@@ -94,23 +94,32 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def sglang_like(route: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
+class SglangLike:
     """An approximation of sglang-router 0.3's `cache_aware`, for side-by-side replays: shortest queue when
     in-flight counts differ by more than 64 and 1.5x; else the longest match when it covers more than half
-    the prompt; else the replica sent the least text ("smallest tree"). Its tree never forgets here (its
-    default limit is far above these workloads) and matches in whole chunks, not characters."""
-    candidates = view.candidates(route.model)
-    loads = [r.in_flight for r in candidates]
-    if max(loads) - min(loads) > 64 and max(loads) > 1.5 * min(loads):
-        chosen = min(candidates, key=lambda r: r.in_flight)
-        return RouteDecision(chosen.replica_id, Reason.LEAST_LOAD,
-                             view.match_length(chosen.replica_id, route.prefix_hashes))
-    held = {r.replica_id: view.match_length(r.replica_id, route.prefix_hashes) for r in candidates}
-    best = max(candidates, key=lambda r: held[r.replica_id])
-    if held[best.replica_id] * route.chunk_chars > 0.5 * route.num_prompt_chars:
-        return RouteDecision(best.replica_id, Reason.PREFIX_HIT, held[best.replica_id])
-    chosen = min(candidates, key=lambda r: view.inserted_chunks(r.replica_id))
-    return RouteDecision(chosen.replica_id, Reason.NEW_TEXT, held[chosen.replica_id])
+    the prompt; else the replica sent the least new text ("smallest tree"). Its tree never forgets here
+    (its default limit is far above these workloads) and matches in whole chunks, not characters. One
+    instance per replay: it counts the text it has sent."""
+
+    def __init__(self) -> None:
+        self.text_sent: dict[str, int] = {}  # replica -> chunks sent that it did not hold
+
+    def __call__(self, route: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
+        candidates = view.candidates(route.model)
+        held = {r.replica_id: view.match_length(r.replica_id, route.prefix_hashes) for r in candidates}
+        loads = [r.in_flight for r in candidates]
+        if max(loads) - min(loads) > 64 and max(loads) > 1.5 * min(loads):
+            chosen, reason = min(candidates, key=lambda r: r.in_flight), Reason.LEAST_LOAD
+        else:
+            best = max(candidates, key=lambda r: held[r.replica_id])
+            if held[best.replica_id] * route.chunk_chars > 0.5 * route.num_prompt_chars:
+                chosen, reason = best, Reason.PREFIX_HIT
+            else:
+                chosen = min(candidates, key=lambda r: self.text_sent.get(r.replica_id, 0))
+                reason = Reason.NEW_TEXT
+        rid = chosen.replica_id
+        self.text_sent[rid] = self.text_sent.get(rid, 0) + len(route.prefix_hashes) - held[rid]
+        return RouteDecision(rid, reason, held[rid])
 
 
 def _exact_match_tokens(scheduler: Scheduler, req: workloads.Request) -> int:
@@ -153,7 +162,7 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
     `bench_routing_gateways.py`."""
     replicas = {f"r{i:02d}": _Replica(f"r{i:02d}", Scheduler(spec)) for i in range(num_replicas)}
     kv_blocks_total = spec.kv_capacity_tokens // BLOCK_SIZE_TOKENS
-    index_blocks = 1 << 30 if policy is sglang_like else kv_blocks_total  # sglang's tree: no KV-sized limit
+    index_blocks = 1 << 30 if isinstance(policy, SglangLike) else kv_blocks_total  # sglang's tree: no KV limit
     gateways = [_Gateway(PrefixIndexes(CHUNK_CHARS)) for _ in range(num_gateways)]
     for gateway in gateways:
         for rid in replicas:
@@ -265,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", choices=["hot_prefix", "mooncake"], default="mooncake")
     p.add_argument("--replicas", type=int, nargs="+", default=[4, 16])
     p.add_argument("--policy", choices=["kvgate", "sglang", "oracle"], default="kvgate",
-                   help="kvgate: the registry's policy with --set overrides; sglang: sglang_like; oracle: "
+                   help="kvgate: the registry's policy with --set overrides; sglang: SglangLike; oracle: "
                         "perfect knowledge of caches and queues, --set miss_cost_weight applies")
     p.add_argument("--mooncake-requests", type=int, default=1200, help="first N trace rows (bench_routing's default)")
     p.add_argument("--bursts", type=int, default=8, help="hot_prefix bursts (bench_routing's default)")
@@ -289,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     best = workloads.infinite_cache_hit_rate(reqs)
     for n in args.replicas:
         res = replay(reqs, n, bench_spec(reqs, n), knobs, routing.affinity_depth_chars,
-                     {"kvgate": choose, "sglang": sglang_like, "oracle": "oracle"}[args.policy], args.gateways)
+                     {"kvgate": choose, "sglang": SglangLike(), "oracle": "oracle"}[args.policy], args.gateways)
         print(json.dumps({"policy": args.policy, "workload": args.workload, "replicas": n,
                           "hit_over_best": round(res.hit_rate / best, 3),
                           "p50_ms": round(res.ttft_p50_s * 1000), "p99_ms": round(res.ttft_p99_s * 1000),

@@ -53,7 +53,6 @@ class PrefixIndex:
         self._predicted_tokens = 0
         self._realised_tokens = 0
         self._num_corrections = 0
-        self.inserted_chunks = 0  # chunks recorded that it did not hold: the new text sent there
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -87,7 +86,6 @@ class PrefixIndex:
                 self._lru.move_to_end(chunk_hash)
             else:
                 self._lru[chunk_hash] = None
-                self.inserted_chunks += 1
         self._evict_to(self._capacity)
 
     def correct(self, hashes: tuple[int, ...], predicted_chunks: int, realised_cached_tokens: int,
@@ -154,7 +152,7 @@ class PrefixIndexes:
         capacity = capacity_chunks(kv_blocks_total, block_size_tokens, chunk_chars, chars_per_token)
         index = self._by_replica.get(replica_id)
         if index is None or index.chunk_chars != chunk_chars:
-            index = self._by_replica[replica_id] = self._new_index(capacity, chunk_chars)
+            index = self._by_replica[replica_id] = PrefixIndex(capacity, chunk_chars)
         elif index.capacity != capacity:
             index.resize(capacity)
         return index
@@ -166,22 +164,8 @@ class PrefixIndexes:
         """Record a routed chain; a replica without an index gets one of the default size."""
         index = self._by_replica.get(replica_id)
         if index is None:
-            index = self._by_replica[replica_id] = self._new_index(DEFAULT_CAPACITY_CHUNKS, self._chunk_chars)
+            index = self._by_replica[replica_id] = PrefixIndex(DEFAULT_CAPACITY_CHUNKS, self._chunk_chars)
         index.record(hashes)
-
-    def inserted_chunks(self, replica_id: str) -> int:
-        """New text sent to the replica so far, in chunks (see `_new_index` for a newcomer's start)."""
-        index = self._by_replica.get(replica_id)
-        return index.inserted_chunks if index is not None else 0
-
-    def _new_index(self, capacity: int, chunk_chars: int) -> PrefixIndex:
-        """A replica that joins (or restarts) starts its count of new text at the least of its peers',
-        so placing new text on the least-filled replica does not send it every new prompt until it has
-        caught up with replicas that served for hours."""
-        index = PrefixIndex(capacity, chunk_chars)
-        peers = [i.inserted_chunks for i in self._by_replica.values() if i.chunk_chars == chunk_chars]
-        index.inserted_chunks = min(peers, default=0)
-        return index
 
     def correct(self, replica_id: str, hashes: tuple[int, ...], predicted_chunks: int,
                 realised_cached_tokens: int, chars_per_token: float = CHARS_PER_TOKEN) -> int:

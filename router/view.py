@@ -69,18 +69,11 @@ class PrefixQuery(Protocol):
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int: ...
 
-    def inserted_chunks(self, replica_id: str) -> int:
-        """How much new prompt text (in chunks) this gateway has sent to the replica."""
-        ...
-
 
 class NoPrefixes:
     """A PrefixQuery that knows nothing: for policies that ignore prefixes, and for tests."""
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
-        return 0
-
-    def inserted_chunks(self, replica_id: str) -> int:
         return 0
 
 
@@ -103,6 +96,3 @@ class ReplicaView:
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
         return self.prefixes.match_length(replica_id, hashes)
-
-    def inserted_chunks(self, replica_id: str) -> int:
-        return self.prefixes.inserted_chunks(replica_id)

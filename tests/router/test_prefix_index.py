@@ -130,17 +130,3 @@ def test_capacity_follows_the_learnt_chars_per_token() -> None:
     assert capacity_chunks(1000, 16, 256, chars_per_token=1.5) == 93
     indexes = PrefixIndexes(256)
     assert indexes.ensure("r", 1000, 16, 256, chars_per_token=1.5).capacity == 93
-
-
-def test_inserted_chunks_count_new_text_and_a_newcomer_starts_at_the_least() -> None:
-    indexes = PrefixIndexes(16)
-    indexes.ensure("a", 1000, 16, 16)
-    indexes.record("a", (1, 2, 3))
-    indexes.record("a", (1, 2, 4))  # 1 and 2 already held: one new chunk
-    assert indexes.inserted_chunks("a") == 4
-    indexes.ensure("b", 1000, 16, 16)  # joins late: starts level with the least-filled peer (a, 4)
-    indexes.record("b", (9,))
-    assert indexes.inserted_chunks("b") == 5
-    indexes.ensure("c", 1000, 16, 16)
-    assert indexes.inserted_chunks("c") == 4
-    assert indexes.inserted_chunks("unknown") == 0
