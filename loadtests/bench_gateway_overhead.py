@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from loadtests.common import free_port  # noqa: E402  (after the path is set)
+from loadtests.common import free_port, stop_process_group  # noqa: E402  (after the path is set)
 
 WORK = ROOT / "loadtests" / ".work"
 SGLANG_PY = WORK / "sglang-router-venv" / "bin" / "python"
@@ -219,13 +219,7 @@ def run_sglang(backend_url: str, args: argparse.Namespace, rows: dict) -> str | 
     except RuntimeError as e:
         return str(e)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGINT)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_process_group(process)
         log.close()
     return None
 

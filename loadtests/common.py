@@ -1,9 +1,12 @@
-"""Helpers the benchmark scripts share: deterministic prompts and free loopback ports."""
+"""Helpers the benchmark scripts share: deterministic prompts, free loopback ports, stopping a server."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import socket
+import subprocess
 
 
 def make_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -19,3 +22,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """SIGINT to the process group of a server started with start_new_session=True, SIGKILL after 10 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

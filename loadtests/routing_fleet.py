@@ -40,6 +40,7 @@ ENGINE_MODEL = "builtin:tiny-llama"
 CACHE_DIR = REPO / ".kvgate-cache"
 
 from loadtests import workloads  # noqa: E402
+from loadtests.common import stop_process_group  # noqa: E402
 
 SGLANG_PY = WORK / "sglang-router-venv" / "bin" / "python"
 VLLM_ROUTER = WORK / "vllm-router-venv" / "bin" / "vllm-router"
@@ -292,13 +293,7 @@ def start_router(name: str, fleet: Fleet | list[str], tmp: Path, log: Path,
 
 
 def stop_router(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_process_group(proc)
 
 
 if __name__ == "__main__":

@@ -122,34 +122,16 @@ class SglangLike:
         return RouteDecision(rid, reason, held[rid])
 
 
-def _exact_match_tokens(scheduler: Scheduler, req: workloads.Request) -> int:
-    """Leading cached tokens of `req` on `scheduler`, as its look-up would find them now."""
-    text = req.prompt_text()
-    hashes = block_hashes(text, req.model)[:(num_prompt_tokens(text) - 1) // BLOCK_SIZE_TOKENS]
-    blocks = scheduler.cache._blocks  # noqa: SLF001 - a peek that does not touch the LRU order
-    n = 0
-    for h in hashes:
-        if h not in blocks:
-            break
-        n += 1
-    return n * BLOCK_SIZE_TOKENS
-
-
-def _exact_pending(scheduler: Scheduler) -> int:
-    """Prompt tokens queued or in prefill on `scheduler` (a request not yet looked up counts whole)."""
-    seqs = scheduler._waiting + scheduler._running  # noqa: SLF001
-    return sum(s.num_prompt_tokens - s.num_computed_tokens for s in seqs)
-
-
 def _oracle(req: workloads.Request, replicas: dict[str, _Replica], knobs: RoutingKnobs) -> RouteDecision:
     """A router that sees every replica's real cache and prefill queue (no request cap): the least
     pending + miss_cost_weight x uncached, in the replicas' own tokens. A bound on what greedy per-request
     placement can do with perfect information, not a policy a gateway could run."""
-    tokens = num_prompt_tokens(req.prompt_text())
+    text = req.prompt_text()
+    tokens, hashes = num_prompt_tokens(text), block_hashes(text, req.model)
 
     def cost(rep: _Replica) -> tuple[float, str]:
-        uncached = tokens - _exact_match_tokens(rep.scheduler, req)
-        return _exact_pending(rep.scheduler) + knobs.miss_cost_weight * uncached, rep.replica_id
+        uncached = tokens - rep.scheduler.cached_tokens_now(tokens, hashes)
+        return rep.scheduler.pending_prefill_tokens + knobs.miss_cost_weight * uncached, rep.replica_id
 
     return RouteDecision(min(replicas.values(), key=cost).replica_id, Reason.PREFIX_HIT, 0)
 
@@ -225,8 +207,7 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
             rid, plan = payload
             rep = replicas[rid]
             rep.busy = False
-            cached = {seq_id: rep.scheduler._by_id[seq_id].num_cached_tokens  # noqa: SLF001 - read before it ends
-                      for seq_id, _ in plan.prefill if seq_id in rep.scheduler._by_id}  # noqa: SLF001
+            cached = {seq_id: rep.scheduler.num_cached_tokens(seq_id) for seq_id, _ in plan.prefill}  # before it ends
             for event in rep.scheduler.complete(plan):
                 p = pending[event.seq_id]
                 if event.index == 0:
@@ -235,7 +216,7 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
                     p.gateway.pending_prefill_tokens[rid] = max(0, left)
                 if event.finished:
                     p.gateway.in_flight[rid] -= 1
-                    if event.seq_id in cached and policy is choose:  # the proxy learns from usage.cached_tokens
+                    if cached.get(event.seq_id) is not None and policy is choose:  # the proxy learns from usage.cached_tokens
                         p.gateway.indexes.correct(rid, p.route.prefix_hashes, p.predicted_chunks, cached[event.seq_id],
                                                   CHARS_PER_TOKEN)
             kick(rep, now)

@@ -94,6 +94,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def peek(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` are cached, without touching them."""
+        num = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            num += 1
+        return num
+
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` are cached; touches them (most recently used)."""
         num = 0
@@ -204,6 +213,20 @@ class Scheduler:
     def waiting_names(self) -> tuple[str, ...]:
         return tuple(sorted({s.name for s in self._waiting}))
 
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens queued or in prefill (a sequence not yet looked up counts whole)."""
+        return sum(s.num_prompt_tokens - s.num_computed_tokens for s in self._waiting + self._running)
+
+    def cached_tokens_now(self, num_prompt_tokens: int, hashes: Sequence[int]) -> int:
+        """The cached tokens a prompt's look-up would find now; touches nothing."""
+        return self.cache.peek(hashes[:_matchable_blocks(num_prompt_tokens)]) * BLOCK_SIZE_TOKENS
+
+    def num_cached_tokens(self, seq_id: int) -> int | None:
+        """A live sequence's cached tokens (0 until looked up); None once it has ended."""
+        seq = self._by_id.get(seq_id)
+        return seq.num_cached_tokens if seq is not None else None
+
     def kv_usage(self) -> float:
         """Fraction of the KV capacity the running sequences hold (prompt + output, whole blocks)."""
         used_blocks = sum(math.ceil((s.num_prompt_tokens + s.num_generated) / BLOCK_SIZE_TOKENS)
@@ -274,9 +297,7 @@ class Scheduler:
         self._running.append(seq)
 
     def _look_up(self, seq: SimSequence) -> None:
-        # Never the whole prompt: the last token is computed to produce the first output token.
-        matchable_blocks = (seq.num_prompt_tokens - 1) // BLOCK_SIZE_TOKENS
-        num_blocks = self.cache.match(seq.hashes[:matchable_blocks])
+        num_blocks = self.cache.match(seq.hashes[:_matchable_blocks(seq.num_prompt_tokens)])
         seq.looked_up = True
         seq.num_cached_tokens = num_blocks * BLOCK_SIZE_TOKENS
         seq.num_computed_tokens = seq.num_cached_tokens
@@ -294,3 +315,9 @@ class Scheduler:
             del self._by_id[seq.seq_id]
             self.counters.num_finished += 1
         return TokenEvent(seq.seq_id, index, finished)
+
+
+def _matchable_blocks(num_prompt_tokens: int) -> int:
+    """Leading blocks a prompt may find cached: never the whole prompt, as the last token is computed to
+    produce the first output token."""
+    return (num_prompt_tokens - 1) // BLOCK_SIZE_TOKENS

@@ -320,6 +320,15 @@ class _Run:
             return False
         replica = _Replica(self.next_replica, placement, started_at=now,
                            ready_at=now if warm else now + placement.cold_start_s)
+        self.add_replica(now, replica, warm)
+        rate = self.scenario.spot_interruptions_per_hour
+        if placement.capacity_type is CapacityType.SPOT and rate > 0:
+            self.push(now + self.rng.expovariate(rate / 3600.0), _PREEMPT, replica.id)
+        return True
+
+    def add_replica(self, now: float, replica: _Replica, warm: bool) -> None:
+        """Count a new replica in: ready at once when warm (the run's opening fleet), else a cold start
+        that becomes ready at `replica.ready_at`."""
         self.next_replica += 1
         self.replicas[replica.id] = replica
         if warm:
@@ -328,10 +337,6 @@ class _Run:
         else:
             self.cold_starts += now >= self.score_from
             self.push(replica.ready_at, _READY, replica.id)
-        rate = self.scenario.spot_interruptions_per_hour
-        if placement.capacity_type is CapacityType.SPOT and rate > 0:
-            self.push(now + self.rng.expovariate(rate / 3600.0), _PREEMPT, replica.id)
-        return True
 
     def release(self, now: float, replica: _Replica) -> None:
         if replica.node is None:  # with node planning the node is charged instead (release_node)
@@ -447,16 +452,9 @@ class _Run:
         placement = self.placement_of[f"{o.pool}/{o.instance_type}/{o.capacity_type.value}"]
         replica = _Replica(self.next_replica, placement, started_at=now,
                            ready_at=now if warm else now + setup.model_load_s, node=node, handle=action.replica_id)
-        self.next_replica += 1
-        self.replicas[replica.id] = replica
+        self.add_replica(now, replica, warm)
         self.by_handle[replica.handle] = replica
         node.replicas.add(replica.id)
-        if warm:
-            replica.state = "ready"
-            self.ready = None
-        else:
-            self.cold_starts += now >= self.score_from
-            self.push(replica.ready_at, _READY, replica.id)
 
     def preempt_node(self, now: float, serial: int) -> None:
         node = self.node_serials.get(serial)
