@@ -28,7 +28,7 @@ from engine.lora import AdapterInfo, AdapterManager, UnknownAdapter
 from engine.lora.source import fetch_adapter
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, ModelInput, ModelOutput, SampledToken, SamplingParams, Sequence
-from engine.tokenizer import Tokenizer
+from kvgate.tokenizer import Tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 

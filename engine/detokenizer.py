@@ -24,7 +24,7 @@ _NUM_CONTEXT_TOKENS = 5
 
 
 class Decoder(Protocol):
-    """What the detokenizer needs of engine.tokenizer.Tokenizer (fakes implement just this)."""
+    """What the detokenizer needs of kvgate.tokenizer.Tokenizer (fakes implement just this)."""
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 

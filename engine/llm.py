@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine.core import DEFAULT_KV_CACHE_BYTES, EngineConfig, EngineCore, RequestOutput
 from engine.sequence import SamplingParams
-from engine.tokenizer import Tokenizer
+from kvgate.tokenizer import Tokenizer
 
 Prompt = str | Seq[int]
 

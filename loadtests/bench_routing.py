@@ -223,7 +223,7 @@ def engine_sizes(reqs: list[workloads.Request], n: int, kv_factor: float) -> dic
     per replica, kv_factor x unique prompt tokens / n (as the sim mode), at least 2,048 tokens."""
     from engine.builtin import resolve_model_source
     from engine.config import load_model_config
-    from engine.tokenizer import Tokenizer
+    from kvgate.tokenizer import Tokenizer
     from loadtests.routing_fleet import CACHE_DIR, ENGINE_MODEL
 
     model_dir = resolve_model_source(ENGINE_MODEL, CACHE_DIR)

@@ -19,7 +19,7 @@ from aiohttp import web
 from engine.async_llm import AsyncLLM
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatMessage, bad_request, model_not_found
-from engine.tokenizer import ChatTemplateError
+from kvgate.tokenizer import ChatTemplateError
 
 # Text longer than this (characters) is tokenized on a thread: about a millisecond of tokenizer work,
 # which the event loop, serving every other stream, should not wait for.

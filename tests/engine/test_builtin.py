@@ -20,7 +20,7 @@ from safetensors import safe_open
 import engine.builtin as builtin
 from engine.builtin import ModelSourceError, default_cache_dir, resolve_model_source
 from engine.builtin_models import _installed_smollm2_gguf
-from engine.tokenizer import Tokenizer
+from kvgate.tokenizer import Tokenizer
 from tests.engine.builtin_cache import REPO, shared_cache_dir, smollm2_dir
 
 # The weights are the same bytes on every machine (see engine/builtin_models.py); a change here means

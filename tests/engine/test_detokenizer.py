@@ -7,7 +7,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from kvgate.tokenizer import Tokenizer
 from tests.engine.builtin_cache import tiny_llama_dir
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer, TokenizerError
+from kvgate.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer, TokenizerError
 from tests.engine.builtin_cache import tiny_llama_dir
 
 USER_HI = [{"role": "user", "content": "hi"}]
@@ -188,7 +188,7 @@ def test_the_tokenizer_module_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, engine.tokenizer, engine.detokenizer, engine.builtin; print('torch' in sys.modules)"
+    code = "import sys, kvgate.tokenizer, engine.detokenizer, engine.builtin; print('torch' in sys.modules)"
     repo = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert result.stdout.strip() == "False"

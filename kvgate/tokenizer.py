@@ -1,4 +1,7 @@
-"""A model's tokenizer and chat template, read from a Hugging Face model directory.
+"""A model's tokenizer and chat template, read from a Hugging Face model directory (or its files' contents).
+
+A shared leaf: the engine tokenizes with it, and the gateway builds the same tokenizer from the files an
+engine sends (`Replica.GetTokenizer`), so both compute the same KV block hashes for a prompt.
 
 Plain Python over the `tokenizers` library and jinja2 (no torch, no transformers):
 - tokenizer.json: the tokenizer itself (required);
@@ -30,6 +33,10 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+# The files of a model directory that make up its tokenizer (all optional but tokenizer.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
 class TokenizerError(ValueError):
@@ -78,20 +85,30 @@ class Tokenizer:
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load from a Hugging Face model directory. Raises TokenizerError naming the bad file."""
         model_dir = Path(model_dir)
-        tokenizer_path = model_dir / "tokenizer.json"
-        if not tokenizer_path.is_file():
-            raise TokenizerError(f"{tokenizer_path}: missing; the model directory needs a tokenizer.json")
+        files = {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
+        return cls.from_files(files, str(model_dir))
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes], where: str = "") -> Tokenizer:
+        """Load from the contents of a model directory's tokenizer files, by file name (any of
+        TOKENIZER_FILES; tokenizer.json is required): what `from_dir` reads, or what an engine sent
+        over its state protocol so that a gateway tokenizes exactly as it does. `where` names the
+        source in errors. Raises TokenizerError naming the bad file."""
+        def path(name: str) -> str:
+            return f"{where}/{name}" if where else name
+
+        if "tokenizer.json" not in files:
+            raise TokenizerError(f"{path('tokenizer.json')}: missing; the model directory needs a tokenizer.json")
         try:
-            tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+            tokenizer = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
         except Exception as exc:  # the library raises a bare Exception for malformed files
-            raise TokenizerError(f"{tokenizer_path}: not a valid tokenizer.json: {exc}") from exc
-        config = _read_json(model_dir / "tokenizer_config.json")
-        generation = _read_json(model_dir / "generation_config.json")
-        template_path = model_dir / "chat_template.jinja"
-        if template_path.is_file():
-            chat_template = template_path.read_text(encoding="utf-8")
+            raise TokenizerError(f"{path('tokenizer.json')}: not a valid tokenizer.json: {exc}") from exc
+        config = _read_json(files.get("tokenizer_config.json"), path("tokenizer_config.json"))
+        generation = _read_json(files.get("generation_config.json"), path("generation_config.json"))
+        if "chat_template.jinja" in files:
+            chat_template = files["chat_template.jinja"].decode("utf-8")
         else:
-            chat_template = _pick_chat_template(config.get("chat_template"), model_dir / "tokenizer_config.json")
+            chat_template = _pick_chat_template(config.get("chat_template"), path("tokenizer_config.json"))
         try:
             return cls(
                 tokenizer,
@@ -99,11 +116,11 @@ class Tokenizer:
                 eos_token=_token_content(config.get("eos_token")),
                 pad_token=_token_content(config.get("pad_token")),
                 unk_token=_token_content(config.get("unk_token")),
-                extra_eos_token_ids=_eos_ids(generation.get("eos_token_id"), model_dir / "generation_config.json"),
+                extra_eos_token_ids=_eos_ids(generation.get("eos_token_id"), path("generation_config.json")),
                 chat_template=chat_template,
             )
         except jinja2.TemplateSyntaxError as exc:
-            raise TokenizerError(f"{model_dir}: the chat template does not compile: {exc}") from exc
+            raise TokenizerError(f"{where or 'tokenizer'}: the chat template does not compile: {exc}") from exc
 
     @property
     def bos_token(self) -> str | None:
@@ -169,12 +186,12 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    """An optional JSON object file: {} when absent, TokenizerError when present but invalid."""
-    if not path.is_file():
+def _read_json(data: bytes | None, path: str) -> dict[str, Any]:
+    """An optional JSON object file's contents: {} when absent, TokenizerError when present but invalid."""
+    if data is None:
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TokenizerError(f"{path}: not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
@@ -189,7 +206,7 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _pick_chat_template(value: Any, path: Path) -> str | None:
+def _pick_chat_template(value: Any, path: str) -> str | None:
     """A string, or a list of {"name", "template"} of which "default" is used."""
     if value is None or isinstance(value, str):
         return value
@@ -201,7 +218,7 @@ def _pick_chat_template(value: Any, path: Path) -> str | None:
     raise TokenizerError(f"{path}: chat_template must be a string or a list of named templates")
 
 
-def _eos_ids(value: Any, path: Path) -> tuple[int, ...]:
+def _eos_ids(value: Any, path: str) -> tuple[int, ...]:
     if value is None:
         return ()
     values = value if isinstance(value, list) else [value]
