@@ -28,6 +28,13 @@ bytes per hash, 400k cached blocks reach gRPC's default 4 MiB receive limit of t
 An engine created without enable_kv_events records no events; a stream that asks for them then gets
 snapshots without any (no all_cleared either), and the replica logs a warning saying so.
 
+GetTokenizer answers the tokenizer files of the engine's model directory (kvgate.tokenizer.TOKENIZER_FILES
+that are present) and its block size, so that a gateway hashes prompts into the same block chain. The
+files are read once, when the service starts (right after the engine loaded its tokenizer from them), and
+the same answer is sent for the life of the process: a later change on disk would not change what the
+engine tokenizes with either. Without a tokenizer.json there (or with a file that cannot be read) the
+service still serves the state stream; GetTokenizer then fails with FAILED_PRECONDITION.
+
 `seq` counts the snapshots this service produces, GetState included, so run one service per process.
 Pacing uses the event loop's monotonic clock (the only clock asyncio timeouts know); the wall-clock
 fields on the wire come from the injected `now_ns`.
@@ -40,14 +47,16 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from engine.async_llm import AsyncLLM, EngineDead
 from engine.block_manager import BlockRemoved, BlockStored, KVEvent
 from engine.core import EngineStats
+from kvgate.tokenizer import TOKENIZER_FILES
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("kvgate.engine.state")
@@ -110,6 +119,29 @@ def resync_events(cached_hashes: Sequence[int], block_size: int) -> list[replica
     return events
 
 
+class TokenizerFilesUnavailable(Exception):
+    """The model directory's tokenizer files cannot be served; the message says which file and why."""
+
+
+def read_tokenizer_files(model_dir: Path) -> dict[str, bytes]:
+    """The contents of each of TOKENIZER_FILES present in `model_dir`, by file name. Raises
+    TokenizerFilesUnavailable when tokenizer.json is missing or a present file cannot be read: sending
+    the rest would let a gateway build a different tokenizer (e.g. other EOS ids) without knowing it."""
+    files: dict[str, bytes] = {}
+    for name in TOKENIZER_FILES:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            files[name] = path.read_bytes()
+        except OSError as exc:
+            raise TokenizerFilesUnavailable(f"{path}: cannot be read: {exc}") from exc
+    if "tokenizer.json" not in files:
+        raise TokenizerFilesUnavailable(f"{model_dir / 'tokenizer.json'}: missing; this replica has no "
+                                        "tokenizer to send, so a gateway cannot hash prompts for it")
+    return files
+
+
 # ----------------------------------------------------------------------------------- subscribers
 
 
@@ -161,7 +193,10 @@ class _Identity:
 
 class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
     def __init__(self, engine: AsyncLLM, identity: _Identity, is_draining: Callable[[], bool],
-                 now_ns: Callable[[], int], max_pending_kv_hashes: int) -> None:
+                 now_ns: Callable[[], int], max_pending_kv_hashes: int,
+                 tokenizer_files: Mapping[str, bytes] | TokenizerFilesUnavailable) -> None:
+        """`tokenizer_files`: what read_tokenizer_files returned for the engine's model directory, or
+        the error it raised (then GetTokenizer fails with its message)."""
         self._engine = engine
         self._identity = identity
         self._is_draining = is_draining
@@ -171,6 +206,11 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         self._subscribers: set[_Subscriber] = set()
         self._loop = asyncio.get_running_loop()
         self._kv_events_enabled = engine.core.config.enable_kv_events  # frozen config: safe to read
+        # Built once: every call serializes this same message (~9 MB for Llama 3); disk is not read again.
+        self._tokenizer: replica_pb2.TokenizerFiles | TokenizerFilesUnavailable = (
+            tokenizer_files if isinstance(tokenizer_files, TokenizerFilesUnavailable)
+            else replica_pb2.TokenizerFiles(files=tokenizer_files,
+                                            block_size_tokens=engine.core.config.block_size))
         self._unsubscribe = [engine.on_stats(self._stats_changed_threadsafe),
                              engine.on_kv_events(self._kv_events_threadsafe)]
 
@@ -221,6 +261,12 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         if not self._engine.is_alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica's engine has stopped")
         return self._snapshot(self._engine.stats, self._is_draining())
+
+    async def GetTokenizer(self, request: replica_pb2.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext) -> replica_pb2.TokenizerFiles:
+        if isinstance(self._tokenizer, TokenizerFilesUnavailable):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(self._tokenizer))
+        return self._tokenizer
 
     async def WatchState(self, request: replica_pb2.WatchStateRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[replica_pb2.ReplicaState]:
@@ -322,6 +368,8 @@ async def start_state_service(
     port, readable as `.port` of the result. Call on the event loop that will serve it.
 
     KV events reach streams only if the engine was created with EngineConfig(enable_kv_events=True).
+    The tokenizer files GetTokenizer serves are read from the engine's model directory here, once; if
+    they cannot be, a warning is logged and the service starts anyway (GetTokenizer then fails).
     `is_draining` is read for every snapshot; `now_ns` gives the wall clock (ns since the epoch), and
     its value now is the `process_start_unix_ns` of every snapshot. Raises OSError when the address
     cannot be bound.
@@ -329,7 +377,13 @@ async def start_state_service(
     if max_pending_kv_hashes < 1:
         raise ValueError(f"max_pending_kv_hashes must be an integer >= 1; got {max_pending_kv_hashes!r}")
     identity = _Identity(replica_id, model, process_start_unix_ns=now_ns())
-    servicer = _ReplicaServicer(engine, identity, is_draining, now_ns, max_pending_kv_hashes)
+    tokenizer_files: Mapping[str, bytes] | TokenizerFilesUnavailable
+    try:  # a few MB at most: off the loop, which may already serve HTTP
+        tokenizer_files = await asyncio.to_thread(read_tokenizer_files, Path(engine.core.model_dir))
+    except TokenizerFilesUnavailable as exc:
+        log.warning("GetTokenizer will fail with FAILED_PRECONDITION: %s", exc)
+        tokenizer_files = exc
+    servicer = _ReplicaServicer(engine, identity, is_draining, now_ns, max_pending_kv_hashes, tokenizer_files)
     server = grpc.aio.server()
     replica_pb2_grpc.add_ReplicaServicer_to_server(servicer, server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

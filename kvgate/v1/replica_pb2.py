@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvgate/v1/replica.proto\x12\tkvgate.v1\"`\n\x11WatchStateRequest\x12\x19\n\x11include_kv_events\x18\x01 \x01(\x08\x12\x17\n\x0fmin_interval_ms\x18\x02 \x01(\r\x12\x17\n\x0fmax_interval_ms\x18\x03 \x01(\r\"\x11\n\x0fGetStateRequest\"\xb1\x03\n\x0cReplicaState\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x19\n\x11wall_time_unix_ns\x18\x04 \x01(\x03\x12\x1d\n\x15process_start_unix_ns\x18\x05 \x01(\x03\x12\x1c\n\x14num_requests_waiting\x18\x06 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x07 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x08 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\t \x01(\r\x12\x19\n\x11\x62lock_size_tokens\x18\n \x01(\r\x12\x17\n\x0f\x61\x64\x61pters_loaded\x18\x0b \x03(\t\x12)\n!prefix_cache_queried_tokens_total\x18\x0c \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\r \x01(\x04\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12*\n\tkv_events\x18\x0f \x03(\x0b\x32\x17.kvgate.v1.KvBlockEvent\"\xa9\x01\n\x0cKvBlockEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.kvgate.v1.KvBlocksStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.kvgate.v1.KvBlocksRemovedH\x00\x12\x34\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32\x1d.kvgate.v1.KvBlocksAllClearedH\x00\x42\x07\n\x05\x65vent\"\x88\x01\n\x0eKvBlocksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x04 \x01(\rB\x14\n\x12_parent_block_hash\"\'\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x14\n\x12KvBlocksAllCleared2\x91\x01\n\x07Replica\x12\x45\n\nWatchState\x12\x1c.kvgate.v1.WatchStateRequest\x1a\x17.kvgate.v1.ReplicaState0\x01\x12?\n\x08GetState\x12\x1a.kvgate.v1.GetStateRequest\x1a\x17.kvgate.v1.ReplicaStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvgate/v1/replica.proto\x12\tkvgate.v1\"`\n\x11WatchStateRequest\x12\x19\n\x11include_kv_events\x18\x01 \x01(\x08\x12\x17\n\x0fmin_interval_ms\x18\x02 \x01(\r\x12\x17\n\x0fmax_interval_ms\x18\x03 \x01(\r\"\x11\n\x0fGetStateRequest\"\xb1\x03\n\x0cReplicaState\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x19\n\x11wall_time_unix_ns\x18\x04 \x01(\x03\x12\x1d\n\x15process_start_unix_ns\x18\x05 \x01(\x03\x12\x1c\n\x14num_requests_waiting\x18\x06 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x07 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x08 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\t \x01(\r\x12\x19\n\x11\x62lock_size_tokens\x18\n \x01(\r\x12\x17\n\x0f\x61\x64\x61pters_loaded\x18\x0b \x03(\t\x12)\n!prefix_cache_queried_tokens_total\x18\x0c \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\r \x01(\x04\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12*\n\tkv_events\x18\x0f \x03(\x0b\x32\x17.kvgate.v1.KvBlockEvent\"\xa9\x01\n\x0cKvBlockEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.kvgate.v1.KvBlocksStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.kvgate.v1.KvBlocksRemovedH\x00\x12\x34\n\x0b\x61ll_cleared\x18\x03 \x01(\x0b\x32\x1d.kvgate.v1.KvBlocksAllClearedH\x00\x42\x07\n\x05\x65vent\"\x88\x01\n\x0eKvBlocksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x04 \x01(\rB\x14\n\x12_parent_block_hash\"\'\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x14\n\x12KvBlocksAllCleared\"\x15\n\x13GetTokenizerRequest\"\x8e\x01\n\x0eTokenizerFiles\x12\x33\n\x05\x66iles\x18\x01 \x03(\x0b\x32$.kvgate.v1.TokenizerFiles.FilesEntry\x12\x19\n\x11\x62lock_size_tokens\x18\x02 \x01(\r\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x32\xdc\x01\n\x07Replica\x12\x45\n\nWatchState\x12\x1c.kvgate.v1.WatchStateRequest\x1a\x17.kvgate.v1.ReplicaState0\x01\x12?\n\x08GetState\x12\x1a.kvgate.v1.GetStateRequest\x1a\x17.kvgate.v1.ReplicaState\x12I\n\x0cGetTokenizer\x12\x1e.kvgate.v1.GetTokenizerRequest\x1a\x19.kvgate.v1.TokenizerFilesb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvgate.v1.replica_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TOKENIZERFILES_FILESENTRY']._loaded_options = None
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_options = b'8\001'
   _globals['_WATCHSTATEREQUEST']._serialized_start=38
   _globals['_WATCHSTATEREQUEST']._serialized_end=134
   _globals['_GETSTATEREQUEST']._serialized_start=136
@@ -45,6 +47,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVBLOCKSREMOVED']._serialized_end=941
   _globals['_KVBLOCKSALLCLEARED']._serialized_start=943
   _globals['_KVBLOCKSALLCLEARED']._serialized_end=963
-  _globals['_REPLICA']._serialized_start=966
-  _globals['_REPLICA']._serialized_end=1111
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=965
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=986
+  _globals['_TOKENIZERFILES']._serialized_start=989
+  _globals['_TOKENIZERFILES']._serialized_end=1131
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=1087
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=1131
+  _globals['_REPLICA']._serialized_start=1134
+  _globals['_REPLICA']._serialized_end=1354
 # @@protoc_insertion_point(module_scope)

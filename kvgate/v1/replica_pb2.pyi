@@ -85,3 +85,22 @@ class KvBlocksRemoved(_message.Message):
 class KvBlocksAllCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("files", "block_size_tokens")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    block_size_tokens: int
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., block_size_tokens: _Optional[int] = ...) -> None: ...

@@ -45,6 +45,11 @@ class ReplicaStub:
                 request_serializer=kvgate_dot_v1_dot_replica__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=kvgate_dot_v1_dot_replica__pb2.ReplicaState.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/kvgate.v1.Replica/GetTokenizer',
+                request_serializer=kvgate_dot_v1_dot_replica__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=kvgate_dot_v1_dot_replica__pb2.TokenizerFiles.FromString,
+                _registered_method=True)
 
 
 class ReplicaServicer:
@@ -69,6 +74,22 @@ class ReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The tokenizer files of the replica's model, and its KV block size. A gateway builds the same
+        tokenizer from them (kvgate.tokenizer.Tokenizer.from_files) to render and tokenize a request's
+        prompt exactly as this replica will, and so compute the same KV block hash chain
+        (kvgate.kv_blocks.hash_blocks) that this replica's prefix cache and its KvBlocksStored events use.
+        Call it once per replica connection (the answer is fixed for the life of the replica process),
+        never per request. The answer is large: tokenizer.json alone is several MB for big vocabularies
+        (Llama 3's is ~9 MB), above gRPC's default 4 MiB receive limit, so callers raise their channel's
+        max receive message size (e.g. grpc.max_receive_message_length = 64 MiB).
+        FAILED_PRECONDITION when the model directory has no tokenizer.json (or a tokenizer file cannot be
+        read): the replica serves, but a gateway cannot hash prompts for it and routes without its cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +102,11 @@ def add_ReplicaServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=kvgate_dot_v1_dot_replica__pb2.GetStateRequest.FromString,
                     response_serializer=kvgate_dot_v1_dot_replica__pb2.ReplicaState.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=kvgate_dot_v1_dot_replica__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=kvgate_dot_v1_dot_replica__pb2.TokenizerFiles.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +164,33 @@ class Replica:
             '/kvgate.v1.Replica/GetState',
             kvgate_dot_v1_dot_replica__pb2.GetStateRequest.SerializeToString,
             kvgate_dot_v1_dot_replica__pb2.ReplicaState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.v1.Replica/GetTokenizer',
+            kvgate_dot_v1_dot_replica__pb2.GetTokenizerRequest.SerializeToString,
+            kvgate_dot_v1_dot_replica__pb2.TokenizerFiles.FromString,
             options,
             channel_credentials,
             insecure,
