@@ -1,10 +1,13 @@
 """Request features: what the routing policies know about one request.
 
-The router hashes TEXT, not tokens: it has no tokenizer (it fronts foreign servers too, and tokenizing
-every request would cost more than routing). The prompt is rendered into one canonical string, cut into
-fixed-size chunks of `chunk_chars` characters and hashed as a chain with xxh64, like the engine's block
-chain (`engine.block_manager.hash_block`) but over characters. The two chains never meet: the router's
-hashes only ever index the router's own prefix index.
+Two kinds of prefix chain, one per request:
+- KV blocks (`hash_tokens` > 0): where the model's replicas are kvgate engines that stream their KV
+  block events, the gateway tokenizes the prompt with the engine's own tokenizer (`prompt_tokens`) and
+  hashes it with the engine's chain (`kvgate.kv_blocks`), so a look-up in `block_index` is exact.
+- TEXT chunks otherwise (foreign servers, or before the tokenizer arrived): the prompt is rendered into
+  one canonical string, cut into fixed-size chunks of `chunk_chars` characters and hashed as a chain
+  with xxh64, like the engine's block chain but over characters. These hashes only ever index the
+  router's own guess of what each replica holds (`prefix_index`).
 
 Chain property: chunk i's hash covers chunks 0..i and the adapter, so equal hashes at position i mean
 equal text up to the end of chunk i under the same adapter. A later turn of a conversation renders to
@@ -20,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
+
+from kvgate.kv_blocks import hash_blocks
 
 # An estimate, not a tokenizer: English text under BPE tokenizers runs ~4 characters per token
 # (code and non-Latin scripts run fewer). Used for sizes and capacities, never for correctness.
@@ -61,16 +66,17 @@ class RouteRequest:
 
     model: str  # the base model's registry name (an adapter resolves to its base)
     adapter: str | None  # LoRA adapter name, None for the base model
-    prefix_hashes: tuple[int, ...]  # chained xxh64 of each full chunk of the canonical prompt
+    prefix_hashes: tuple[int, ...]  # the chain: KV block hashes (hash_tokens > 0), else text chunk hashes
     affinity_key: int  # rendezvous key: the first chunk's hash, or the whole short prompt's hash
     num_prompt_chars: int  # length of the canonical prompt, in characters
-    estimated_prompt_tokens: int  # ceil(num_prompt_chars / chars_per_token): an estimate
+    estimated_prompt_tokens: int  # exact with KV blocks; else ceil(num_prompt_chars / chars_per_token)
     max_tokens: int | None  # completion budget the client asked for, None when it did not say
     stream: bool
     request_seq: int  # a counter the shell assigns per model; round robin cycles on it
     chunk_chars: int = 256  # the cut `prefix_hashes` were made at (the model's routing.prefix_chunk_chars)
     affinity_depth_chunks: int = 1  # how many chunks the affinity key reaches (routing.affinity_depth_chars)
     chars_per_token: float = CHARS_PER_TOKEN  # the gateway's calibrated estimate for this model
+    hash_tokens: int = 0  # tokens per hash when prefix_hashes are the engine's KV blocks; 0: text chunks
 
     def affinity_key_after(self, skip_chunks: int) -> int:
         """The affinity key of the text after its first `skip_chunks` chunks: the chain hash reaching
@@ -82,9 +88,21 @@ class RouteRequest:
         return self.prefix_hashes[min(len(self.prefix_hashes), skip_chunks + max(self.affinity_depth_chunks, 1)) - 1]
 
     def uncached_tokens(self, match_chunks: int) -> int:
-        """Prompt tokens a replica holding `match_chunks` leading chunks must still prefill."""
+        """Prompt tokens a replica holding `match_chunks` leading chunks (or KV blocks) must still
+        prefill. With KV blocks, as the engine serves them: whole blocks, and never the last prompt
+        token (block 16: a fully cached 32-token prompt still prefills 16)."""
+        if self.hash_tokens:
+            servable = max(self.estimated_prompt_tokens - 1, 0) // self.hash_tokens
+            return self.estimated_prompt_tokens - min(match_chunks, servable) * self.hash_tokens
         cached_chars = min(match_chunks * self.chunk_chars, self.num_prompt_chars)
         return math.ceil((self.num_prompt_chars - cached_chars) / self.chars_per_token)
+
+    def covers(self, match_chunks: int, skip_chunks: int, fraction: float) -> bool:
+        """Whether `match_chunks` (held past the first `skip_chunks`) cover at least `fraction` of the
+        prompt after those chunks, in characters (text chunks) or tokens (KV blocks)."""
+        unit, total = ((self.hash_tokens, self.estimated_prompt_tokens) if self.hash_tokens
+                       else (self.chunk_chars, self.num_prompt_chars))
+        return match_chunks * unit >= fraction * max(total - skip_chunks * unit, 0)
 
 
 def _canonical_json(value: object) -> str:
@@ -203,11 +221,25 @@ def _max_tokens(body: Mapping[str, object]) -> int | None:
 
 def build_route_request(body: Mapping[str, object], model: str, adapter: str | None,
                         chunk_chars: int, request_seq: int,
-                        chars_per_token: float = CHARS_PER_TOKEN, affinity_depth_chars: int = 0) -> RouteRequest:
+                        chars_per_token: float = CHARS_PER_TOKEN, affinity_depth_chars: int = 0,
+                        token_ids: Sequence[int] | None = None, block_size_tokens: int = 0) -> RouteRequest:
     """The RouteRequest of a validated chat or completions body. Raises ValueError as
     `canonical_prompt` and `prefix_hashes` do. `affinity_depth_chars` (the registry's
-    routing.affinity_depth_chars) sets the affinity key's depth; 0 or less than a chunk: the first chunk."""
+    routing.affinity_depth_chars) sets the affinity key's depth; 0 or less than a chunk: the first chunk.
+
+    With `token_ids` (the prompt as the engine tokenizes it, `prompt_tokens.prompt_token_ids`) and the
+    engine's `block_size_tokens`, the chain is the engine's KV block chain and the token count exact;
+    the affinity depth is then `affinity_depth_chars` at the model's characters per token, in blocks."""
     text = canonical_prompt(body)
+    if token_ids is not None and block_size_tokens > 0:
+        blocks = tuple(hash_blocks(token_ids, block_size_tokens, adapter))
+        depth = max(round(affinity_depth_chars / chars_per_token / block_size_tokens), 1)
+        return RouteRequest(
+            model=model, adapter=adapter, prefix_hashes=blocks,
+            affinity_key=affinity_key(text, blocks, adapter, depth), num_prompt_chars=len(text),
+            estimated_prompt_tokens=len(token_ids), max_tokens=_max_tokens(body),
+            stream=bool(body.get("stream", False)), request_seq=request_seq, chunk_chars=chunk_chars,
+            affinity_depth_chunks=depth, chars_per_token=chars_per_token, hash_tokens=block_size_tokens)
     hashes = prefix_hashes(text, chunk_chars, adapter)
     return RouteRequest(
         model=model,

@@ -187,8 +187,7 @@ def _counted_match(request: RouteRequest, match_chunks: int, skip_chunks: int, m
     """`match_chunks` (held past the first `skip_chunks`) when they cover at least `min_fraction` of
     the prompt after those chunks, else 0. Worked: a 6,000-char system prompt every replica holds, then
     500 chars of conversation of which one replica holds 450: 450 >= 0.25 x 500, it counts."""
-    rest_chars = max(request.num_prompt_chars - skip_chunks * request.chunk_chars, 0)
-    return match_chunks if match_chunks * request.chunk_chars >= min_fraction * rest_chars else 0
+    return match_chunks if request.covers(match_chunks, skip_chunks, min_fraction) else 0
 
 
 def _kv_fits(replica: ReplicaState, uncached: int) -> bool:

@@ -30,6 +30,7 @@ from router.errors import GatewayError, bad_gateway, no_capacity, sse_error_even
 from router.features import RouteRequest
 from router.metrics import RouterMetrics
 from router.policies import Reason, RouteDecision, RoutingKnobs, choose
+from router.block_index import BlockIndexes
 from router.prefix_index import PrefixIndexes
 from router.queueing import WaitQueues
 from router.view import ReplicaView
@@ -43,8 +44,9 @@ class Tracker(Protocol):
     """What the proxy needs of `router.replicas.ReplicaTracker`."""
 
     prefixes: PrefixIndexes
+    blocks: BlockIndexes
 
-    def view(self, model: str) -> ReplicaView: ...
+    def view(self, model: str, blocks: bool = False) -> ReplicaView: ...
     def begin(self, replica_id: str, prefill_tokens: int = 0) -> None: ...
     def prefilled(self, replica_id: str, prefill_tokens: int) -> None: ...
     def end(self, replica_id: str) -> None: ...
@@ -144,7 +146,11 @@ class Proxy:
                 continue
             num_attempts += 1
             replica_id = decision.replica_id
-            self.tracker.prefixes.record(replica_id, preq.route.prefix_hashes)
+            on_blocks = preq.route.hash_tokens > 0
+            if on_blocks:  # held as predicted until the replica's own events say (block_index)
+                self.tracker.blocks.predict(replica_id, preq.route.prefix_hashes)
+            else:
+                self.tracker.prefixes.record(replica_id, preq.route.prefix_hashes)
             prefill = _PendingPrefill(self.tracker, replica_id,
                                       preq.route.uncached_tokens(decision.predicted_match_chunks))
             try:
@@ -157,6 +163,8 @@ class Proxy:
             finally:
                 prefill.done()
                 self.tracker.end(replica_id)
+                if on_blocks:
+                    self.tracker.blocks.retire(replica_id, preq.route.prefix_hashes)
         return self._give_up(model, last)
 
     def _give_up(self, model: str, last: AttemptFailed | None) -> web.StreamResponse:
@@ -171,7 +179,7 @@ class Proxy:
 
     def _decide(self, preq: ProxyRequest, excluded: set[str], attempt: int) -> RouteDecision:
         started = self.clock.now()
-        view = self.tracker.view(preq.route.model)
+        view = self.tracker.view(preq.route.model, blocks=preq.route.hash_tokens > 0)
         if excluded:
             view = ReplicaView(tuple(r for r in view.replicas if r.replica_id not in excluded), view.prefixes)
         decision = choose(preq.route, view, preq.knobs)
@@ -345,13 +353,18 @@ class Proxy:
             self.tracker.learn_prompt_size(model, preq.route.num_prompt_chars, prompt_tokens)
         if cached_tokens is None:
             return
-        chars_per_token = self.tracker.chars_per_token_of(model)
-        predicted = min(decision.predicted_match_chunks, len(preq.route.prefix_hashes))
-        predicted_chars = min(predicted * preq.route.chunk_chars, preq.route.num_prompt_chars)
-        self.metrics.prefix_predicted_tokens.labels(model).inc(int(predicted_chars / chars_per_token))
+        route = preq.route
+        predicted = min(decision.predicted_match_chunks, len(route.prefix_hashes))
+        if route.hash_tokens:  # exact counts; the replica's events, not this response, keep the index right
+            predicted_tokens = route.estimated_prompt_tokens - route.uncached_tokens(predicted)
+            self.tracker.blocks.tally(replica_id, predicted_tokens, cached_tokens)
+        else:
+            chars_per_token = self.tracker.chars_per_token_of(model)
+            predicted_chars = min(predicted * route.chunk_chars, route.num_prompt_chars)
+            predicted_tokens = int(predicted_chars / chars_per_token)
+            self.tracker.prefixes.correct(replica_id, route.prefix_hashes, predicted, cached_tokens, chars_per_token)
+        self.metrics.prefix_predicted_tokens.labels(model).inc(predicted_tokens)
         self.metrics.prefix_realised_tokens.labels(model).inc(cached_tokens)
-        self.tracker.prefixes.correct(replica_id, preq.route.prefix_hashes, predicted, cached_tokens,
-                                      chars_per_token)
 
 
 class _SseRelay:

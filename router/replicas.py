@@ -27,19 +27,33 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+import grpc
+
 from kvgate.clock import Clock
 from kvgate.state.base import MemberRecord, StateStore
 from kvgate.state.base import ReplicaState as MemberState
 from registry.schema import Backend
 from registry.snapshot import Snapshot
+from kvgate.tokenizer import Tokenizer
+from router.block_index import BlockIndexes
 from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
-from router.sources import LoadReport, parse_metrics, watch_stream
+from router.sources import LoadReport, fetch_tokenizer, parse_metrics, watch_stream
 from router.view import ReplicaState, ReplicaView
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE_TOKENS = 16
+# A replica that did not answer GetTokenizer (starting up, unreachable) is asked again after this long.
+TOKENIZER_RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class KvChain:
+    """How a model's prompts map onto its engines' KV blocks: the engines' tokenizer and block size."""
+
+    tokenizer: Tokenizer
+    block_size_tokens: int
 
 
 @dataclass
@@ -109,6 +123,10 @@ class ReplicaTracker:
         self._eject_for_s = eject_for_s
         self._default_chunk_chars = prefix_chunk_chars
         self.prefixes = PrefixIndexes(prefix_chunk_chars)
+        self.blocks = BlockIndexes()  # exact, from kvgate engines' KV block events
+        self._kv_chains: dict[str, KvChain | None] = {}  # per model; None: its engines cannot say
+        self._chain_sources: dict[str, str] = {}  # the model's registry source when its chain was fetched
+        self._tokenizer_tasks: dict[str, asyncio.Task[None]] = {}
         self._chars_per_token: dict[str, CharsPerToken] = {}  # per model, learnt from responses
         self._replicas: dict[str, _Tracked] = {}
         self._snapshot: Snapshot | None = None
@@ -148,12 +166,21 @@ class ReplicaTracker:
             tracked.block_size_tokens, tracked.max_loaded_adapters, tracked.prefix_chunk_chars = (
                 self._model_knobs(tracked.model))
             self._ensure_index(tracked)
+        for name in list(self._kv_chains):  # a model whose weights changed may tokenize differently: ask again
+            doc = snapshot.models.get(name)
+            if doc is None or self._chain_sources.get(name) != doc.spec.source:
+                del self._kv_chains[name]
+                self._chain_sources.pop(name, None)
+                for tracked in self._replicas.values():
+                    if tracked.model == name and tracked.grpc_target:
+                        self._want_tokenizer(name)
+                        break
         self._notify()
 
     async def close(self) -> None:
         """Cancel every background task and close the HTTP session if the tracker made it. Idempotent."""
         self._closed = True
-        tasks = [t for r in self._replicas.values() for t in r.tasks]
+        tasks = [t for r in self._replicas.values() for t in r.tasks] + list(self._tokenizer_tasks.values())
         if self._member_task is not None:
             tasks.append(self._member_task)
         for task in tasks:
@@ -169,9 +196,28 @@ class ReplicaTracker:
 
     # ------------------------------------------------------------------------------------ the view
 
-    def view(self, model: str) -> ReplicaView:
-        """Every known replica of `model` (routable or not), with `self.prefixes` as prefix query."""
-        return ReplicaView.of((r.state() for r in self._replicas.values() if r.model == model), self.prefixes)
+    def view(self, model: str, blocks: bool = False) -> ReplicaView:
+        """Every known replica of `model` (routable or not), with `self.prefixes` as prefix query, or
+        `self.blocks` when `blocks` (a request whose chain is KV blocks, see `kv_chain`)."""
+        return ReplicaView.of((r.state() for r in self._replicas.values() if r.model == model),
+                              self.blocks if blocks else self.prefixes)
+
+    def kv_chain(self, model: str) -> KvChain | None:
+        """The KV chain to route `model`'s requests on, or None to route them on text: every routable
+        replica of the model must stream its KV block events (synced) in the engines' block size, and
+        one of them must have sent its tokenizer. A fleet that mixes in a foreign server, or a replica
+        whose stream is down, is routed on text until that changes."""
+        chain = self._kv_chains.get(model)
+        if chain is None:
+            return None
+        routable = False
+        for tracked in self._replicas.values():
+            if tracked.model != model or not tracked.state().accepts_requests:
+                continue
+            if not self.blocks.is_synced(tracked.replica_id) or tracked.load.block_size_tokens != chain.block_size_tokens:
+                return None
+            routable = True
+        return chain if routable else None
 
     def num_ready(self, model: str) -> int:
         """Replicas of `model` that take requests now."""
@@ -293,6 +339,7 @@ class ReplicaTracker:
         for task in tracked.tasks:
             task.cancel()
         self.prefixes.forget_replica(replica_id)
+        self.blocks.forget_replica(replica_id)
         self._notify()
 
     def _start_readers(self, tracked: _Tracked) -> None:
@@ -300,7 +347,8 @@ class ReplicaTracker:
         if tracked.grpc_target:
             tracked.tasks.append(asyncio.create_task(watch_stream(
                 tracked.grpc_target, self._clock, lambda report: self._apply_stream(rid, report),
-                lambda: None), name=f"kvgate-stream-{rid}"))
+                lambda: self.blocks.disconnected(rid), include_kv_events=True), name=f"kvgate-stream-{rid}"))
+            self._want_tokenizer(tracked.model)
         elif tracked.backend is not Backend.OPENAI:
             # vllm, sglang, and members without a gRPC target (foreign backends) publish /metrics.
             tracked.tasks.append(asyncio.create_task(self._scrape_loop(tracked), name=f"kvgate-scrape-{rid}"))
@@ -354,7 +402,36 @@ class ReplicaTracker:
             self.prefixes.forget_replica(replica_id)  # restarted: its KV cache is empty
         elif report.process_start_unix_ns == previous.process_start_unix_ns and report.seq <= previous.seq:
             return  # an older snapshot than one already applied
+        self.blocks.apply(replica_id, report.kv_events, report.kv_blocks_total)
         self._apply_load(replica_id, report)
+
+    # ------------------------------------------------------------------------------ tokenizers
+    def _want_tokenizer(self, model: str) -> None:
+        """Fetch the model's engine tokenizer once (from whichever of its engines answers first)."""
+        task = self._tokenizer_tasks.get(model)
+        if model in self._kv_chains or (task is not None and not task.done()):
+            return
+        self._tokenizer_tasks[model] = asyncio.create_task(self._fetch_tokenizer(model),
+                                                           name=f"kvgate-tokenizer-{model}")
+
+    async def _fetch_tokenizer(self, model: str) -> None:
+        while model not in self._kv_chains:
+            targets = [r.grpc_target for r in self._replicas.values() if r.model == model and r.grpc_target]
+            if not targets:
+                return  # no engine left to ask; the next one to join asks again
+            for target in targets:
+                try:
+                    fetched = await fetch_tokenizer(target)
+                except grpc.aio.AioRpcError as exc:
+                    log.debug("GetTokenizer %s: %s", target, exc.code().name)
+                    continue
+                self._kv_chains[model] = KvChain(*fetched) if fetched is not None else None
+                doc = self._snapshot.models.get(model) if self._snapshot is not None else None
+                self._chain_sources[model] = doc.spec.source if doc is not None else ""
+                if fetched is not None:
+                    log.info("model %s: routing on its engines' KV blocks (block size %d)", model, fetched[1])
+                return
+            await self._clock.sleep(TOKENIZER_RETRY_S)
 
     async def _scrape_loop(self, tracked: _Tracked) -> None:
         while True:

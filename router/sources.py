@@ -19,10 +19,14 @@ import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import asyncio
+
 import grpc
 
 from kvgate.clock import Clock
+from kvgate.tokenizer import Tokenizer, TokenizerError
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
+from router.block_index import KvCleared, KvEvent, KvRemoved, KvStored
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,8 @@ log = logging.getLogger(__name__)
 # a dead one costs one connect attempt per 5 s.
 STREAM_BACKOFF_MIN_S = 0.1
 STREAM_BACKOFF_MAX_S = 5.0
+# GetTokenizer carries the model's tokenizer.json, which runs to ~9 MB for Llama 3 (gRPC's default cap is 4 MB).
+MAX_TOKENIZER_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class LoadReport:
     # Stream only: identify the engine process and order snapshots (see replica.proto).
     process_start_unix_ns: int = 0
     seq: int = 0
+    kv_events: tuple[KvEvent, ...] = ()  # prefix-cache changes since the previous snapshot, oldest first
 
 
 # name{labels} value [timestamp]; names may hold colons (vllm:num_requests_waiting).
@@ -136,32 +143,71 @@ def parse_metrics(text: str) -> LoadReport:
                       adapters_loaded=_latest_lora_adapters(samples))
 
 
+def _kv_event(event: replica_pb2.KvBlockEvent) -> KvEvent | None:
+    kind = event.WhichOneof("event")
+    if kind == "stored":
+        return KvStored(tuple(event.stored.block_hashes))
+    if kind == "removed":
+        return KvRemoved(tuple(event.removed.block_hashes))
+    if kind == "all_cleared":
+        return KvCleared()
+    return None  # a kind added after this gateway was built: ignored
+
+
 def report_from_state(state: replica_pb2.ReplicaState) -> LoadReport:
     """The protobuf snapshot as a plain value; protobuf types stop here."""
+    events = tuple(e for e in map(_kv_event, state.kv_events) if e is not None)
     return LoadReport(num_waiting=state.num_requests_waiting, num_running=state.num_requests_running,
                       kv_blocks_free=state.num_kv_blocks_free, kv_blocks_total=state.num_kv_blocks_total,
                       block_size_tokens=state.block_size_tokens or None,
                       adapters_loaded=frozenset(state.adapters_loaded), draining=state.draining,
-                      process_start_unix_ns=state.process_start_unix_ns, seq=state.seq)
+                      process_start_unix_ns=state.process_start_unix_ns, seq=state.seq, kv_events=events)
 
 
-async def _stream_once(target: str) -> AsyncIterator[LoadReport]:
+async def _stream_once(target: str, include_kv_events: bool) -> AsyncIterator[LoadReport]:
     async with grpc.aio.insecure_channel(target) as channel:
-        call = replica_pb2_grpc.ReplicaStub(channel).WatchState(replica_pb2.WatchStateRequest())
+        call = replica_pb2_grpc.ReplicaStub(channel).WatchState(
+            replica_pb2.WatchStateRequest(include_kv_events=include_kv_events))
         async for state in call:
             yield report_from_state(state)
 
 
+async def fetch_tokenizer(target: str, timeout_s: float = 30.0) -> tuple[Tokenizer, int] | None:
+    """The engine's tokenizer and KV block size, from its `GetTokenizer` RPC: one call per replica
+    connection, never per request. None when the replica cannot say (an engine without the RPC, or
+    without a tokenizer.json); the caller then routes on text. Raises grpc.aio.AioRpcError when the
+    replica is unreachable, so the caller can try again later."""
+    options = [("grpc.max_receive_message_length", MAX_TOKENIZER_MESSAGE_BYTES)]
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        try:
+            reply = await replica_pb2_grpc.ReplicaStub(channel).GetTokenizer(
+                replica_pb2.GetTokenizerRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
+                log.info("replica %s has no tokenizer to share (%s): routing its model on text", target,
+                         exc.details())
+                return None
+            raise
+    files = dict(reply.files)
+    try:  # parsing a large tokenizer.json takes a while: off the event loop
+        tokenizer = await asyncio.to_thread(Tokenizer.from_files, files, f"replica {target}")
+    except TokenizerError as exc:
+        log.warning("replica %s sent a tokenizer that does not load (%s): routing its model on text", target, exc)
+        return None
+    return tokenizer, reply.block_size_tokens
+
+
 async def watch_stream(target: str, clock: Clock, on_report: Callable[[LoadReport], None],
-                       on_disconnect: Callable[[], None]) -> None:
+                       on_disconnect: Callable[[], None], include_kv_events: bool = False) -> None:
     """Follow a replica's WatchState stream until cancelled, reconnecting with backoff.
 
-    `on_report` gets every snapshot; `on_disconnect` is called each time the stream ends or fails to
+    `on_report` gets every snapshot (with KV block events when `include_kv_events`; each connection
+    starts with a full resync); `on_disconnect` is called each time the stream ends or fails to
     connect. Never raises but CancelledError: every gRPC error is logged and retried."""
     backoff_s = STREAM_BACKOFF_MIN_S
     while True:
         try:
-            async for report in _stream_once(target):
+            async for report in _stream_once(target, include_kv_events):
                 backoff_s = STREAM_BACKOFF_MIN_S
                 on_report(report)
         except grpc.aio.AioRpcError as exc:

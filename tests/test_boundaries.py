@@ -2,8 +2,8 @@
 
 | folder | may import (of ours) |
 | registry/ | nothing |
-| engine/ | registry, kvgate.v1 |
-| router/ | registry, kvgate.v1, kvgate.state, kvgate.clock |
+| engine/ | registry, kvgate.v1, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks |
+| router/ | registry, kvgate.v1, kvgate.state, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks |
 | autoscaler/ | registry, providers, kvgate.state, kvgate.clock |
 | providers/ | registry |
 | kvgate/ leaves (everything but cli.py and stack.py) | registry |
@@ -18,11 +18,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = ("registry", "engine", "router", "autoscaler", "providers", "kvgate")
-LEAVES = ("kvgate.clock", "kvgate.state", "kvgate.v1")
+LEAVES = ("kvgate.clock", "kvgate.state", "kvgate.v1", "kvgate.tokenizer", "kvgate.kv_blocks")
+# The engine and the gateway must tokenize and hash prompts identically (KV block events), so both
+# import the one tokenizer and block chain.
+SHARED_WITH_ENGINE = ("kvgate.tokenizer", "kvgate.kv_blocks")
 ALLOWED = {
     "registry": {"registry"},
-    "engine": {"engine", "registry", "kvgate.v1", "kvgate.clock"},
-    "router": {"router", "registry", "kvgate.v1", "kvgate.state", "kvgate.clock"},
+    "engine": {"engine", "registry", "kvgate.v1", "kvgate.clock", *SHARED_WITH_ENGINE},
+    "router": {"router", "registry", "kvgate.v1", "kvgate.state", "kvgate.clock", *SHARED_WITH_ENGINE},
     "autoscaler": {"autoscaler", "registry", "providers", "kvgate.state", "kvgate.clock"},
     "providers": {"providers", "registry", "kvgate.clock"},
     "kvgate-leaf": {"registry", *LEAVES},

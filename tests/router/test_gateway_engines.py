@@ -100,6 +100,11 @@ spec:
         await runner.cleanup()
 
 
+async def on_kv_blocks(gw: Gateway) -> None:
+    """Until the gateway routes the model on its engines' KV blocks (tokenizer fetched, streams synced)."""
+    await eventually(lambda: gw.tracker.kv_chain(SERVED) is not None)
+
+
 async def eventually(predicate, timeout_s: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
@@ -175,5 +180,87 @@ async def test_engine_load_reaches_admin_stats_over_the_grpc_stream(tmp_path: Pa
             assert replicas[busy]["kv_blocks_free"] < replicas[busy]["kv_blocks_total"]
             idle = next(r for rid, r in replicas.items() if rid != busy)
             assert idle["num_running"] == 0 and idle["kv_blocks_total"] > 0
-            assert replicas[busy]["prefix_capacity_chunks"] == replicas[busy]["kv_blocks_total"] * 16 * 4 // 64
+            # Routed on the engines' KV block events: the index is the engine's own pool, in blocks.
+            assert replicas[busy]["prefix_source"] == "kv_events"
+            assert replicas[busy]["prefix_capacity_chunks"] == replicas[busy]["kv_blocks_total"]
             response.close()
+
+
+# --------------------------------------------------------------------- routing on KV block events
+
+CHAT_BODIES = [
+    {"messages": [{"role": "system", "content": LONG_PROMPT}, {"role": "user", "content": "Name one colour."}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "Two"}, {"type": "text", "text": "parts"}]},
+                  {"role": "assistant", "content": None}, {"role": "user", "content": "and more"}]},
+]
+COMPLETION_BODIES = [{"prompt": LONG_PROMPT}, {"prompt": ["A batch of one"]}, {"prompt": [5, 6, 7, 8, 9]}]
+
+
+async def test_the_gateway_tokenizes_every_prompt_shape_as_the_engine_does(tmp_path: Path,
+                                                                           engines: list[Engine]) -> None:
+    """The tokenizer comes from the engines (GetTokenizer); the gateway's token count for each body
+    equals the engine's own usage.prompt_tokens, so their block hashes are the same chain."""
+    from router.prompt_tokens import prompt_token_ids
+
+    async with gateway(tmp_path, engines) as gw:
+        await on_kv_blocks(gw)
+        tokenizer = gw.tracker.kv_chain(SERVED).tokenizer
+        async with aiohttp.ClientSession() as s:
+            for path, bodies in (("/v1/chat/completions", CHAT_BODIES), ("/v1/completions", COMPLETION_BODIES)):
+                for body in bodies:
+                    body = {**body, "model": SERVED, "max_tokens": 1}
+                    async with s.post(gw.url + path, json=body) as response:
+                        assert response.status == 200, await response.text()
+                        usage = (await response.json())["usage"]
+                    assert len(prompt_token_ids(body, tokenizer)) == usage["prompt_tokens"], body
+
+
+async def test_a_prefix_hit_is_predicted_to_the_token_from_the_engines_events(tmp_path: Path,
+                                                                              engines: list[Engine]) -> None:
+    """A conversation's turns go to the engine whose events say it holds the earlier turn, and what the
+    gateway predicted it holds is what the engine then served from cache (usage.cached_tokens)."""
+    async with gateway(tmp_path, engines) as gw:
+        await on_kv_blocks(gw)
+        messages = [{"role": "system", "content": LONG_PROMPT + " Turn-test."}, {"role": "user", "content": "Hi"}]
+        served_by = set()
+        async with aiohttp.ClientSession() as s:
+            for turn in range(3):
+                body = {"model": SERVED, "messages": messages, "max_tokens": 4, "temperature": 0}
+                async with s.post(gw.url + "/v1/chat/completions", json=body) as response:
+                    reply = await response.json()
+                    served_by.add(response.headers[REPLICA_HEADER])
+                messages = [*messages, reply["choices"][0]["message"], {"role": "user", "content": f"And {turn}?"}]
+                await asyncio.sleep(0.2)  # the engine's next state report carries the new blocks
+        assert len(served_by) == 1
+        index = gw.tracker.blocks.get(served_by.pop())
+        stats = index.stats()
+        assert stats.realised_cached_tokens_total > 0
+        assert stats.predicted_cached_tokens_total == stats.realised_cached_tokens_total
+        assert stats.num_corrections_total == 0
+
+
+async def test_two_gateways_that_share_nothing_agree_through_the_engines_events(tmp_path: Path,
+                                                                                engines: list[Engine]) -> None:
+    """Gateway A fronts only engine 1 and sends it six long prompts. Gateway B fronts both engines and has
+    never seen them: it still sends each follow-up to engine 1, as a prefix hit, because engine 1's
+    KV block events told it what engine 1 holds. (Guessing from its own history, B would have no
+    prefix to go on and pick by rendezvous: all six right by chance is 1 in 64.)"""
+    prompts = [f"Conversation {i}: " + LONG_PROMPT for i in range(6)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    async with gateway(tmp_path / "a", engines[1:]) as gw_a, gateway(tmp_path / "b", engines) as gw_b:
+        await on_kv_blocks(gw_a)
+        await on_kv_blocks(gw_b)
+        async with aiohttp.ClientSession() as s:
+            for prompt in prompts:
+                body = {"model": SERVED, "prompt": prompt, "max_tokens": 1}
+                async with s.post(gw_a.url + "/v1/completions", json=body) as response:
+                    assert response.headers[REPLICA_HEADER] == engines[1].url
+            await asyncio.sleep(0.3)  # engine 1's state report with the stored blocks reaches B
+            for prompt in prompts:
+                body = {"model": SERVED, "prompt": prompt + " And then?", "max_tokens": 1}
+                async with s.post(gw_b.url + "/v1/completions", json=body) as response:
+                    assert response.headers[REPLICA_HEADER] == engines[1].url
+                    assert (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        reasons = [d["reason"] for d in (await gw_b.admin_stats())["recent_decisions"]]
+        assert reasons == ["prefix_hit"] * len(prompts)

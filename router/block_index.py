@@ -1,0 +1,178 @@
+"""What each kvgate engine replica holds in its prefix cache, exactly, from its own KV block events.
+
+`prefix_index.PrefixIndex` guesses: it records what the gateway sent where and forgets by an LRU sized
+to the replica's KV. A kvgate engine says instead. Its WatchState stream (proto/kvgate/v1/replica.proto)
+carries `KvBlocksStored` / `KvBlocksRemoved` / `KvBlocksAllCleared` events keyed by the block hash chain
+of `kvgate.kv_blocks`, and the gateway computes the same chain over a request's prompt tokens (with the
+engine's own tokenizer, see `sources.fetch_tokenizer`), so a look-up here is the engine's own look-up,
+up to the ~50 ms the stream coalesces. Every gateway reads the same streams, so gateways that share
+nothing still agree on where a prefix lives: what the LRU guess could not give them.
+
+One gap the events cannot close: blocks are reported once computed, so a prompt routed a moment ago
+is not yet held anywhere and a burst sharing a new system prompt would scatter. The gateway therefore
+adds what it has just routed as *predicted* blocks of that replica, and takes them back one state
+report after the request ends (`retire`), by which time the replica's events say what it kept.
+
+Mutable state owned by the gateway shell (ReplicaTracker); policies read it through `view.PrefixQuery`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KvStored:
+    """Full blocks newly cached, in chain order (the event as plain values; protobuf stops in sources)."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KvRemoved:
+    """Blocks evicted: their hashes no longer hit."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KvCleared:
+    """The whole cache was dropped; also the start of every stream (a full resync follows)."""
+
+
+KvEvent = KvStored | KvRemoved | KvCleared
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """Predicted vs realised cached prompt tokens, as `prefix_index.PrefixStats` gives them."""
+
+    num_entries: int  # blocks the replica reported cached
+    capacity_chunks: int  # blocks the replica has in all (its KV pool)
+    predicted_cached_tokens_total: int
+    realised_cached_tokens_total: int
+    num_corrections_total: int  # responses that realised fewer tokens than predicted
+
+
+@dataclass
+class BlockIndex:
+    """One replica's cached block hashes (from its events) plus this gateway's predictions.
+
+    `synced` is False until the stream's first resync (an `KvCleared`) and again after it drops: an
+    index that is not synced says nothing about the replica, and the tracker then routes the model on
+    the text index instead."""
+
+    cached: set[int] = field(default_factory=set)
+    predicted: Counter[int] = field(default_factory=Counter)
+    retiring: list[tuple[int, ...]] = field(default_factory=list)
+    synced: bool = False
+    capacity_blocks: int = 0
+    predicted_tokens: int = 0
+    realised_tokens: int = 0
+    num_corrections: int = 0
+
+    def apply(self, events: Iterable[KvEvent]) -> None:
+        """Apply a state report's events, oldest first; then drop the predictions of requests that
+        ended before this report (it was sent after they ended, so their blocks are in `cached` now if
+        the replica kept them)."""
+        for event in events:
+            if isinstance(event, KvStored):
+                self.cached.update(event.block_hashes)
+            elif isinstance(event, KvRemoved):
+                self.cached.difference_update(event.block_hashes)
+            else:
+                self.cached.clear()
+                self.synced = True
+        for hashes in self.retiring:
+            self._unpredict(hashes)
+        self.retiring.clear()
+
+    def disconnected(self) -> None:
+        """The stream dropped: what the replica holds is unknown until the next resync."""
+        self.cached.clear()
+        self.synced = False
+
+    def match_length(self, hashes: tuple[int, ...]) -> int:
+        """Leading hashes held or predicted; stops at the first miss, as the engine's look-up does."""
+        count = 0
+        cached, predicted = self.cached, self.predicted
+        for block_hash in hashes:
+            if block_hash not in cached and block_hash not in predicted:
+                break
+            count += 1
+        return count
+
+    def predict(self, hashes: tuple[int, ...]) -> None:
+        """A request with this chain was just routed here: count its blocks as held until it ends."""
+        self.predicted.update(hashes)
+
+    def retire(self, hashes: tuple[int, ...]) -> None:
+        """The request `predict` counted has ended; its prediction goes at the next state report."""
+        self.retiring.append(hashes)
+
+    def tally(self, predicted_tokens: int, realised_tokens: int) -> None:
+        """A response's cached_tokens against what was predicted at routing time (metrics only: the
+        events, not responses, keep this index right)."""
+        self.predicted_tokens += predicted_tokens
+        self.realised_tokens += realised_tokens
+        self.num_corrections += realised_tokens < predicted_tokens
+
+    def stats(self) -> BlockStats:
+        return BlockStats(len(self.cached), self.capacity_blocks, self.predicted_tokens, self.realised_tokens,
+                          self.num_corrections)
+
+    def _unpredict(self, hashes: tuple[int, ...]) -> None:
+        predicted = self.predicted
+        for block_hash in hashes:
+            left = predicted[block_hash] - 1
+            if left > 0:
+                predicted[block_hash] = left
+            else:
+                predicted.pop(block_hash, None)
+
+
+class BlockIndexes:
+    """One BlockIndex per replica id; implements `view.PrefixQuery` over KV block chains."""
+
+    def __init__(self) -> None:
+        self._by_replica: dict[str, BlockIndex] = {}
+
+    def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
+        """0 for a replica without a synced index."""
+        index = self._by_replica.get(replica_id)
+        return index.match_length(hashes) if index is not None and index.synced else 0
+
+    def get(self, replica_id: str) -> BlockIndex | None:
+        return self._by_replica.get(replica_id)
+
+    def is_synced(self, replica_id: str) -> bool:
+        index = self._by_replica.get(replica_id)
+        return index is not None and index.synced
+
+    def apply(self, replica_id: str, events: Iterable[KvEvent], capacity_blocks: int) -> None:
+        index = self._by_replica.setdefault(replica_id, BlockIndex())
+        index.capacity_blocks = capacity_blocks
+        index.apply(events)
+
+    def disconnected(self, replica_id: str) -> None:
+        index = self._by_replica.get(replica_id)
+        if index is not None:
+            index.disconnected()
+
+    def predict(self, replica_id: str, hashes: tuple[int, ...]) -> None:
+        self._by_replica.setdefault(replica_id, BlockIndex()).predict(hashes)
+
+    def retire(self, replica_id: str, hashes: tuple[int, ...]) -> None:
+        index = self._by_replica.get(replica_id)
+        if index is not None:
+            index.retire(hashes)
+
+    def tally(self, replica_id: str, predicted_tokens: int, realised_tokens: int) -> None:
+        index = self._by_replica.get(replica_id)
+        if index is not None:
+            index.tally(predicted_tokens, realised_tokens)
+
+    def forget_replica(self, replica_id: str) -> None:
+        self._by_replica.pop(replica_id, None)
