@@ -68,8 +68,10 @@ from loadtests.routing_fleet import (  # noqa: E402,F401  (re-exported: callers 
 # -------------------------------------------------------------------------------------------- client
 
 
-async def wait_ready(session, url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Until one tiny chat request goes through the router (its few tokens are subtracted from the stats)."""
+async def wait_ready(session, url: str, proc: subprocess.Popen, timeout_s: float = 60.0,
+                     engines: bool = False) -> None:
+    """Until one tiny chat request goes through the router (its few tokens are subtracted from the stats),
+    and with `engines`, until a kvgate gateway routes on the engines' KV blocks."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -79,11 +81,24 @@ async def wait_ready(session, url: str, proc: subprocess.Popen, timeout_s: float
             async with session.post(url + "/v1/chat/completions", json=body) as r:
                 if r.status == 200:
                     await r.read()
-                    return
+                    if not engines or await routes_on(session, url) != "text":  # tokenizer fetched, streams synced
+                        return
         except Exception:
             pass
         await asyncio.sleep(0.3)
     raise RuntimeError("router not ready")
+
+
+async def routes_on(session, url: str) -> str | None:
+    """What a kvgate gateway routes MODEL on: "kv_blocks" (its engines' KV block events) or "text" (its own
+    index); None for a peer router (no /admin/stats). A gateway in front of simulated replicas is on text."""
+    try:
+        async with session.get(url + "/admin/stats") as r:
+            if r.status != 200:
+                return None
+            return (await r.json())["models"][MODEL].get("routes_on")
+    except Exception:
+        return None
 
 
 async def one_request(session, url: str, req: workloads.Request, t0: float, timeout_s: float,
@@ -164,13 +179,14 @@ async def replay(url: str, proc: subprocess.Popen, fleet: Fleet | list[str], req
         fleet = Fleet([], fleet)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        await wait_ready(session, url, proc)
+        await wait_ready(session, url, proc, engines=fleet.kind == "engine")
         before = await replica_counters(session, fleet)
         t0 = time.perf_counter() + 0.2
         results = await asyncio.gather(*(one_request(session, url, r, t0, timeout_s, extra_body) for r in reqs))
         after = await replica_counters(session, fleet)
         decisions = await router_decisions(session, url)
-    return summarize(results, before, after, decisions, t0, len(reqs))
+        on = await routes_on(session, url)
+    return {**summarize(results, before, after, decisions, t0, len(reqs)), "routes_on": on}
 
 
 def summarize(results: list[dict], before: list[dict | None], after: list[dict | None], decisions: dict,

@@ -17,6 +17,12 @@ vs one.
 
     .venv/bin/python loadtests/bench_routing_gateways.py
     .venv/bin/python loadtests/bench_routing_gateways.py --workloads mooncake --policy cache_aware
+    .venv/bin/python loadtests/bench_routing_gateways.py --engines    # 4 real kvgate engines instead
+
+With --engines the replicas are four `kvgate engine` processes on builtin:tiny-llama, sized and with the
+workloads scaled as `bench_routing.py --engines` does. The gateways then route on the engines' KV block
+events (what each engine says it holds, read by every gateway), where against simulated replicas each
+gateway has only its own index of what it sent.
 
 Prints a table and writes loadtests/.work/bench_routing_gateways.json.
 """
@@ -38,8 +44,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from loadtests import workloads  # noqa: E402
-from loadtests.bench_routing import MODEL, WORK, one_request, router_decisions, summarize, wait_ready  # noqa: E402
-from loadtests.routing_fleet import replica_counters, start_fleet, start_router, stop_router  # noqa: E402
+from loadtests.bench_routing import (MODEL, WORK, engine_sizes, make_workload, one_request, router_decisions,  # noqa: E402
+                                     routes_on, summarize, wait_ready)
+from loadtests.routing_fleet import (replica_counters, start_engine_fleet, start_fleet, start_router,  # noqa: E402
+                                     stop_router)
 
 
 def previous_with_prefix(reqs: list[workloads.Request]) -> list[int | None]:
@@ -103,31 +111,39 @@ def home_replica_share(results: list[dict], earlier: list[list[int]]) -> dict:
 
 
 async def replay(urls: list[str], procs: list, fleet, reqs: list[workloads.Request], seed: int,
-                 timeout_s: float) -> tuple[list[dict], dict]:
+                 timeout_s: float, extra_body: dict | None = None, kv_blocks: bool = False) -> tuple[list[dict], dict]:
     import aiohttp
 
     rng = random.Random(seed)
     pick = [rng.randrange(len(urls)) for _ in reqs]  # fixed per seed: the same split for every run
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for url, proc in zip(urls, procs):
-            await wait_ready(session, url, proc)
+            await wait_ready(session, url, proc, engines=kv_blocks)
         before = await replica_counters(session, fleet)
         t0 = time.perf_counter() + 0.2
-        results = await asyncio.gather(*(one_request(session, urls[k], r, t0, timeout_s)
+        results = await asyncio.gather(*(one_request(session, urls[k], r, t0, timeout_s, extra_body)
                                          for k, r in zip(pick, reqs)))
         after = await replica_counters(session, fleet)
         decisions = [await router_decisions(session, url) for url in urls]  # each gateway's, by reason
+        on = [await routes_on(session, url) for url in urls]
     res = summarize(results, before, after, {}, t0, len(reqs))
     res["router_decisions"] = decisions
+    res["routes_on"] = on
     return results, res
 
 
-def run(workload: str, reqs: list[workloads.Request], gateways: int, args: argparse.Namespace) -> dict:
+def run(workload: str, reqs: list[workloads.Request], gateways: int, args: argparse.Namespace,
+        best: float) -> dict:
     n = 4
-    info = workloads.summary(reqs)
-    kv_tokens = max(2048, int(info["unique_tokens"] / n))
-    prefill_tps = info["prompt_tokens"] / max(1.0, info["span_s"]) / n
-    fleet = start_fleet(n, kv_tokens, prefill_tps)
+    extra_body, chunk_chars = None, 128
+    if args.engines:  # sized as bench_routing.py --engines
+        fleet = start_engine_fleet(n, engine_sizes(reqs, n, 1.0)["kv_cache_bytes"])
+        extra_body, chunk_chars = {"ignore_eos": True, "temperature": 0}, 32
+    else:
+        info = workloads.summary(reqs)
+        kv_tokens = max(2048, int(info["unique_tokens"] / n))
+        prefill_tps = info["prompt_tokens"] / max(1.0, info["span_s"]) / n
+        fleet = start_fleet(n, kv_tokens, prefill_tps)
     procs, urls = [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -135,10 +151,12 @@ def run(workload: str, reqs: list[workloads.Request], gateways: int, args: argpa
                 d = Path(tmp) / f"g{g}"
                 d.mkdir()
                 proc, url = start_router(f"kvgate:{args.policy}", fleet, d,
-                                         WORK / f"bench_routing_gateways-{g}.log")
+                                         WORK / f"bench_routing_gateways-{g}.log", chunk_chars,
+                                         "kv_events: false" if args.text_index else "")
                 procs.append(proc)
                 urls.append(url)
-            results, res = asyncio.run(replay(urls, procs, fleet, reqs, args.seed, args.timeout_s))
+            results, res = asyncio.run(replay(urls, procs, fleet, reqs, args.seed, args.timeout_s, extra_body,
+                                              kv_blocks=args.engines and not args.text_index))
     finally:
         for proc in procs:
             stop_router(proc)
@@ -150,7 +168,8 @@ def run(workload: str, reqs: list[workloads.Request], gateways: int, args: argpa
     print(f"  {workload}, {gateways} gateway(s): same replica {res['same_replica']['same_replica']}/"
           f"{res['same_replica']['repeated_prefix_requests']}, to a replica holding the prefix "
           f"{res['home_replica']['to_a_home']}/{res['home_replica']['repeated_prefix_requests']}, "
-          f"hit {res['hit_rate']:.3f}, failed {res['num_failed']}", flush=True)
+          f"hit {res['hit_rate']:.3f} ({res['hit_rate'] / best if best else 0:.3f} of best), failed "
+          f"{res['num_failed']}, routing on {res['routes_on']}", flush=True)
     return res
 
 
@@ -164,17 +183,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--speedup", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=0, help="which gateway each request goes to")
     p.add_argument("--timeout-s", type=float, default=60.0)
-    p.add_argument("--out", type=Path, default=WORK / "bench_routing_gateways.json")
+    p.add_argument("--engines", action="store_true",
+                   help="4 real kvgate engines (builtin:tiny-llama) instead of simulated replicas")
+    p.add_argument("--text-index", action="store_true",
+                   help="with --engines: registry routing.kv_events false, so each gateway routes on its own index "
+                        "of what it sent (the control for the engines' KV block events)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default loadtests/.work/bench_routing_gateways.json (-engines.json with --engines)")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = WORK / ("bench_routing_gateways.json" if not args.engines else
+                           "bench_routing_gateways-engines-text.json" if args.text_index else
+                           "bench_routing_gateways-engines.json")
     WORK.mkdir(parents=True, exist_ok=True)
     out: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
     for workload in args.workloads:
-        reqs = (workloads.hot_prefix(MODEL, args.bursts, args.burst_gap_s) if workload == "hot_prefix"
-                else workloads.mooncake(MODEL, args.mooncake_requests, args.speedup))
-        cell = {"workload": workload, "workload_summary": workloads.summary(reqs),
-                "infinite_cache_hit_rate": workloads.infinite_cache_hit_rate(reqs), "results": {}}
+        reqs = make_workload(workload, False, args)  # engine-scaled texts with --engines
+        best = (engine_sizes(reqs, 4, 1.0)["best_hit_rate"] if args.engines
+                else workloads.infinite_cache_hit_rate(reqs))
+        cell = {"workload": workload, "workload_summary": workloads.summary(reqs), "mode": "engines" if args.engines
+                else "sim", "infinite_cache_hit_rate": best, "results": {}}
         for gateways in (2, 1):
-            cell["results"][str(gateways)] = run(workload, reqs, gateways, args)
+            cell["results"][str(gateways)] = run(workload, reqs, gateways, args, best)
         out["cells"].append(cell)
         args.out.write_text(json.dumps(out, indent=2))
     print_table(out)

@@ -225,8 +225,10 @@ async def replica_counters(session, fleet: Fleet) -> list[dict | None]:
 # ------------------------------------------------------------------------------------------- routers
 
 
-def write_registry(root: Path, fleet: Fleet | list[str], policy: str, chunk_chars: int = 128) -> None:
-    """A registry with MODEL (+ the workloads' adapters) whose static replicas are the fleet's."""
+def write_registry(root: Path, fleet: Fleet | list[str], policy: str, chunk_chars: int = 128,
+                   routing_extra: str = "") -> None:
+    """A registry with MODEL (+ the workloads' adapters) whose static replicas are the fleet's;
+    `routing_extra` adds routing fields, e.g. "kv_events: false"."""
     if isinstance(fleet, list):
         fleet = Fleet([], fleet)
     if fleet.kind == "engine":  # load from the engines' WatchState streams
@@ -245,7 +247,7 @@ kind: Model
 metadata: {{name: {MODEL}}}
 spec:
   source: builtin:tiny-llama
-  routing: {{policy: {policy}, prefix_chunk_chars: {chunk_chars}, static_replicas: [{static}]}}
+  routing: {{policy: {policy}, prefix_chunk_chars: {chunk_chars}, {routing_extra + ", " if routing_extra else ""}static_replicas: [{static}]}}
 {adapters}---
 apiVersion: kvgate/v1
 kind: Pool
@@ -267,8 +269,9 @@ def router_available(name: str) -> str | None:
 
 
 def start_router(name: str, fleet: Fleet | list[str], tmp: Path, log: Path,
-                 chunk_chars: int = 128) -> tuple[subprocess.Popen, str]:
+                 chunk_chars: int = 128, routing_extra: str = "") -> tuple[subprocess.Popen, str]:
     """Start router `name` ("kvgate:<policy>", "sglang:cache_aware", ...) in front of the fleet; (process, url).
+    `routing_extra`: more registry routing fields for kvgate (see `write_registry`).
 
     Not yet ready when this returns: send a request until one goes through (`bench_routing.wait_ready`)."""
     urls = fleet if isinstance(fleet, list) else fleet.urls
@@ -279,7 +282,7 @@ def start_router(name: str, fleet: Fleet | list[str], tmp: Path, log: Path,
     if kind == "kvgate":
         reg = tmp / "registry"
         reg.mkdir(exist_ok=True)
-        write_registry(reg, fleet, policy, chunk_chars)
+        write_registry(reg, fleet, policy, chunk_chars, routing_extra)
         cmd = [str(REPO / ".venv" / "bin" / "kvgate"), "router", "--registry", str(reg), "--port", str(port),
                "--log-level", "WARNING"]
     elif kind == "sglang":

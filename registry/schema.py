@@ -173,6 +173,12 @@ class Routing(_Strict):
         default=1024, ge=1,
         description="Ties (new text on equally loaded replicas) go by rendezvous hash of this many characters "
                     "(whole chunks, at least one) past what every replica holds, the same in every gateway.")
+    kv_events: bool = Field(
+        default=True,
+        description="cache_aware in front of kvgate engines: route on what each engine reports holding (its KV "
+                    "block events, prompts tokenized with the engine's own tokenizer), which every gateway sees "
+                    "alike; false: on this gateway's own index of what it sent (as for foreign servers), saving "
+                    "the tokenizer's CPU at the gateway.")
     max_queued_requests: int = Field(default=256, ge=0,
                                      description="Requests held at a gateway while the model has no ready replica.")
     max_retries: int = Field(default=2, ge=0, le=10, description="Retries on other replicas before the first byte.")

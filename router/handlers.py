@@ -150,7 +150,7 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     sequence = app[SEQUENCE_KEY]
     sequence[model] += 1
     tracker = app[TRACKER_KEY]
-    chain = tracker.kv_chain(model) if routing.policy is RoutingPolicy.CACHE_AWARE else None
+    chain = tracker.kv_chain(model) if routing.policy is RoutingPolicy.CACHE_AWARE and routing.kv_events else None
     token_ids = await _engine_token_ids(body, chain.tokenizer) if chain is not None else None
     try:
         route = build_route_request(body, model, adapter.metadata.name if adapter else None,
@@ -243,7 +243,7 @@ async def admin_stats(request: web.Request) -> web.Response:
             })
         models[name] = {
             "policy": doc.spec.routing.policy.value,
-            "routes_on": "kv_blocks" if tracker.kv_chain(name) is not None else "text",
+            "routes_on": "kv_blocks" if doc.spec.routing.kv_events and tracker.kv_chain(name) is not None else "text",
             "adapters": [a.metadata.name for a in snapshot.adapters_of(name)],
             "num_ready": tracker.num_ready(name),
             "queue_depth": queues.depth(name),
