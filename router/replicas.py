@@ -203,21 +203,26 @@ class ReplicaTracker:
                               self.blocks if blocks else self.prefixes)
 
     def kv_chain(self, model: str) -> KvChain | None:
-        """The KV chain to route `model`'s requests on, or None to route them on text: every routable
-        replica of the model must stream its KV block events (synced) in the engines' block size, and
-        one of them must have sent its tokenizer. A fleet that mixes in a foreign server, or a replica
-        whose stream is down, is routed on text until that changes."""
+        """The KV chain to route `model`'s requests on, or None to route them on text: one of its engines
+        sent its tokenizer, at least one routable replica streams its KV block events (synced), and every
+        routable replica is a kvgate engine (a gRPC stream) in the engines' block size. An engine whose
+        stream is down meanwhile counts as holding nothing (it is likely dying: its health check or a
+        failed request takes it out), rather than sending the whole model back to a text index that was
+        not kept while it routed on blocks. A fleet that mixes in a foreign server is routed on text."""
         chain = self._kv_chains.get(model)
         if chain is None:
             return None
-        routable = False
+        synced = False
         for tracked in self._replicas.values():
             if tracked.model != model or not tracked.state().accepts_requests:
                 continue
-            if not self.blocks.is_synced(tracked.replica_id) or tracked.load.block_size_tokens != chain.block_size_tokens:
+            if not tracked.grpc_target:
                 return None
-            routable = True
-        return chain if routable else None
+            if self.blocks.is_synced(tracked.replica_id):
+                if tracked.load.block_size_tokens != chain.block_size_tokens:
+                    return None
+                synced = True
+        return chain if synced else None
 
     def num_ready(self, model: str) -> int:
         """Replicas of `model` that take requests now."""

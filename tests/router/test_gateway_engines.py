@@ -72,8 +72,9 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def gateway(tmp_path: Path, engines: list[Engine]) -> AsyncIterator[Gateway]:
-    static = ", ".join(f"{{url: '{e.url}', backend: kvgate, grpc_target: '{e.grpc_target}'}}" for e in engines)
+async def gateway(tmp_path: Path, engines: list[Engine], extra_static: str = "") -> AsyncIterator[Gateway]:
+    static = ", ".join([*(f"{{url: '{e.url}', backend: kvgate, grpc_target: '{e.grpc_target}'}}" for e in engines),
+                        *([extra_static] if extra_static else [])])
     (tmp_path / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
 kind: Model
 metadata: {{name: {SERVED}}}
@@ -93,7 +94,9 @@ spec:
     url = f"http://{host}:{port}"
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30.0)
     try:
-        await eventually(lambda: all(r.kv_blocks_total > 0 for r in tracker.view(SERVED).replicas))  # streams up
+        urls = {e.url for e in engines}
+        await eventually(lambda: all(r.kv_blocks_total > 0 for r in tracker.view(SERVED).replicas
+                                     if r.replica_id in urls))  # the engines' streams are up
         yield Gateway(url, client, tracker)
     finally:
         await client.close()
@@ -264,3 +267,34 @@ async def test_two_gateways_that_share_nothing_agree_through_the_engines_events(
                     assert (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         reasons = [d["reason"] for d in (await gw_b.admin_stats())["recent_decisions"]]
         assert reasons == ["prefix_hit"] * len(prompts)
+
+
+async def test_a_fleet_with_a_foreign_server_routes_on_text_and_a_dead_stream_counts_as_holding_nothing(
+        tmp_path: Path, engines: list[Engine]) -> None:
+    """KV blocks only where every routable replica can report them: a vLLM server among the engines sends
+    the model back to the text index. An engine whose stream is down (here: nothing listens at its gRPC
+    port, and health checks are 60 s apart, so it stays routable) does not: it counts as holding nothing."""
+    dead = f"127.0.0.1:{free_loopback_port()}"
+    (tmp_path / "dead").mkdir()
+    (tmp_path / "foreign").mkdir()
+    async with gateway(tmp_path / "dead", engines,
+                       f"{{url: 'http://{dead}', backend: kvgate, grpc_target: '{dead}'}}") as gw:
+        await on_kv_blocks(gw)
+        assert gw.tracker.blocks.match_length(f"http://{dead}", (1, 2, 3)) == 0
+        assert (await gw.admin_stats())["models"][SERVED]["routes_on"] == "kv_blocks"
+    from loadtests.sim_replica import SimReplicaConfig, start_sim_replica  # a vLLM stand-in: /health, /metrics
+
+    vllm = await start_sim_replica(SimReplicaConfig(model=SERVED))
+    try:
+        await _on_text_with(tmp_path / "foreign", engines, vllm.url)
+    finally:
+        await vllm.close()
+
+
+async def _on_text_with(tmp_path: Path, engines: list[Engine], foreign: str) -> None:
+    async with gateway(tmp_path, engines, f"{{url: '{foreign}', backend: vllm}}") as gw:
+        await eventually(lambda: all(gw.tracker.blocks.is_synced(e.url) for e in engines))
+        await asyncio.sleep(0.5)  # time to fetch the tokenizer: it is there, yet the model stays on text
+        assert gw.tracker.num_ready(SERVED) == 3  # the vLLM stand-in is routable: it is why this is on text
+        assert gw.tracker.kv_chain(SERVED) is None
+        assert (await gw.admin_stats())["models"][SERVED]["routes_on"] == "text"
