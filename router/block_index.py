@@ -109,8 +109,12 @@ class BlockIndex:
         self.predicted.update(hashes)
 
     def retire(self, hashes: tuple[int, ...]) -> None:
-        """The request `predict` counted has ended; its prediction goes at the next state report."""
-        self.retiring.append(hashes)
+        """The request `predict` counted has ended; its prediction goes at the next state report (at
+        once while the stream is down: no report is coming to say what the replica kept)."""
+        if self.synced:
+            self.retiring.append(hashes)
+        else:
+            self._unpredict(hashes)
 
     def tally(self, predicted_tokens: int, realised_tokens: int) -> None:
         """A response's cached_tokens against what was predicted at routing time (metrics only: the

@@ -128,9 +128,13 @@ async def _engine_token_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[
     as the engine does: ~1 ms of tokenizer work that the event loop, serving every stream, should not
     wait for."""
     size = sum(len(str(m.get("content", ""))) for m in body.get("messages") or ()) or len(str(body.get("prompt", "")))
-    if size > TOKENIZE_INLINE_MAX_CHARS:
-        return await asyncio.to_thread(prompt_token_ids, body, tokenizer)
-    return prompt_token_ids(body, tokenizer)
+    try:
+        if size > TOKENIZE_INLINE_MAX_CHARS:
+            return await asyncio.to_thread(prompt_token_ids, body, tokenizer)
+        return prompt_token_ids(body, tokenizer)
+    except Exception:  # a template that trips on odd input: route on text; the engine answers the request itself
+        log.debug("could not tokenize a prompt for KV-block routing; routing it on text", exc_info=True)
+        return None
 
 
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:

@@ -45,8 +45,9 @@ def _chat_messages(messages: object) -> list[dict[str, str]] | None:
 
 
 def _is_token_ids(value: object) -> bool:
+    """Token ids the block hash can take (u32); the engine refuses ids outside its vocabulary itself."""
     return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value)
 
 
 def prompt_token_ids(body: Mapping[str, object], tokenizer: Tokenizer) -> list[int] | None:

@@ -26,11 +26,11 @@ from aiohttp import web
 
 from kvgate.clock import Clock
 from registry.schema import Routing
+from router.block_index import BlockIndexes
 from router.errors import GatewayError, bad_gateway, no_capacity, sse_error_event, upstream_timeout
 from router.features import RouteRequest
 from router.metrics import RouterMetrics
 from router.policies import Reason, RouteDecision, RoutingKnobs, choose
-from router.block_index import BlockIndexes
 from router.prefix_index import PrefixIndexes
 from router.queueing import WaitQueues
 from router.view import ReplicaView

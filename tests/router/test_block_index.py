@@ -80,3 +80,13 @@ def test_cache_aware_goes_to_the_replica_whose_events_hold_the_prompt(holder: st
     decision = cache_aware(route, ReplicaView.of(states, indexes), RoutingKnobs())
     assert decision.replica_id == holder and decision.reason is Reason.PREFIX_HIT
     assert decision.predicted_match_chunks == 12  # 200 tokens: 12 full blocks
+
+
+def test_a_prediction_on_a_replica_whose_stream_is_down_goes_when_its_request_ends() -> None:
+    indexes = BlockIndexes()
+    synced(indexes, "a")
+    indexes.disconnected("a")
+    indexes.predict("a", CHAIN)
+    indexes.retire("a", CHAIN)  # no report will come while the stream is down: nothing may pile up
+    synced(indexes, "a")
+    assert indexes.match_length("a", CHAIN) == 0 and not indexes.get("a").predicted

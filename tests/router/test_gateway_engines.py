@@ -298,3 +298,15 @@ async def _on_text_with(tmp_path: Path, engines: list[Engine], foreign: str) -> 
         assert gw.tracker.num_ready(SERVED) == 3  # the vLLM stand-in is routable: it is why this is on text
         assert gw.tracker.kv_chain(SERVED) is None
         assert (await gw.admin_stats())["models"][SERVED]["routes_on"] == "text"
+
+
+async def test_token_ids_the_block_hash_cannot_take_are_the_engines_400_not_a_gateway_500(
+        tmp_path: Path, engines: list[Engine]) -> None:
+    async with gateway(tmp_path, engines) as gw:
+        await on_kv_blocks(gw)
+        async with aiohttp.ClientSession() as s:
+            for prompt in ([2**32] * 20, [-1] * 20, [[1, 2], [3]]):  # 20: a full KV block gets hashed
+                body = {"model": SERVED, "prompt": prompt, "max_tokens": 1}
+                async with s.post(gw.url + "/v1/completions", json=body) as response:
+                    assert response.status == 400, (prompt, await response.text())
+                    assert (await response.json())["error"]["message"]
