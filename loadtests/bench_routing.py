@@ -301,7 +301,7 @@ def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list
         fleet = start_engine_fleet(n, sizes["kv_cache_bytes"]) if engines else start_fleet(n, kv_tokens, prefill_tps)
         with tempfile.TemporaryDirectory() as tmp:
             log = WORK / f"bench_routing-{name.replace(':', '-')}.log"
-            proc, url = start_router(name, fleet, Path(tmp), log, chunk_chars)
+            proc, url = start_router(name, fleet, Path(tmp), log, chunk_chars, ", ".join(args.set))
             try:
                 res = asyncio.run(replay(url, proc, fleet, reqs, args.timeout_s, extra_body))
             except Exception as e:
@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-factor", type=float, default=1.0)
     p.add_argument("--load", type=float, default=1.0, help="offered cold prompt tokens / cluster prefill capacity")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per request; past it a request counts as failed")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD: VALUE",
+                   help="a registry routing field for kvgate's routers, e.g. --set 'miss_cost_weight: 32' (repeatable)")
     p.add_argument("--engines", action="store_true",
                    help="real `kvgate engine` replicas on builtin:tiny-llama instead of simulated ones (texts scaled "
                         "down to its 1,024-token length; defaults: 4 replicas, 3 bursts, 800 trace rows at --speedup 16)")
