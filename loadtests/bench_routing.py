@@ -20,6 +20,13 @@ because this box has 2 cores.
     .venv/bin/python loadtests/bench_routing.py --quick            # smoke run, < 2 minutes
     .venv/bin/python loadtests/bench_routing.py                    # both workloads, 4 and 16 replicas
     .venv/bin/python loadtests/bench_routing.py --replicas 4 16 64 --workloads hot_prefix
+    .venv/bin/python loadtests/bench_routing.py --sim-kv-events --routers kvgate:cache_aware
+
+--sim-kv-events puts the same sims in KV-events mode (`sim_state.py`): they tokenize with SmolLM2-135M's
+tokenizer (~4.1 characters per token here, the sims' scale of 4) and speak kvgate's replica-state protocol,
+so kvgate routes them on their KV block events, as it routes real engines (the run waits until it does and
+records `routes_on`). Replicas are sized as without the flag (from the 4-characters-per-token summary); the
+best hit rate is then the tokenized replay's (`token_replay` in the JSON). Peers see the same sims over HTTP.
 
 Peers live in their own venvs under loadtests/.work/ (never in the project's dependencies):
     python3 -m venv loadtests/.work/sglang-router-venv && loadtests/.work/sglang-router-venv/bin/pip install sglang-router==0.3.2
@@ -179,7 +186,7 @@ async def replay(url: str, proc: subprocess.Popen, fleet: Fleet | list[str], req
         fleet = Fleet([], fleet)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        await wait_ready(session, url, proc, engines=fleet.kind == "engine")
+        await wait_ready(session, url, proc, engines=bool(fleet.grpc_targets))  # engines, or sims with KV events
         before = await replica_counters(session, fleet)
         t0 = time.perf_counter() + 0.2
         results = await asyncio.gather(*(one_request(session, url, r, t0, timeout_s, extra_body) for r in reqs))
@@ -259,6 +266,16 @@ def engine_sizes(reqs: list[workloads.Request], n: int, kv_factor: float) -> dic
                           "kv_bytes_per_token": bytes_per_token}
 
 
+def sim_token_replay(reqs: list[workloads.Request]) -> dict[str, float]:
+    """The best-possible replay of `reqs` on sims in KV-events mode: their tokenizer, their prompt tokens."""
+    from loadtests.routing_fleet import sim_tokenizer_dir
+    from loadtests.sim_state import SimTokens
+    from router.prompt_tokens import prompt_token_ids
+
+    tokenizer = SimTokens.load(sim_tokenizer_dir()).tokenizer
+    return workloads.token_replay(reqs, lambda r: prompt_token_ids(r.body(), tokenizer), 16)
+
+
 def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list[str],
              args: argparse.Namespace) -> dict:
     info = workloads.summary(reqs)
@@ -282,6 +299,7 @@ def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list
               f"{info['prompt_tokens_max']}), {info['unique_tokens']} unique; infinite-cache hit rate {best:.3f}; "
               f"replica KV {kv_tokens} tokens ({sizes['kv_cache_bytes']} bytes)", flush=True)
     else:
+        kv_events = getattr(args, "sim_kv_events", False)
         best = workloads.infinite_cache_hit_rate(reqs)
         kv_tokens = max(2048, int(args.kv_factor * info["unique_tokens"] / n))
         offered_tps = info["prompt_tokens"] / max(1.0, info["span_s"])
@@ -289,16 +307,23 @@ def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list
         cell = {"workload": workload, "replicas": n, "workload_summary": info, "infinite_cache_hit_rate": best,
                 "replica_kv_capacity_tokens": kv_tokens, "replica_prefill_tokens_per_s": prefill_tps,
                 "replica_decode_tokens_per_s": 50.0, "load": args.load, "results": {}, "skipped": {}}
-        print(f"\n== {workload}, {n} replicas: {info['num_requests']} requests over {info['span_s']:.1f} s, "
-              f"{info['prompt_tokens']} prompt tokens, {info['unique_tokens']} unique; infinite-cache hit rate "
-              f"{best:.3f}; replica KV {kv_tokens} tokens, prefill {prefill_tps:.0f} tok/s", flush=True)
+        if kv_events:  # the sims count real tokens: the best is the tokenized replay's
+            replay_info = sim_token_replay(reqs)
+            best = replay_info["best_hit_rate"]
+            cell |= {"mode": "sim-kv-events", "infinite_cache_hit_rate": best, "token_replay": replay_info,
+                     "infinite_cache_hit_rate_chars": workloads.infinite_cache_hit_rate(reqs)}
+        print(f"\n== {workload}, {n} replicas{' (KV events)' if kv_events else ''}: {info['num_requests']} requests "
+              f"over {info['span_s']:.1f} s, {info['prompt_tokens']} prompt tokens, {info['unique_tokens']} unique; "
+              f"infinite-cache hit rate {best:.3f}; replica KV {kv_tokens} tokens, prefill {prefill_tps:.0f} tok/s",
+              flush=True)
     for name in routers:
         why = router_available(name)
         if why:
             cell["skipped"][name] = why
             print(f"  {name}: skipped, {why}", flush=True)
             continue
-        fleet = start_engine_fleet(n, sizes["kv_cache_bytes"]) if engines else start_fleet(n, kv_tokens, prefill_tps)
+        fleet = (start_engine_fleet(n, sizes["kv_cache_bytes"]) if engines else
+                 start_fleet(n, kv_tokens, prefill_tps, kv_events=getattr(args, "sim_kv_events", False)))
         with tempfile.TemporaryDirectory() as tmp:
             log = WORK / f"bench_routing-{name.replace(':', '-')}.log"
             proc, url = start_router(name, fleet, Path(tmp), log, chunk_chars, ", ".join(args.set))
@@ -324,7 +349,8 @@ def fmt(v: float | None, spec: str) -> str:
 
 
 def print_table(cell: dict) -> None:
-    what = "kvgate engines (tiny-llama)" if cell.get("mode") == "engines" else "simulated replicas"
+    what = {"engines": "kvgate engines (tiny-llama)", "sim-kv-events": "simulated replicas with KV events"}.get(
+        cell.get("mode"), "simulated replicas")
     print(f"\n### {cell['workload']}, {cell['replicas']} {what} "
           f"(infinite-cache hit rate {cell['infinite_cache_hit_rate']:.3f})")
     print("| router:policy | hit rate | hit / best | TTFT mean ms | p50 ms | p99 ms | req/s | out tok/s "
@@ -361,8 +387,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engines", action="store_true",
                    help="real `kvgate engine` replicas on builtin:tiny-llama instead of simulated ones (texts scaled "
                         "down to its 1,024-token length; defaults: 4 replicas, 3 bursts, 800 trace rows at --speedup 16)")
+    p.add_argument("--sim-kv-events", action="store_true",
+                   help="simulated replicas in KV-events mode: they tokenize as a kvgate engine (SmolLM2-135M's "
+                        "tokenizer) and stream their KV block events, so kvgate routes on them (see above)")
     p.add_argument("--out", type=Path, default=WORK / "bench_routing.json")
     args = p.parse_args(argv)
+    if args.sim_kv_events and args.engines:
+        p.error("--sim-kv-events is for simulated replicas; real engines (--engines) always stream KV events")
+    if args.sim_kv_events and args.out == WORK / "bench_routing.json":
+        args.out = WORK / ("bench_routing-sim-kv-quick.json" if args.quick else "bench_routing-sim-kv.json")
     if args.engines:
         given = set(argv)
         if "--replicas" not in given:

@@ -18,11 +18,14 @@ vs one.
     .venv/bin/python loadtests/bench_routing_gateways.py
     .venv/bin/python loadtests/bench_routing_gateways.py --workloads mooncake --policy cache_aware
     .venv/bin/python loadtests/bench_routing_gateways.py --engines    # 4 real kvgate engines instead
+    .venv/bin/python loadtests/bench_routing_gateways.py --sim-kv-events    # sims streaming KV block events
 
 With --engines the replicas are four `kvgate engine` processes on builtin:tiny-llama, sized and with the
 workloads scaled as `bench_routing.py --engines` does. The gateways then route on the engines' KV block
 events (what each engine says it holds, read by every gateway), where against simulated replicas each
-gateway has only its own index of what it sent.
+gateway has only its own index of what it sent. With --sim-kv-events the 4 sims run in KV-events mode
+(`sim_state.py`: SmolLM2-135M's tokenizer, the replica-state protocol), sized as without it, and the
+gateways route them on their KV block events as they do real engines.
 
 Prints a table and writes loadtests/.work/bench_routing_gateways.json.
 """
@@ -45,7 +48,7 @@ if str(REPO) not in sys.path:
 
 from loadtests import workloads  # noqa: E402
 from loadtests.bench_routing import (MODEL, WORK, engine_sizes, make_workload, one_request, router_decisions,  # noqa: E402
-                                     routes_on, summarize, wait_ready)
+                                     routes_on, sim_token_replay, summarize, wait_ready)
 from loadtests.routing_fleet import (replica_counters, start_engine_fleet, start_fleet, start_router,  # noqa: E402
                                      stop_router)
 
@@ -143,7 +146,7 @@ def run(workload: str, reqs: list[workloads.Request], gateways: int, args: argpa
         info = workloads.summary(reqs)
         kv_tokens = max(2048, int(info["unique_tokens"] / n))
         prefill_tps = info["prompt_tokens"] / max(1.0, info["span_s"]) / n
-        fleet = start_fleet(n, kv_tokens, prefill_tps)
+        fleet = start_fleet(n, kv_tokens, prefill_tps, kv_events=args.sim_kv_events)
     procs, urls = [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -156,7 +159,7 @@ def run(workload: str, reqs: list[workloads.Request], gateways: int, args: argpa
                 procs.append(proc)
                 urls.append(url)
             results, res = asyncio.run(replay(urls, procs, fleet, reqs, args.seed, args.timeout_s, extra_body,
-                                              kv_blocks=args.engines and not args.text_index))
+                                              kv_blocks=(args.engines or args.sim_kv_events) and not args.text_index))
     finally:
         for proc in procs:
             stop_router(proc)
@@ -185,24 +188,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--engines", action="store_true",
                    help="4 real kvgate engines (builtin:tiny-llama) instead of simulated replicas")
+    p.add_argument("--sim-kv-events", action="store_true",
+                   help="4 simulated replicas in KV-events mode (they stream KV block events like kvgate engines)")
     p.add_argument("--text-index", action="store_true",
-                   help="with --engines: registry routing.kv_events false, so each gateway routes on its own index "
-                        "of what it sent (the control for the engines' KV block events)")
+                   help="with --engines or --sim-kv-events: registry routing.kv_events false, so each gateway routes "
+                        "on its own index of what it sent (the control for the replicas' KV block events)")
     p.add_argument("--out", type=Path, default=None,
-                   help="default loadtests/.work/bench_routing_gateways.json (-engines.json with --engines)")
+                   help="default loadtests/.work/bench_routing_gateways.json (-engines.json with --engines, "
+                        "-sim-kv.json with --sim-kv-events, -text before .json with --text-index)")
     args = p.parse_args(argv)
+    if args.engines and args.sim_kv_events:
+        p.error("--sim-kv-events is for simulated replicas; real engines (--engines) always stream KV events")
     if args.out is None:
-        args.out = WORK / ("bench_routing_gateways.json" if not args.engines else
-                           "bench_routing_gateways-engines-text.json" if args.text_index else
-                           "bench_routing_gateways-engines.json")
+        kind = "-engines" if args.engines else "-sim-kv" if args.sim_kv_events else ""
+        args.out = WORK / f"bench_routing_gateways{kind}{'-text' if args.text_index and kind else ''}.json"
     WORK.mkdir(parents=True, exist_ok=True)
     out: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
     for workload in args.workloads:
         reqs = make_workload(workload, False, args)  # engine-scaled texts with --engines
-        best = (engine_sizes(reqs, 4, 1.0)["best_hit_rate"] if args.engines
-                else workloads.infinite_cache_hit_rate(reqs))
+        best = (engine_sizes(reqs, 4, 1.0)["best_hit_rate"] if args.engines else
+                sim_token_replay(reqs)["best_hit_rate"] if args.sim_kv_events else  # the sims count real tokens
+                workloads.infinite_cache_hit_rate(reqs))
         cell = {"workload": workload, "workload_summary": workloads.summary(reqs), "mode": "engines" if args.engines
-                else "sim", "infinite_cache_hit_rate": best, "results": {}}
+                else "sim-kv-events" if args.sim_kv_events else "sim", "infinite_cache_hit_rate": best, "results": {}}
         for gateways in (2, 1):
             cell["results"][str(gateways)] = run(workload, reqs, gateways, args, best)
         out["cells"].append(cell)

@@ -3,8 +3,10 @@
 Used by `bench_routing.py`, `bench_routing_faults.py` and `bench_routing_gateways.py`, so every benchmark puts
 the same replicas behind the same routers the same way:
 
-- `start_fleet(n, kv_tokens, prefill_tps)`: simulated replicas (`sim_replica.py`) in min(n, 4) processes
-  (one process per replica up to 4, so one can be SIGKILLed);
+- `start_fleet(n, kv_tokens, prefill_tps, kv_events=False)`: simulated replicas (`sim_replica.py`) in min(n, 4)
+  processes (one process per replica up to 4, so one can be SIGKILLed); with `kv_events` each sim tokenizes
+  with SIM_TOKENIZER_MODEL's tokenizer and serves kvgate's replica-state protocol on a gRPC port of its own
+  (`sim_state.py`), so the gateway lists it as `backend: kvgate` and routes it on its KV block events;
 - `start_engine_fleet(n, kv_cache_bytes)`: n real `kvgate engine` processes on builtin:tiny-llama, served as
   MODEL, with the workloads' four LoRA adapters and a WatchState gRPC port each (one torch thread each:
   the box has 2 cores);
@@ -14,6 +16,7 @@ the same replicas behind the same routers the same way:
   /stats or the engine's own Prometheus counters.
 
     python loadtests/routing_fleet.py _sims --ports 8001,8002 --kv 4096 --prefill 2000   # (internal)
+        [--tokenizer-dir DIR --grpc-ports 9001,9002]
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ if str(REPO) not in sys.path:
 WORK = REPO / "loadtests" / ".work"
 MODEL = "sim-llama"
 ENGINE_MODEL = "builtin:tiny-llama"
+# Sims in KV-events mode tokenize with this model's tokenizer: ~4.1 characters per token on the workloads
+# (measured), the sims' own scale of 4, so their token counts and the benchmarks' sizing stay comparable.
+SIM_TOKENIZER_MODEL = "builtin:smollm2-135m"
 CACHE_DIR = REPO / ".kvgate-cache"
 
 from loadtests import workloads  # noqa: E402
@@ -65,22 +71,36 @@ def free_ports(n: int) -> list[int]:
 
 
 def serve_sims(argv: list[str]) -> None:
-    """`routing_fleet.py _sims --ports a,b,c --kv K --prefill P`: several sim replicas in one process."""
+    """`routing_fleet.py _sims --ports a,b,c --kv K --prefill P [--tokenizer-dir D --grpc-ports x,y,z]`:
+    several sim replicas in one process (in KV-events mode sharing one tokenizer)."""
+    from dataclasses import replace
+
     from loadtests.sim_replica import SimReplicaConfig, start_sim_replica
     from loadtests.sim_replica_model import SchedulerSpec
+    from loadtests.sim_state import SimTokens
 
     p = argparse.ArgumentParser()
     p.add_argument("--ports", required=True)
     p.add_argument("--kv", type=int, required=True)
     p.add_argument("--prefill", type=float, required=True)
     p.add_argument("--decode", type=float, default=50.0)
+    p.add_argument("--tokenizer-dir", default=None, help="KV-events mode: tokenize as a kvgate engine with this dir")
+    p.add_argument("--grpc-ports", default=None, help="with --tokenizer-dir: a replica-state gRPC port per --ports")
     a = p.parse_args(argv)
+    ports = [int(port) for port in a.ports.split(",")]
+    grpc_ports: list[int | None] = [None] * len(ports)
+    if a.grpc_ports is not None:
+        grpc_ports = [int(port) for port in a.grpc_ports.split(",")]
+        if a.tokenizer_dir is None or len(grpc_ports) != len(ports):
+            p.error("--grpc-ports needs --tokenizer-dir and one port per --ports")
     spec = SchedulerSpec(kv_capacity_tokens=a.kv, prefill_tokens_per_s=a.prefill, decode_tokens_per_s=a.decode,
                          max_batch=16)
-    config = SimReplicaConfig(model=MODEL, adapters=workloads.ADAPTERS, scheduler=spec)
+    config = SimReplicaConfig(model=MODEL, adapters=workloads.ADAPTERS, scheduler=spec, tokenizer_dir=a.tokenizer_dir)
+    tokens = SimTokens.load(a.tokenizer_dir) if a.tokenizer_dir else None
 
     async def run() -> None:
-        servers = [await start_sim_replica(config, "127.0.0.1", int(port)) for port in a.ports.split(",")]
+        servers = [await start_sim_replica(replace(config, grpc_port=grpc_port), "127.0.0.1", port, tokens=tokens)
+                   for port, grpc_port in zip(ports, grpc_ports)]
         print(f"ready {len(servers)}", flush=True)
         try:
             await asyncio.Event().wait()
@@ -99,7 +119,9 @@ class Fleet:
     procs: list[subprocess.Popen]
     urls: list[str]
     kind: str = "sim"  # "sim" or "engine"
-    grpc_targets: list[str] = field(default_factory=list)  # engines only, parallel to urls
+    # parallel to urls: engines, and sims in KV-events mode; empty otherwise. The registry then lists the
+    # replicas as `backend: kvgate` with these targets.
+    grpc_targets: list[str] = field(default_factory=list)
     replica_proc: list[int] = field(default_factory=list)
 
     def kill(self, index: int) -> int:
@@ -122,16 +144,27 @@ class Fleet:
                 p.wait()
 
 
-def start_fleet(n: int, kv_tokens: int, prefill_tps: float) -> Fleet:
-    """n simulated replicas, fresh caches, each KV `kv_tokens` tokens and prefill `prefill_tps` tokens/s."""
-    ports = free_ports(n)
+def sim_tokenizer_dir() -> Path:
+    """The directory of SIM_TOKENIZER_MODEL (built into CACHE_DIR on first use)."""
+    from engine.builtin import resolve_model_source
+
+    return resolve_model_source(SIM_TOKENIZER_MODEL, CACHE_DIR)
+
+
+def start_fleet(n: int, kv_tokens: int, prefill_tps: float, kv_events: bool = False) -> Fleet:
+    """n simulated replicas, fresh caches, each KV `kv_tokens` tokens and prefill `prefill_tps` tokens/s.
+    `kv_events`: in KV-events mode (SIM_TOKENIZER_MODEL's tokenizer, a replica-state gRPC port each)."""
+    ports = free_ports(2 * n if kv_events else n)
+    ports, grpc_ports = ports[:n], ports[n:]
     groups = min(n, 4)
+    tokenizer = ["--tokenizer-dir", str(sim_tokenizer_dir())] if kv_events else []
     procs = []
     for g in range(groups):
-        mine = ports[g::groups]
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "_sims", "--ports", ",".join(map(str, mine)), "--kv", str(kv_tokens),
-             "--prefill", str(prefill_tps)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        cmd = [sys.executable, __file__, "_sims", "--ports", ",".join(map(str, ports[g::groups])),
+               "--kv", str(kv_tokens), "--prefill", str(prefill_tps)]
+        if kv_events:
+            cmd += [*tokenizer, "--grpc-ports", ",".join(map(str, grpc_ports[g::groups]))]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
     try:
         for p in procs:
             line = p.stdout.readline()
@@ -140,8 +173,8 @@ def start_fleet(n: int, kv_tokens: int, prefill_tps: float) -> Fleet:
     except BaseException:
         Fleet(procs, []).stop()
         raise
-    return Fleet(procs, [f"http://127.0.0.1:{port}" for port in ports], "sim", [],
-                 [i % groups for i in range(n)])
+    return Fleet(procs, [f"http://127.0.0.1:{port}" for port in ports], "sim",
+                 [f"127.0.0.1:{port}" for port in grpc_ports], [i % groups for i in range(n)])
 
 
 def engine_adapters() -> list[tuple[str, str]]:
@@ -231,7 +264,7 @@ def write_registry(root: Path, fleet: Fleet | list[str], policy: str, chunk_char
     `routing_extra` adds routing fields, e.g. "kv_events: false"."""
     if isinstance(fleet, list):
         fleet = Fleet([], fleet)
-    if fleet.kind == "engine":  # load from the engines' WatchState streams
+    if fleet.grpc_targets:  # engines, or sims in KV-events mode: load and KV blocks from their WatchState streams
         static = ", ".join(f"{{url: '{u}', backend: kvgate, grpc_target: '{g}'}}"
                            for u, g in zip(fleet.urls, fleet.grpc_targets))
     else:

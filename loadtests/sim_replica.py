@@ -16,6 +16,12 @@ In process: `build_app(config, clock)` for `aiohttp.test_utils` or an `AppRunner
         --kv-capacity-tokens 32768 --prefill-tokens-per-s 8000 --decode-tokens-per-s 50 --max-batch 16 \
         [--fail die_mid_stream --fail-after-n 10]
 
+KV-events mode (`--tokenizer-dir DIR [--grpc-port P]`, `SimReplicaConfig.tokenizer_dir` / `grpc_port`): the
+sim counts and hashes prompts with DIR's tokenizer exactly as a `kvgate engine` does, and on the gRPC port
+serves kvgate's replica-state protocol (WatchState with KV block events, GetState, GetTokenizer), so a
+gateway lists it as `backend: kvgate` with a `grpc_target` and routes it on its KV blocks. See
+`sim_state.py`. Without a tokenizer directory (the default) it counts 4 characters per token, as always.
+
 The cost model and the cache live in `sim_replica_model.py`; this file is the I/O shell.
 """
 
@@ -27,7 +33,7 @@ import enum
 import itertools
 import json
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -36,7 +42,9 @@ from aiohttp import web
 if __package__ in (None, ""):  # run as a script: make `kvgate` and `loadtests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.block_manager import KVEvent  # noqa: E402
 from kvgate.clock import Clock, RealClock  # noqa: E402
+from loadtests.sim_state import SimStateService, SimTokens, start_sim_state_service  # noqa: E402
 from loadtests.sim_replica_model import (  # noqa: E402
     Scheduler,
     SchedulerSpec,
@@ -80,6 +88,16 @@ class SimReplicaConfig:
     failure: FailureSpec = field(default_factory=FailureSpec)
     default_max_tokens: int = 16
     max_loras: int = 8  # only reported in vllm:lora_requests_info
+    # KV-events mode (module docstring): count and hash prompts with this directory's tokenizer (a model
+    # directory holding tokenizer.json) as a kvgate engine does...
+    tokenizer_dir: str | None = None
+    # ...and serve the replica-state protocol on this gRPC port (0: a free one). Needs tokenizer_dir.
+    grpc_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.grpc_port is not None and self.tokenizer_dir is None:
+            raise ValueError("grpc_port needs tokenizer_dir: the state protocol's KV events and GetTokenizer "
+                             "describe prompts tokenized as an engine does")
 
 
 class _OpenAIError(Exception):
@@ -121,28 +139,44 @@ class _FailureState:
 
 
 class SimEngine:
-    """The scheduler loop: plans a step, sleeps its duration on the clock, delivers its tokens."""
+    """The scheduler loop: plans a step, sleeps its duration on the clock, delivers its tokens.
 
-    def __init__(self, spec: SchedulerSpec, clock: Clock) -> None:
-        self.scheduler = Scheduler(spec)
+    `listeners` are called on the loop after every change of the scheduler's state (a request added,
+    admitted, stepped, ended) with the KV events its cache recorded since the last call (see
+    `record_kv_events`; empty without it)."""
+
+    def __init__(self, spec: SchedulerSpec, clock: Clock, record_kv_events: bool = False) -> None:
+        self.scheduler = Scheduler(spec, record_kv_events)
         self.clock = clock
         self.num_served = 0
+        self.listeners: list[Callable[[Sequence[KVEvent]], None]] = []
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
         self._wake = asyncio.Event()
 
-    def submit(self, name: str, text: str, max_tokens: int) -> tuple[SimSequence, asyncio.Queue[TokenEvent]]:
-        seq = SimSequence(next(self._ids), name, num_prompt_tokens(text), block_hashes(text, name), max_tokens)
+    def submit(self, name: str, num_tokens: int, hashes: tuple[int, ...], max_tokens: int,
+               adapter: str | None = None) -> tuple[SimSequence, asyncio.Queue[TokenEvent]]:
+        """Queue a prompt of `num_tokens` whose full blocks hash to `hashes` (chain order)."""
+        seq = SimSequence(next(self._ids), name, num_tokens, hashes, max_tokens, adapter=adapter)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[seq.seq_id] = queue
         self.scheduler.add(seq)
         self._wake.set()
+        self._changed()
         return seq, queue
 
     def release(self, seq: SimSequence) -> None:
         """The request is done with `seq`: abort it if it had not finished (idempotent)."""
         self._queues.pop(seq.seq_id, None)
-        self.scheduler.abort(seq.seq_id)
+        if self.scheduler.abort(seq.seq_id):
+            self._changed()
+
+    def _changed(self) -> None:
+        if not self.listeners:
+            return
+        events = self.scheduler.cache.drain_events()
+        for listener in list(self.listeners):
+            listener(events)
 
     async def run(self) -> None:
         # Steps are paced against an absolute deadline so sleep overshoot does not slow the model down.
@@ -154,15 +188,18 @@ class SimEngine:
                 await self._wake.wait()
                 deadline = self.clock.now()
                 continue
+            self._changed()  # admitted sequences moved from waiting to running
             deadline = max(deadline, self.clock.now() - 0.05) + plan.duration_s
             await self.clock.sleep(deadline - self.clock.now())
             for event in self.scheduler.complete(plan):
                 queue = self._queues.get(event.seq_id)
                 if queue is not None:
                     queue.put_nowait(event)
+            self._changed()
 
 
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
+TOKENS_KEY = web.AppKey("sim_tokens", SimTokens)  # set in KV-events mode only
 CONFIG_KEY = web.AppKey("sim_config", SimReplicaConfig)
 FAILURE_KEY = web.AppKey("sim_failure", _FailureState)
 CLOCK_KEY = web.AppKey("sim_clock", Clock)
@@ -236,6 +273,17 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         req = _parse(body, config, chat)
     except _OpenAIError as e:
         return _error_response(e.status, str(e), e.param)
+    tokens = request.app.get(TOKENS_KEY)
+    adapter = None
+    if tokens is None:
+        num_tokens, hashes = num_prompt_tokens(req.text), block_hashes(req.text, req.name)
+    else:
+        adapter = req.name if req.name in config.adapters else None
+        prompt = tokens.prompt(body, adapter)
+        if prompt is None:
+            return _error_response(400, "a kvgate engine does not take this prompt (a non-text content part, "
+                                        "or a batch of several prompts)")
+        num_tokens, hashes = prompt
     failure = request.app[FAILURE_KEY]
     fail = failure.take()
     if fail is FailMode.REFUSE:
@@ -253,7 +301,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         await clock.sleep(failure.spec.slow_first_byte_s)
     die_after = failure.spec.die_after_chunks if fail is FailMode.DIE_MID_STREAM else None
 
-    seq, queue = engine.submit(req.name, req.text, req.max_tokens)
+    seq, queue = engine.submit(req.name, num_tokens, hashes, req.max_tokens, adapter)
     ident = f"{'chatcmpl' if chat else 'cmpl'}-sim{seq.seq_id}"
     created = int(clock.wall())
     try:
@@ -427,15 +475,20 @@ async def _admin_fail(request: web.Request) -> web.Response:
     return web.json_response(asdict(failure.spec) | {"mode": failure.spec.mode.value})
 
 
-def build_app(config: SimReplicaConfig, clock: Clock | None = None) -> web.Application:
-    """The replica app. Its scheduler loop starts and stops with the app (cleanup_ctx)."""
+def build_app(config: SimReplicaConfig, clock: Clock | None = None, tokens: SimTokens | None = None) -> web.Application:
+    """The replica app. Its scheduler loop starts and stops with the app (cleanup_ctx).
+
+    In KV-events mode (config.tokenizer_dir) `tokens` is that directory's tokenizer, loaded here when not
+    given (several sims in one process share one). The gRPC service is started by `start_sim_replica`."""
     app = web.Application()
     app[CONFIG_KEY] = config
     app[CLOCK_KEY] = clock or RealClock()
     app[FAILURE_KEY] = _FailureState(config.failure)
+    if config.tokenizer_dir is not None:
+        app[TOKENS_KEY] = tokens or SimTokens.load(config.tokenizer_dir)
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[ENGINE_KEY] = SimEngine(config.scheduler, app[CLOCK_KEY])
+        app[ENGINE_KEY] = SimEngine(config.scheduler, app[CLOCK_KEY], record_kv_events=config.grpc_port is not None)
         task = asyncio.create_task(app[ENGINE_KEY].run())
         yield
         task.cancel()
@@ -456,21 +509,43 @@ def build_app(config: SimReplicaConfig, clock: Clock | None = None) -> web.Appli
 class SimReplicaServer:
     runner: web.AppRunner
     url: str  # http://host:port, no trailing slash
+    state: SimStateService | None = None  # KV-events mode with a grpc_port: the replica-state service
+    grpc_target: str | None = None  # host:port of `state`
+
+    @property
+    def engine(self) -> SimEngine:
+        return self.runner.app[ENGINE_KEY]
 
     async def close(self) -> None:
+        if self.state is not None:
+            await self.state.stop()
         await self.runner.cleanup()
 
 
 async def start_sim_replica(config: SimReplicaConfig, host: str = "127.0.0.1", port: int = 0,
-                            clock: Clock | None = None) -> SimReplicaServer:
-    """Serve a replica on a real socket (port 0: a free one). Client disconnects cancel their handlers."""
-    runner = web.AppRunner(build_app(config, clock), handler_cancellation=True, shutdown_timeout=0.5,
+                            clock: Clock | None = None, tokens: SimTokens | None = None) -> SimReplicaServer:
+    """Serve a replica on a real socket (port 0: a free one). Client disconnects cancel their handlers.
+    With config.grpc_port (0: a free one) it also serves the replica-state protocol (`grpc_target`);
+    `tokens`: see `build_app`."""
+    runner = web.AppRunner(build_app(config, clock, tokens), handler_cancellation=True, shutdown_timeout=0.5,
                            access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
-    return SimReplicaServer(runner, f"http://{bound_host}:{bound_port}")
+    server = SimReplicaServer(runner, f"http://{bound_host}:{bound_port}")
+    if config.grpc_port is not None:
+        app = runner.app
+        sim_clock = app[CLOCK_KEY]
+        try:
+            server.state = await start_sim_state_service(
+                app[ENGINE_KEY], app[TOKENS_KEY], host=host, port=config.grpc_port, replica_id=f"sim-{bound_port}",
+                model=config.model, adapters=config.adapters, now_ns=lambda: int(sim_clock.wall() * 1e9))
+        except BaseException:
+            await runner.cleanup()
+            raise
+        server.grpc_target = f"{host}:{server.state.port}"
+    return server
 
 
 def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimReplicaConfig]:
@@ -490,18 +565,28 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimReplicaC
     p.add_argument("--fail-after-n", type=int, default=d_fail.fail_after_n)
     p.add_argument("--slow-first-byte-s", type=float, default=d_fail.slow_first_byte_s)
     p.add_argument("--die-after-chunks", type=int, default=d_fail.die_after_chunks)
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="KV-events mode: count and hash prompts with this model directory's tokenizer as a kvgate "
+                        "engine does (e.g. builtin:smollm2-135m's directory)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="with --tokenizer-dir: serve kvgate's replica-state protocol (WatchState with KV block "
+                        "events, GetTokenizer) on this port")
     a = p.parse_args(argv)
+    if a.grpc_port is not None and a.tokenizer_dir is None:
+        p.error("--grpc-port needs --tokenizer-dir")
     config = SimReplicaConfig(
         model=a.model, adapters=tuple(a.adapter), default_max_tokens=a.default_max_tokens,
         scheduler=SchedulerSpec(a.kv_capacity_tokens, a.prefill_tokens_per_s, a.decode_tokens_per_s, a.max_batch,
                                 a.max_prefill_tokens_per_step),
-        failure=FailureSpec(FailMode(a.fail), a.fail_after_n, a.slow_first_byte_s, a.die_after_chunks))
+        failure=FailureSpec(FailMode(a.fail), a.fail_after_n, a.slow_first_byte_s, a.die_after_chunks),
+        tokenizer_dir=a.tokenizer_dir, grpc_port=a.grpc_port)
     return a, config
 
 
 async def _serve_forever(host: str, port: int, config: SimReplicaConfig) -> None:
     server = await start_sim_replica(config, host, port)
-    print(f"sim_replica serving {config.model} on {server.url}", flush=True)
+    grpc_note = f" (replica-state gRPC on {server.grpc_target})" if server.grpc_target else ""
+    print(f"sim_replica serving {config.model} on {server.url}{grpc_note}", flush=True)
     try:
         await asyncio.Event().wait()
     finally:

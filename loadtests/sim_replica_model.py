@@ -20,6 +20,16 @@ Cost model (vLLM-like chunked prefill, continuous batching):
   cold, it costs 250 ms;
 - the step that completes a prefill yields the first output token and inserts the prompt's full blocks
   into the cache, evicting least recently used blocks beyond `kv_capacity_tokens / 16`.
+
+KV-events mode (`sim_replica.py --tokenizer-dir`, see `sim_state.py`): the shell counts and hashes a
+prompt as a kvgate engine does (its real token ids, `kvgate.kv_blocks.hash_blocks` with the adapter)
+and passes them in; the cost model is the same. A cache made with `record_events` also records what a
+kvgate engine's BlockManager reports for the same changes: a `BlockStored` per run of consecutive blocks
+that joined the cache (chain order, naming the block before the run as parent), a `BlockRemoved` for the
+blocks evicted. Where the sim differs from the engine (in both modes): it caches whole prompts when their
+prefill completes (the engine commits each block as it is computed, generated tokens too), it may evict
+blocks a running sequence uses (the engine never does), and its LRU evicts a prompt's leading blocks
+before its tail (the engine frees a sequence tail first). Events always describe the sim's own cache.
 """
 
 from __future__ import annotations
@@ -27,10 +37,12 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
+
+from engine.block_manager import BlockRemoved, BlockStored, KVEvent
 
 BLOCK_SIZE_TOKENS = 16
 CHARS_PER_TOKEN = 4
@@ -85,14 +97,28 @@ def filler_text(index: int) -> str:
 
 
 class PrefixCache:
-    """An LRU set of block hashes holding at most `capacity_blocks`."""
+    """An LRU set of block hashes holding at most `capacity_blocks`.
 
-    def __init__(self, capacity_blocks: int) -> None:
+    With `record_events`, every change is also recorded as kvgate engine KV events (see the module
+    docstring) until `drain_events`; applied in order to an empty set, they give `block_hashes()`."""
+
+    def __init__(self, capacity_blocks: int, record_events: bool = False) -> None:
         self.capacity_blocks = capacity_blocks
+        self.record_events = record_events
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._events: list[KVEvent] = []
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def block_hashes(self) -> list[int]:
+        """Every cached hash, least recently used first: what a fresh KV-event subscriber starts from."""
+        return list(self._blocks)
+
+    def drain_events(self) -> list[KVEvent]:
+        """The events recorded since the last drain, oldest first (none without `record_events`)."""
+        events, self._events = self._events, []
+        return events
 
     def peek(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` are cached, without touching them."""
@@ -113,13 +139,44 @@ class PrefixCache:
             num += 1
         return num
 
-    def insert(self, hashes: Iterable[int]) -> None:
-        """Add or touch every block, then evict the least recently used beyond capacity."""
-        for h in hashes:
+    def insert(self, hashes: Sequence[int], adapter: str | None = None) -> None:
+        """Add or touch every block of a prompt's chain, then evict the least recently used beyond capacity.
+        `adapter` only labels the recorded `BlockStored` events (the hashes already cover it)."""
+        if not self.record_events:
+            for h in hashes:
+                self._blocks[h] = None
+                self._blocks.move_to_end(h)
+            while len(self._blocks) > self.capacity_blocks:
+                self._blocks.popitem(last=False)
+            return
+        new: list[int] = []  # chain indices of the blocks that join the cache
+        for index, h in enumerate(hashes):
+            if h not in self._blocks:
+                new.append(index)
             self._blocks[h] = None
             self._blocks.move_to_end(h)
+        self._events.extend(stored_events(hashes, new, adapter))
+        evicted = []
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            evicted.append(self._blocks.popitem(last=False)[0])
+        if evicted:
+            self._events.append(BlockRemoved(tuple(evicted)))
+
+
+def stored_events(chain: Sequence[int], new: Sequence[int], adapter: str | None) -> list[BlockStored]:
+    """One BlockStored per run of consecutive indices in `new` (ascending chain indices of blocks that
+    joined the cache), each naming the chain's block before the run as parent (None for a first block),
+    as the engine's BlockManager reports them: chain [a, b, c, d], new [0, 2, 3] -> ([a], None), ([c, d], b)."""
+    events = []
+    start = 0
+    for i in range(1, len(new) + 1):
+        if i < len(new) and new[i] == new[i - 1] + 1:
+            continue
+        first, last = new[start], new[i - 1]
+        events.append(BlockStored(tuple(chain[first:last + 1]), chain[first - 1] if first > 0 else None, adapter,
+                                  BLOCK_SIZE_TOKENS))
+        start = i
+    return events
 
 
 class SeqState(enum.Enum):
@@ -138,6 +195,7 @@ class SimSequence:
     num_prompt_tokens: int
     hashes: tuple[int, ...]
     max_tokens: int
+    adapter: str | None = None  # labels its KV events (KV-events mode); the hashes already cover it
     state: SeqState = SeqState.WAITING
     num_cached_tokens: int = 0  # known once it first gets prefill budget (`looked_up`)
     looked_up: bool = False
@@ -189,9 +247,9 @@ class SimCounters:
 class Scheduler:
     """Continuous batching over a prefix cache. Not thread-safe; the shell calls it from one loop."""
 
-    def __init__(self, spec: SchedulerSpec) -> None:
+    def __init__(self, spec: SchedulerSpec, record_kv_events: bool = False) -> None:
         self.spec = spec
-        self.cache = PrefixCache(spec.kv_capacity_tokens // BLOCK_SIZE_TOKENS)
+        self.cache = PrefixCache(spec.kv_capacity_tokens // BLOCK_SIZE_TOKENS, record_kv_events)
         self.counters = SimCounters()
         self._waiting: list[SimSequence] = []
         self._running: list[SimSequence] = []
@@ -232,6 +290,13 @@ class Scheduler:
         used_blocks = sum(math.ceil((s.num_prompt_tokens + s.num_generated) / BLOCK_SIZE_TOKENS)
                           for s in self._running)
         return min(1.0, used_blocks / max(1, self.cache.capacity_blocks))
+
+    def num_kv_blocks_free(self) -> int:
+        """KV blocks the running sequences do not hold (cached prefixes count as free, as the engine counts
+        its evictable blocks): capacity 64 blocks, one 40-token prompt with 2 tokens out running -> 61."""
+        used_blocks = sum(math.ceil((s.num_prompt_tokens + s.num_generated) / BLOCK_SIZE_TOKENS)
+                          for s in self._running)
+        return max(0, self.cache.capacity_blocks - used_blocks)
 
     def add(self, seq: SimSequence) -> None:
         self._waiting.append(seq)
@@ -284,7 +349,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += num
             if seq.num_computed_tokens == seq.num_prompt_tokens:
-                self.cache.insert(seq.hashes)
+                self.cache.insert(seq.hashes, seq.adapter)
                 events.append(self._emit(seq))
         for seq_id in plan.decode:
             seq = self._by_id.get(seq_id)
