@@ -292,11 +292,17 @@ class Scheduler:
         return min(1.0, used_blocks / max(1, self.cache.capacity_blocks))
 
     def num_kv_blocks_free(self) -> int:
-        """KV blocks the running sequences do not hold (cached prefixes count as free, as the engine counts
-        its evictable blocks): capacity 64 blocks, one 40-token prompt with 2 tokens out running -> 61."""
-        used_blocks = sum(math.ceil((s.num_prompt_tokens + s.num_generated) / BLOCK_SIZE_TOKENS)
-                          for s in self._running)
-        return max(0, self.cache.capacity_blocks - used_blocks)
+        """KV blocks no running sequence holds, as a kvgate engine counts them (the replica-state stream's
+        figure; `kv_usage` above, for /metrics, stays as it was): cached prefixes are free (evictable), a
+        full prompt block that several running sequences share (same hash) is held once, and each holds
+        private blocks for the rest of its prompt and its output. Capacity 64 blocks, two running
+        sequences with the same 40-token prompt (2 full blocks) and 2 tokens out each -> 64 - 2 - 2 x 1 = 60."""
+        shared: set[int] = set()
+        private = 0
+        for s in self._running:
+            shared.update(s.hashes)
+            private += math.ceil((s.num_prompt_tokens + s.num_generated) / BLOCK_SIZE_TOKENS) - len(s.hashes)
+        return max(0, self.cache.capacity_blocks - len(shared) - private)
 
     def add(self, seq: SimSequence) -> None:
         self._waiting.append(seq)

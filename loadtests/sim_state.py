@@ -17,9 +17,9 @@ gateway can route it on its KV block events (registry: `backend: kvgate` with a 
   (read once, the same bytes the sim's own tokenizer was built from) and block size 16.
 
 Snapshot fields: waiting / running from the scheduler; KV blocks total = the cache capacity, free = total
-minus what the running sequences hold (`Scheduler.num_kv_blocks_free`); adapters_loaded = the adapters of
-the running batch (what the sim's /metrics reports as running LoRA adapters: the sim models no adapter
-loading); the prefix counters; draining is always false.
+minus what the running sequences hold, a shared prompt block once (`Scheduler.num_kv_blocks_free`);
+adapters_loaded = the adapters of the running batch (what the sim's /metrics reports as running LoRA
+adapters: the sim models no adapter loading); the prefix counters; draining is always false.
 
 Everything runs on the sim's event loop: the sim's engine calls `_ReplicaServicer._changed` after each
 change with the KV events it drained, so a snapshot never races a cache change.

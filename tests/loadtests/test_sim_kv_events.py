@@ -26,7 +26,7 @@ from kvgate.kv_blocks import hash_blocks
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 from loadtests import bench_routing
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
-from loadtests.sim_replica_model import PrefixCache, SchedulerSpec, stored_events
+from loadtests.sim_replica_model import PrefixCache, Scheduler, SchedulerSpec, SimSequence, stored_events
 from loadtests.sim_state import SimTokens
 from registry.watch import RegistryWatcher
 from router.app import GatewaySettings, build_app
@@ -105,6 +105,18 @@ def test_the_cache_records_what_enters_and_what_is_evicted_and_the_events_rebuil
     quiet = PrefixCache(2)  # the default: nothing recorded, the same LRU
     quiet.insert([1, 2, 3])
     assert quiet.drain_events() == [] and quiet.block_hashes() == [2, 3]
+
+
+def test_kv_blocks_free_holds_a_block_that_running_sequences_share_once() -> None:
+    sched = Scheduler(SchedulerSpec(kv_capacity_tokens=64 * 16, prefill_tokens_per_s=1e6))
+    for seq_id in (1, 2):
+        sched.add(SimSequence(seq_id, "m", 40, (11, 22), max_tokens=5))
+    sched.complete(sched.schedule())  # both prefilled, a first token out each
+    sched.complete(sched.schedule())  # a second token each
+    assert sched.num_running == 2 and sched.num_kv_blocks_free() == 64 - 2 - 2 * 1
+    sched.add(SimSequence(3, "m", 40, (33, 44), max_tokens=3))
+    sched.complete(sched.schedule())  # another prompt: its own 2 full blocks and a private tail block
+    assert sched.num_kv_blocks_free() == 60 - 3
 
 
 # --- the sims behind a gateway ---------------------------------------------------------------------
