@@ -178,15 +178,24 @@ async def router_decisions(session, url: str) -> dict[str, float]:
     return out
 
 
+def kv_events_off(fields: list[str]) -> bool:
+    """Whether --set turns the registry's routing.kv_events off ("kv_events: false")."""
+    return any(f.replace(" ", "").lower() == "kv_events:false" for f in fields)
+
+
 async def replay(url: str, proc: subprocess.Popen, fleet: Fleet | list[str], reqs: list[workloads.Request],
-                 timeout_s: float, extra_body: dict | None = None) -> dict:
+                 timeout_s: float, extra_body: dict | None = None, kv_blocks: bool | None = None) -> dict:
+    """`kv_blocks`: wait until kvgate routes on the replicas' KV blocks; default: when they stream them
+    (engines, sims with KV events)."""
     import aiohttp
 
     if isinstance(fleet, list):
         fleet = Fleet([], fleet)
+    if kv_blocks is None:
+        kv_blocks = bool(fleet.grpc_targets)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        await wait_ready(session, url, proc, engines=bool(fleet.grpc_targets))  # engines, or sims with KV events
+        await wait_ready(session, url, proc, engines=kv_blocks)
         before = await replica_counters(session, fleet)
         t0 = time.perf_counter() + 0.2
         results = await asyncio.gather(*(one_request(session, url, r, t0, timeout_s, extra_body) for r in reqs))
@@ -328,7 +337,8 @@ def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list
             log = WORK / f"bench_routing-{name.replace(':', '-')}.log"
             proc, url = start_router(name, fleet, Path(tmp), log, chunk_chars, ", ".join(args.set))
             try:
-                res = asyncio.run(replay(url, proc, fleet, reqs, args.timeout_s, extra_body))
+                res = asyncio.run(replay(url, proc, fleet, reqs, args.timeout_s, extra_body,
+                                         kv_blocks=bool(fleet.grpc_targets) and not kv_events_off(args.set)))
             except Exception as e:
                 res = None
                 cell["skipped"][name] = f"run failed: {e} (log {log.relative_to(REPO)})"

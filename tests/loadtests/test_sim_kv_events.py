@@ -247,6 +247,11 @@ async def test_kv_events_after_evictions_match_the_sims_cache(tokens: SimTokens)
         await sim.close()
 
 
+def test_a_set_kv_events_false_tells_the_bench_not_to_wait_for_kv_block_routing() -> None:
+    assert bench_routing.kv_events_off(["miss_cost_weight: 32", "kv_events:  False"])
+    assert not bench_routing.kv_events_off(["kv_events: true"]) and not bench_routing.kv_events_off([])
+
+
 def test_sim_kv_events_bench_waits_for_kv_block_routing(tmp_path: Path) -> None:
     """bench_routing --sim-kv-events: sim processes with gRPC ports behind the real `kvgate router`,
     which routes them on their KV blocks (the run waits until it does and records it)."""
