@@ -138,6 +138,17 @@ class Tokenizer:
         """Text of `token_ids`. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def plain_special_tokens(self) -> dict[str, int] | None:
+        """The special added tokens (content -> id), or None when any added token matches other than
+        literally (lstrip / rstrip / single_word / normalized, or a non-special added token): then text
+        cannot be cut at added tokens by a plain string search the way the tokenizer cuts it."""
+        out = {}
+        for token_id, token in self._tokenizer.get_added_tokens_decoder().items():
+            if token.lstrip or token.rstrip or token.single_word or token.normalized or not token.special:
+                return None
+            out[token.content] = token_id
+        return out
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
 

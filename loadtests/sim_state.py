@@ -46,7 +46,7 @@ from kvgate.kv_blocks import hash_blocks
 from kvgate.tokenizer import Tokenizer
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 from loadtests.sim_replica_model import BLOCK_SIZE_TOKENS
-from router.prompt_tokens import prompt_token_ids
+from router.prompt_tokens import PromptTokenizer, prompt_token_ids
 
 if TYPE_CHECKING:
     from loadtests.sim_replica import SimEngine
@@ -61,18 +61,22 @@ class SimTokens:
 
     tokenizer: Tokenizer
     files: Mapping[str, bytes]
+    # The same tokens, with the gateway's piece cache (router.prompt_tokens): a real engine tokenizes
+    # every prompt whole, but here that CPU would come out of the gateway's share of this box.
+    pieces: PromptTokenizer
 
     @classmethod
     def load(cls, model_dir: str | Path) -> SimTokens:
         """Raises engine.state_service.TokenizerFilesUnavailable (no tokenizer.json, unreadable file) or
         kvgate.tokenizer.TokenizerError (files that do not make a tokenizer)."""
         files = read_tokenizer_files(Path(model_dir))
-        return cls(Tokenizer.from_files(files, str(model_dir)), files)
+        tokenizer = Tokenizer.from_files(files, str(model_dir))
+        return cls(tokenizer, files, PromptTokenizer(tokenizer))
 
     def prompt(self, body: Mapping[str, object], adapter: str | None) -> tuple[int, tuple[int, ...]] | None:
         """(prompt tokens, KV block chain) of a chat or completions body as a kvgate engine computes them;
         None for a body the engine would refuse (an image part, a batch of several prompts)."""
-        ids = prompt_token_ids(body, self.tokenizer)
+        ids = prompt_token_ids(body, self.pieces)
         if ids is None:
             return None
         return len(ids), tuple(hash_blocks(ids, BLOCK_SIZE_TOKENS, adapter))

@@ -15,7 +15,6 @@ from typing import Any
 
 from aiohttp import web
 
-from kvgate.tokenizer import Tokenizer
 from registry.schema import RoutingPolicy
 from registry.snapshot import Snapshot, UnknownName
 from router.errors import GatewayError, bad_request, error_response, model_not_found
@@ -24,7 +23,7 @@ from router.dashboard import dashboard_page
 from router.keys import (CLOCK_KEY, DASHBOARD_KEY, METRICS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY, SEQUENCE_KEY,
                          SETTINGS_KEY, TRACKER_KEY)
 from router.policies import RoutingKnobs
-from router.prompt_tokens import prompt_token_ids
+from router.prompt_tokens import PromptTokenizer, prompt_token_ids
 from router.proxy import ProxyRequest
 
 log = logging.getLogger("kvgate.router")
@@ -123,7 +122,7 @@ def _is_prompt(prompt: object) -> bool:
     return isinstance(prompt, list) and all(isinstance(p, str) or token_ids(p) for p in prompt)
 
 
-async def _engine_token_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int] | None:
+async def _engine_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer) -> list[int] | None:
     """The prompt's tokens as its engines compute them (`prompt_tokens`); a long prompt on a thread,
     as the engine does: ~1 ms of tokenizer work that the event loop, serving every stream, should not
     wait for."""

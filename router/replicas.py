@@ -34,10 +34,10 @@ from kvgate.state.base import MemberRecord, StateStore
 from kvgate.state.base import ReplicaState as MemberState
 from registry.schema import Backend
 from registry.snapshot import Snapshot
-from kvgate.tokenizer import Tokenizer
 from router.block_index import BlockIndexes
 from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
+from router.prompt_tokens import PromptTokenizer
 from router.sources import LoadReport, fetch_tokenizer, parse_metrics, watch_stream
 from router.view import ReplicaState, ReplicaView
 
@@ -52,7 +52,7 @@ TOKENIZER_RETRY_S = 2.0
 class KvChain:
     """How a model's prompts map onto its engines' KV blocks: the engines' tokenizer and block size."""
 
-    tokenizer: Tokenizer
+    tokenizer: PromptTokenizer
     block_size_tokens: int
 
 
@@ -430,7 +430,7 @@ class ReplicaTracker:
                 except grpc.aio.AioRpcError as exc:
                     log.debug("GetTokenizer %s: %s", target, exc.code().name)
                     continue
-                self._kv_chains[model] = KvChain(*fetched) if fetched is not None else None
+                self._kv_chains[model] = KvChain(PromptTokenizer(fetched[0]), fetched[1]) if fetched else None
                 doc = self._snapshot.models.get(model) if self._snapshot is not None else None
                 self._chain_sources[model] = doc.spec.source if doc is not None else ""
                 if fetched is not None:
