@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import enum
 import itertools
 import json
 import sys
@@ -44,6 +43,8 @@ if __package__ in (None, ""):  # run as a script: make `kvgate` and `loadtests` 
 
 from engine.block_manager import KVEvent  # noqa: E402
 from kvgate.clock import Clock, RealClock  # noqa: E402
+from loadtests.sim_failures import (HEALTH_FAILS, FailMode, FailureSpec, FailureState,  # noqa: E402,F401
+                                    drop_connection, stall)
 from loadtests.sim_state import SimStateService, SimTokens, start_sim_state_service  # noqa: E402
 from loadtests.sim_replica_model import (  # noqa: E402
     Scheduler,
@@ -56,28 +57,6 @@ from loadtests.sim_replica_model import (  # noqa: E402
     render_chat,
     render_completion,
 )
-
-
-class FailMode(enum.Enum):
-    NONE = "none"
-    REFUSE = "refuse"  # close the connection without a response
-    UNAVAILABLE = "unavailable"  # 503 with an OpenAI error body and Retry-After
-    ERROR500 = "error500"  # 500 with an OpenAI error body, before any byte of a response
-    STALL = "stall"  # accept and never answer
-    DIE_MID_STREAM = "die_mid_stream"  # send `die_after_chunks` chunks, then drop the connection
-    SLOW_FIRST_BYTE = "slow_first_byte"  # wait `slow_first_byte_s` before serving normally
-
-
-# Modes that also hit /health, so active health checks see what clients see.
-_HEALTH_FAILS = (FailMode.REFUSE, FailMode.UNAVAILABLE, FailMode.ERROR500, FailMode.STALL)
-
-
-@dataclass(frozen=True)
-class FailureSpec:
-    mode: FailMode = FailMode.NONE
-    fail_after_n: int = 0  # inference requests served normally (from when the mode was set) before failing
-    slow_first_byte_s: float = 2.0
-    die_after_chunks: int = 2  # SSE chunks (role chunk included) sent before the connection drops
 
 
 @dataclass(frozen=True)
@@ -112,30 +91,6 @@ def _error_response(status: int, message: str, param: str | None = None) -> web.
             503: "ServiceUnavailableError"}.get(status, "Error")
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
                              status=status)
-
-
-class _FailureState:
-    """The current failure spec and how many inference requests it has let through."""
-
-    def __init__(self, spec: FailureSpec) -> None:
-        self.spec = spec
-        self.num_passed = 0
-        self.num_injected = 0
-
-    def set(self, spec: FailureSpec) -> None:
-        self.spec = spec
-        self.num_passed = 0
-
-    def active(self) -> bool:
-        return self.spec.mode is not FailMode.NONE and self.num_passed >= self.spec.fail_after_n
-
-    def take(self) -> FailMode:
-        """Decide for one inference request: the mode to inject, or NONE (counted toward fail_after_n)."""
-        if self.active():
-            self.num_injected += 1
-            return self.spec.mode
-        self.num_passed += 1
-        return FailMode.NONE
 
 
 class SimEngine:
@@ -201,7 +156,7 @@ class SimEngine:
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
 TOKENS_KEY = web.AppKey("sim_tokens", SimTokens)  # set in KV-events mode only
 CONFIG_KEY = web.AppKey("sim_config", SimReplicaConfig)
-FAILURE_KEY = web.AppKey("sim_failure", _FailureState)
+FAILURE_KEY = web.AppKey("sim_failure", FailureState)
 CLOCK_KEY = web.AppKey("sim_clock", Clock)
 
 
@@ -246,15 +201,6 @@ def _parse(body: object, config: SimReplicaConfig, chat: bool) -> _Completion:
                        bool(isinstance(options, dict) and options.get("include_usage")))
 
 
-def _drop_connection(request: web.Request) -> None:
-    if request.transport is not None:
-        request.transport.close()
-
-
-async def _stall() -> None:
-    await asyncio.get_running_loop().create_future()  # cancelled when the client goes away or on shutdown
-
-
 async def _completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, chat=False)
 
@@ -287,7 +233,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     failure = request.app[FAILURE_KEY]
     fail = failure.take()
     if fail is FailMode.REFUSE:
-        _drop_connection(request)
+        drop_connection(request)
         return web.Response(status=503)  # never reaches the client
     if fail is FailMode.UNAVAILABLE:
         response = _error_response(503, "injected failure: replica unavailable")
@@ -296,7 +242,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     if fail is FailMode.ERROR500:
         return _error_response(500, "injected failure: internal server error")
     if fail is FailMode.STALL:
-        await _stall()
+        await stall()
     if fail is FailMode.SLOW_FIRST_BYTE:
         await clock.sleep(failure.spec.slow_first_byte_s)
     die_after = failure.spec.die_after_chunks if fail is FailMode.DIE_MID_STREAM else None
@@ -314,7 +260,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             response = web.StreamResponse(headers={"Content-Type": "application/json"})
             await response.prepare(request)
             await response.write(json.dumps(payload).encode()[:20])
-            _drop_connection(request)
+            drop_connection(request)
             return response
         return web.json_response(payload)
     finally:
@@ -368,7 +314,7 @@ async def _stream(request: web.Request, req: _Completion, seq: SimSequence, even
         """Write one SSE event; False once the injected death has dropped the connection."""
         nonlocal num_sent
         if die_after is not None and num_sent >= die_after:
-            _drop_connection(request)
+            drop_connection(request)
             return False
         data = payload if isinstance(payload, str) else json.dumps(payload)
         await response.write(f"data: {data}\n\n".encode())
@@ -404,11 +350,11 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     failure = request.app[FAILURE_KEY]
-    if failure.active() and failure.spec.mode in _HEALTH_FAILS:
+    if failure.active() and failure.spec.mode in HEALTH_FAILS:
         if failure.spec.mode is FailMode.REFUSE:
-            _drop_connection(request)
+            drop_connection(request)
         elif failure.spec.mode is FailMode.STALL:
-            await _stall()
+            await stall()
         return _error_response(503 if failure.spec.mode is not FailMode.ERROR500 else 500, "injected failure")
     return web.json_response({"status": "ok"})
 
@@ -483,7 +429,7 @@ def build_app(config: SimReplicaConfig, clock: Clock | None = None, tokens: SimT
     app = web.Application()
     app[CONFIG_KEY] = config
     app[CLOCK_KEY] = clock or RealClock()
-    app[FAILURE_KEY] = _FailureState(config.failure)
+    app[FAILURE_KEY] = FailureState(config.failure)
     if config.tokenizer_dir is not None:
         app[TOKENS_KEY] = tokens or SimTokens.load(config.tokenizer_dir)
 
