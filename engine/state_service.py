@@ -145,8 +145,9 @@ def read_tokenizer_files(model_dir: Path) -> dict[str, bytes]:
 # ----------------------------------------------------------------------------------- subscribers
 
 
-class _Subscriber:
-    """The mailbox of one WatchState stream. Event-loop thread only."""
+class Subscriber:
+    """The mailbox of one WatchState stream. Event-loop thread only. Public for stand-ins that speak this
+    protocol (loadtests/sim_state.py)."""
 
     def __init__(self, include_kv_events: bool, max_pending_kv_hashes: int) -> None:
         self.include_kv_events = include_kv_events
@@ -203,7 +204,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         self._now_ns = now_ns
         self._max_pending_kv_hashes = max_pending_kv_hashes
         self._seq = itertools.count(1)
-        self._subscribers: set[_Subscriber] = set()
+        self._subscribers: set[Subscriber] = set()
         self._loop = asyncio.get_running_loop()
         self._kv_events_enabled = engine.core.config.enable_kv_events  # frozen config: safe to read
         # Built once: every call serializes this same message (~9 MB for Llama 3); disk is not read again.
@@ -274,7 +275,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         if request.include_kv_events and not self._kv_events_enabled:
             log.warning("a state stream asked for KV events, but the engine was created without "
                         "enable_kv_events; streaming snapshots without them")
-        subscriber = _Subscriber(request.include_kv_events and self._kv_events_enabled,
+        subscriber = Subscriber(request.include_kv_events and self._kv_events_enabled,
                                  self._max_pending_kv_hashes)
         self._subscribers.add(subscriber)  # before the first cache read: no event falls in between
         loop = asyncio.get_running_loop()
@@ -288,7 +289,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                 now_s = loop.time()
                 due_s = next_send_at(last_sent_s, subscriber.changed.is_set(), intervals)
                 if now_s < due_s:
-                    await _wait_for_change(subscriber, due_s - now_s)
+                    await wait_for_change(subscriber, due_s - now_s)
                     continue
                 subscriber.changed.clear()
                 kv_events = await self._take_kv_events(subscriber, context)
@@ -302,7 +303,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         finally:
             self._subscribers.discard(subscriber)
 
-    async def _take_kv_events(self, subscriber: _Subscriber,
+    async def _take_kv_events(self, subscriber: Subscriber,
                               context: grpc.aio.ServicerContext) -> list[replica_pb2.KvBlockEvent]:
         if not subscriber.include_kv_events:
             return []
@@ -320,7 +321,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         return events
 
 
-async def _wait_for_change(subscriber: _Subscriber, timeout_s: float) -> None:
+async def wait_for_change(subscriber: Subscriber, timeout_s: float) -> None:
     """Sleep `timeout_s`, or less if the subscriber is idle and a change arrives first."""
     if subscriber.changed.is_set():  # already changed: wait out the coalescing interval
         await asyncio.sleep(timeout_s)

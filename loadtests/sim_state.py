@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.block_manager import KVEvent
-from engine.state_service import (DEFAULT_MAX_PENDING_KV_HASHES, kv_event_to_proto, next_send_at,
-                                  read_tokenizer_files, resync_events, stream_intervals)
+from engine.state_service import (DEFAULT_MAX_PENDING_KV_HASHES, Subscriber, kv_event_to_proto, next_send_at,
+                                  read_tokenizer_files, resync_events, stream_intervals, wait_for_change)
 from kvgate.kv_blocks import hash_blocks
 from kvgate.tokenizer import Tokenizer
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
@@ -82,40 +82,6 @@ class SimTokens:
         return len(ids), tuple(hash_blocks(ids, BLOCK_SIZE_TOKENS, adapter))
 
 
-class _Subscriber:
-    """The mailbox of one WatchState stream."""
-
-    def __init__(self, include_kv_events: bool, max_pending_kv_hashes: int) -> None:
-        self.include_kv_events = include_kv_events
-        self.max_pending_kv_hashes = max_pending_kv_hashes
-        self.changed = asyncio.Event()  # set by every change, cleared when a snapshot is built
-        self.needs_resync = include_kv_events  # the first snapshot is a resync
-        self.closed = False
-        self._pending: list[KVEvent] = []
-        self._num_pending_hashes = 0
-
-    def add_kv_events(self, events: Iterable[KVEvent]) -> None:
-        """Buffer events for the next snapshot; past the bound, drop them and resync instead."""
-        if not self.include_kv_events or self.needs_resync:
-            return  # a resync reads the cache as it is then: what these events did is in it
-        for event in events:
-            self._pending.append(event)
-            self._num_pending_hashes += len(event.block_hashes)
-        if self._num_pending_hashes > self.max_pending_kv_hashes:
-            log.warning("a state stream fell behind by %d KV block hashes (at most %d); resyncing it",
-                        self._num_pending_hashes, self.max_pending_kv_hashes)
-            self.take_kv_events()
-            self.needs_resync = True
-
-    def take_kv_events(self) -> list[KVEvent]:
-        events, self._pending, self._num_pending_hashes = self._pending, [], 0
-        return events
-
-    def close(self) -> None:
-        self.closed = True
-        self.changed.set()
-
-
 @dataclass(frozen=True)
 class _Identity:
     replica_id: str
@@ -132,7 +98,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         self._now_ns = now_ns
         self._max_pending_kv_hashes = max_pending_kv_hashes
         self._seq = itertools.count(1)
-        self._subscribers: set[_Subscriber] = set()
+        self._subscribers: set[Subscriber] = set()
         self._tokenizer = replica_pb2.TokenizerFiles(files=tokens.files, block_size_tokens=BLOCK_SIZE_TOKENS)
         engine.listeners.append(self._changed)
 
@@ -178,7 +144,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
     async def WatchState(self, request: replica_pb2.WatchStateRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[replica_pb2.ReplicaState]:
         intervals = stream_intervals(request)
-        subscriber = _Subscriber(request.include_kv_events, self._max_pending_kv_hashes)
+        subscriber = Subscriber(request.include_kv_events, self._max_pending_kv_hashes)
         self._subscribers.add(subscriber)
         loop = asyncio.get_running_loop()
         last_sent_s, last_content = -math.inf, None
@@ -189,7 +155,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                 now_s = loop.time()
                 due_s = next_send_at(last_sent_s, subscriber.changed.is_set(), intervals)
                 if now_s < due_s:
-                    await _wait_for_change(subscriber, due_s - now_s)
+                    await wait_for_change(subscriber, due_s - now_s)
                     continue
                 subscriber.changed.clear()
                 kv_events = self._take_kv_events(subscriber)
@@ -202,7 +168,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         finally:
             self._subscribers.discard(subscriber)
 
-    def _take_kv_events(self, subscriber: _Subscriber) -> list[replica_pb2.KvBlockEvent]:
+    def _take_kv_events(self, subscriber: Subscriber) -> list[replica_pb2.KvBlockEvent]:
         if not subscriber.include_kv_events:
             return []
         events: list[replica_pb2.KvBlockEvent] = []
@@ -211,18 +177,6 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             events = resync_events(self._engine.scheduler.cache.block_hashes(), BLOCK_SIZE_TOKENS)
         events.extend(kv_event_to_proto(event) for event in subscriber.take_kv_events())
         return events
-
-
-async def _wait_for_change(subscriber: _Subscriber, timeout_s: float) -> None:
-    """Sleep `timeout_s`, or less if the subscriber is idle and a change arrives first."""
-    if subscriber.changed.is_set():  # already changed: wait out the coalescing interval
-        await asyncio.sleep(timeout_s)
-        return
-    try:
-        async with asyncio.timeout(timeout_s):
-            await subscriber.changed.wait()
-    except TimeoutError:
-        pass
 
 
 class SimStateService:
