@@ -54,7 +54,7 @@ from pathlib import Path
 import grpc
 
 from engine.async_llm import AsyncLLM, EngineDead
-from engine.block_manager import BlockRemoved, BlockStored, KVEvent
+from engine.block_manager import BlockStored, KVEvent
 from engine.core import EngineStats
 from kvgate.tokenizer import TOKENIZER_FILES
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
@@ -385,18 +385,26 @@ async def start_state_service(
         log.warning("GetTokenizer will fail with FAILED_PRECONDITION: %s", exc)
         tokenizer_files = exc
     servicer = _ReplicaServicer(engine, identity, is_draining, now_ns, max_pending_kv_hashes, tokenizer_files)
+    server, bound_port, address = await serve_replica_servicer(servicer, host, port, servicer.close)
+    log.info("replica state service for %s (%s) listening on %s", replica_id, model, address)
+    return StateService(server, servicer, bound_port)
+
+
+async def serve_replica_servicer(servicer: replica_pb2_grpc.ReplicaServicer, host: str, port: int,
+                                 on_bind_error: Callable[[], None]) -> tuple[grpc.aio.Server, int, str]:
+    """Serve `servicer` as the `Replica` service on host:port, plaintext (port 0: a free one); returns the
+    started server, the bound port and "host:port". Calls `on_bind_error`, then raises OSError, when the
+    address cannot be bound. Shared with stand-ins that speak this protocol (loadtests/sim_state.py)."""
     server = grpc.aio.server()
     replica_pb2_grpc.add_ReplicaServicer_to_server(servicer, server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound_port = server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises RuntimeError for an address it cannot bind
-        servicer.close()
+        on_bind_error()
         raise OSError(f"cannot bind the state service to {address}: {exc}") from exc
     if bound_port == 0:
-        servicer.close()
+        on_bind_error()
         raise OSError(f"cannot bind the state service to {address}")
     await server.start()
-    log.info("replica state service for %s (%s) listening on %s", replica_id, model,
-             address.rsplit(":", 1)[0] + f":{bound_port}")
-    return StateService(server, servicer, bound_port)
+    return server, bound_port, address.rsplit(":", 1)[0] + f":{bound_port}"

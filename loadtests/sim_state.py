@@ -41,7 +41,8 @@ import grpc
 
 from engine.block_manager import KVEvent
 from engine.state_service import (DEFAULT_MAX_PENDING_KV_HASHES, Subscriber, kv_event_to_proto, next_send_at,
-                                  read_tokenizer_files, resync_events, stream_intervals, wait_for_change)
+                                  read_tokenizer_files, resync_events, serve_replica_servicer, stream_intervals,
+                                  wait_for_change)
 from kvgate.kv_blocks import hash_blocks
 from kvgate.tokenizer import Tokenizer
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
@@ -203,16 +204,5 @@ async def start_sim_state_service(engine: SimEngine, tokens: SimTokens, *, host:
     Raises OSError when the address cannot be bound."""
     servicer = _ReplicaServicer(engine, tokens, _Identity(replica_id, model, frozenset(adapters), now_ns()), now_ns,
                                 max_pending_kv_hashes)
-    server = grpc.aio.server()
-    replica_pb2_grpc.add_ReplicaServicer_to_server(servicer, server)
-    address = f"{host}:{port}"
-    try:
-        bound_port = server.add_insecure_port(address)
-    except RuntimeError as exc:  # grpc raises RuntimeError for an address it cannot bind
-        servicer.close()
-        raise OSError(f"cannot bind the sim's state service to {address}: {exc}") from exc
-    if bound_port == 0:
-        servicer.close()
-        raise OSError(f"cannot bind the sim's state service to {address}")
-    await server.start()
+    server, bound_port, _ = await serve_replica_servicer(servicer, host, port, servicer.close)
     return SimStateService(server, servicer, bound_port)

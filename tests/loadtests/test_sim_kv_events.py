@@ -18,22 +18,19 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from aiohttp import web
 
 from engine.block_manager import BlockRemoved, BlockStored
-from kvgate.clock import RealClock
 from kvgate.kv_blocks import hash_blocks
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 from loadtests import bench_routing
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
 from loadtests.sim_replica_model import PrefixCache, Scheduler, SchedulerSpec, SimSequence, stored_events
 from loadtests.sim_state import SimTokens
-from registry.watch import RegistryWatcher
-from router.app import GatewaySettings, build_app
 from router.prompt_tokens import prompt_token_ids
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
 from tests.engine.builtin_cache import smollm2_dir
+from tests.gateway_harness import running_gateway
 
 MODEL = "sim-kv"
 ADAPTER = "lora-kv"
@@ -137,20 +134,9 @@ kind: Adapter
 metadata: {{name: {ADAPTER}}}
 spec: {{base_model: {MODEL}, source: /adapters/{ADAPTER}, rank: 8}}
 """)
-    clock = RealClock()
-    watcher = await RegistryWatcher.open(tmp_path, clock)
-    tracker = ReplicaTracker(clock=clock, poll_interval_s=60.0, health_interval_s=60.0)
-    runner = web.AppRunner(build_app(GatewaySettings(), tracker, watcher, clock), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
+    async with running_gateway(tmp_path) as (url, tracker):
         await eventually(lambda: tracker.kv_chain(MODEL) is not None)  # tokenizer fetched, streams synced
-        yield f"http://{host}:{port}", tracker
-    finally:
-        await runner.cleanup()
+        yield url, tracker
 
 
 async def test_a_gateway_routes_sims_on_their_kv_blocks_and_predicts_their_hits_to_the_token(

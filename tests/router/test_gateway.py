@@ -24,13 +24,13 @@ from kvgate.clock import RealClock
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
 from loadtests.sim_replica_model import SchedulerSpec
 from registry.loader import load_registry
-from registry.watch import RegistryWatcher
 from kvgate.state.base import StateStore
 from kvgate.state.memory import MemoryStateStore
-from router.app import GatewaySettings, build_app
+from router.app import GatewaySettings
 from router.observations import OBSERVATIONS_COLLECTION
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
+from tests.gateway_harness import running_gateway
 
 FAST_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=2000.0)
 LONG_PROMPT = "You are a careful assistant for the kvgate project. " * 40  # ~2,000 chars: 31 chunks of 64
@@ -96,23 +96,15 @@ async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
     sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec))
             for _ in range(num_replicas)]
     write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing)
-    clock = RealClock()
-    watcher = await RegistryWatcher.open(tmp_path, clock)
-    tracker = ReplicaTracker(clock=clock, poll_interval_s=60.0, health_interval_s=60.0, prefix_chunk_chars=64)
-    runner = web.AppRunner(build_app(settings or GatewaySettings(), tracker, watcher, clock, store),
-                           handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    url = f"http://{host}:{port}"
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10.0)
-    await asyncio.sleep(0.1)  # the first health checks pass before any failure mode is switched on
     try:
-        yield Gateway(url, tracker, sims, client)
+        async with running_gateway(tmp_path, settings, store, prefix_chunk_chars=64) as (url, tracker):
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10.0)
+            await asyncio.sleep(0.1)  # the first health checks pass before any failure mode is switched on
+            try:
+                yield Gateway(url, tracker, sims, client)
+            finally:
+                await client.close()
     finally:
-        await client.close()
-        await runner.cleanup()
         for sim in sims:
             await sim.close()
 

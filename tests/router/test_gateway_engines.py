@@ -18,13 +18,10 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
 
-from kvgate.clock import RealClock
-from registry.watch import RegistryWatcher
-from router.app import GatewaySettings, build_app
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
+from tests.gateway_harness import running_gateway
 from tests.services import free_loopback_port
 from tests.engine_server.test_process import SERVED, Replica, start_replica, stop
 
@@ -82,25 +79,15 @@ spec:
   source: builtin:tiny-llama
   routing: {{prefix_chunk_chars: 64, static_replicas: [{static}]}}
 """)
-    clock = RealClock()
-    watcher = await RegistryWatcher.open(tmp_path, clock)
-    tracker = ReplicaTracker(clock=clock, poll_interval_s=60.0, health_interval_s=60.0)
-    runner = web.AppRunner(build_app(GatewaySettings(), tracker, watcher, clock), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    url = f"http://{host}:{port}"
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30.0)
-    try:
-        urls = {e.url for e in engines}
-        await eventually(lambda: all(r.kv_blocks_total > 0 for r in tracker.view(SERVED).replicas
-                                     if r.replica_id in urls))  # the engines' streams are up
-        yield Gateway(url, client, tracker)
-    finally:
-        await client.close()
-        await runner.cleanup()
+    async with running_gateway(tmp_path) as (url, tracker):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30.0)
+        try:
+            urls = {e.url for e in engines}
+            await eventually(lambda: all(r.kv_blocks_total > 0 for r in tracker.view(SERVED).replicas
+                                         if r.replica_id in urls))  # the engines' streams are up
+            yield Gateway(url, client, tracker)
+        finally:
+            await client.close()
 
 
 async def on_kv_blocks(gw: Gateway) -> None:
