@@ -276,7 +276,7 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             log.warning("a state stream asked for KV events, but the engine was created without "
                         "enable_kv_events; streaming snapshots without them")
         subscriber = Subscriber(request.include_kv_events and self._kv_events_enabled,
-                                 self._max_pending_kv_hashes)
+                                self._max_pending_kv_hashes)
         self._subscribers.add(subscriber)  # before the first cache read: no event falls in between
         loop = asyncio.get_running_loop()
         last_sent_s, last_key = -math.inf, None
