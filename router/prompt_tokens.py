@@ -58,7 +58,9 @@ class PromptTokenizer:
         self._check_every = check_every
         self._num_encoded = 0
         self._lock = threading.Lock()
+        self.word_cuts_on = False
         self.pieces_on = self._cut is not None and self._self_check()
+        self.word_cuts_on = self.pieces_on and self._self_check(word_cuts=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
@@ -74,7 +76,7 @@ class PromptTokenizer:
             whole = self.tokenizer.encode(text, add_special_tokens=False)
             if whole != ids:
                 log.warning("this tokenizer's pieces do not add up to the whole prompt; encoding whole prompts")
-                self.pieces_on = False
+                self.pieces_on = self.word_cuts_on = False
                 return whole
         return ids
 
@@ -88,28 +90,65 @@ class PromptTokenizer:
             if special is not None:
                 ids.append(special)
                 continue
-            with self._lock:
-                cached = self._pieces.get(piece)
-                if cached is not None:
-                    self._pieces.move_to_end(piece)
-            if cached is None:
-                cached = self.tokenizer.encode(piece, add_special_tokens=False)
-                with self._lock:
-                    self._pieces[piece] = cached
-                    while len(self._pieces) > self._max_pieces:
-                        self._pieces.popitem(last=False)
-            ids.extend(cached)
+            for part in _word_cuts(piece) if self.word_cuts_on else (piece,):
+                ids.extend(self._encode_cached(part))
         return ids
 
-    def _self_check(self) -> bool:
+    def _encode_cached(self, piece: str) -> list[int]:
+        with self._lock:
+            cached = self._pieces.get(piece)
+            if cached is not None:
+                self._pieces.move_to_end(piece)
+        if cached is None:
+            cached = self.tokenizer.encode(piece, add_special_tokens=False)
+            with self._lock:
+                self._pieces[piece] = cached
+                while len(self._pieces) > self._max_pieces:
+                    self._pieces.popitem(last=False)
+        return cached
+
+    def _self_check(self, word_cuts: bool = False) -> bool:
+        """Whether a sample chat (with a long turn to cut at words when `word_cuts`) encodes in pieces
+        exactly as whole. Leaves word_cuts_on at `word_cuts`: the constructor sets its final value."""
+        self.word_cuts_on = word_cuts
+        long_turn = " ".join(f"Line {i}: the quick brown fox, 12 jumps;  over\tthe lazy dog's den." for i in range(60))
         sample = [{"role": "system", "content": "You are terse.\n  Answer in one line."},
                   {"role": "user", "content": " Hello there,  how are you?"},
-                  {"role": "assistant", "content": "Fine.\n"}, {"role": "user", "content": "Ünïcode and tabs\t!"}]
+                  {"role": "assistant", "content": "Fine.\n"}, {"role": "user", "content": "Ünïcode and tabs\t!"},
+                  {"role": "user", "content": long_turn}]
         try:
             text = self.apply_chat_template(sample)
         except ChatTemplateError:
             return False
-        return self._encode_pieces(text) == self.tokenizer.encode(text, add_special_tokens=False)
+        try:
+            return self._encode_pieces(text) == self.tokenizer.encode(text, add_special_tokens=False)
+        finally:
+            self._pieces.clear()
+
+
+# Text between special tokens longer than this is also cut at word starts, about this many characters apart,
+# so a long message that grows from request to request (a conversation kept in one user turn, a shared
+# document) is encoded once up to its last cut.
+WORD_CUT_CHARS = 1024
+# A word start: a space after a non-space, before a letter. Byte-level BPE pre-tokenizers (GPT-2's, Llama 3's,
+# SmolLM2's, tiny-llama's) start a pre-token there (" word"), and BPE never merges across pre-tokens, so the
+# two sides encode apart exactly as within the whole; other tokenizers fail the checks and stay whole.
+_WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")
+
+
+def _word_cuts(text: str) -> list[str]:
+    """`text` cut at the first word start at or after every WORD_CUT_CHARS characters from the last cut:
+    where the cuts fall depends only on the text before them, so two texts that share a long opening
+    share their leading parts."""
+    parts, start = [], 0
+    while len(text) - start > WORD_CUT_CHARS:
+        found = _WORD_START.search(text, start + WORD_CUT_CHARS)
+        if found is None:
+            break
+        parts.append(text[start:found.start()])
+        start = found.start()
+    parts.append(text[start:])
+    return parts
 
 
 def _chat_messages(messages: object) -> list[dict[str, str]] | None:

@@ -67,3 +67,20 @@ def test_a_tokenizer_whose_pieces_do_not_add_up_encodes_whole_prompts() -> None:
     assert not pieces.pieces_on
     body = {"messages": [{"role": "user", "content": "a b"}]}
     assert prompt_token_ids(body, pieces) == prompt_token_ids(body, tokenizer)
+
+
+@pytest.mark.parametrize("model_dir", [tiny_llama_dir, smollm2_dir], ids=["tiny-llama", "smollm2"])
+def test_a_long_message_that_grows_is_encoded_once_up_to_its_last_word_cut(model_dir) -> None:
+    """A conversation kept in one user turn (the Mooncake trace's shape) or a shared document: the text
+    is also cut at word starts every ~1,024 characters, so the next request encodes only what follows the
+    last cut it shares, and the tokens still equal the whole prompt's."""
+    tokenizer = Tokenizer.from_dir(model_dir())
+    counted = CountingTokenizer(tokenizer)
+    pieces = PromptTokenizer(counted, check_every=10**9)
+    history = " ".join(f"Turn {i}: the user asked about caches, and the model said {i * 7} things." for i in range(80))
+    for extra in ("", " And one more question?"):
+        body = {"messages": [{"role": "user", "content": history + extra}]}
+        before = counted.chars_encoded
+        assert prompt_token_ids(body, pieces) == prompt_token_ids(body, tokenizer)
+        encoded = counted.chars_encoded - before
+    assert len(history) > 5_000 and encoded < 1_200  # the second request: its last part only
