@@ -33,7 +33,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from loadtests import workloads  # noqa: E402
-from loadtests.bench_routing import MODEL, WORK, one_request, router_decisions, summarize, wait_ready  # noqa: E402
+from loadtests.bench_routing import (MODEL, WORK, one_request, router_decisions, routes_on, summarize,  # noqa: E402
+                                     wait_ready)
 from loadtests.routing_fleet import (  # noqa: E402
     Fleet,
     replica_counters,
@@ -66,11 +67,11 @@ async def killer(session, fleet: Fleet, t0: float, kill_at_s: float, out: dict) 
 
 
 async def run_once(url: str, proc, fleet: Fleet, reqs: list[workloads.Request], kill_at_s: float,
-                   timeout_s: float) -> dict:
+                   timeout_s: float, kv_blocks: bool = False) -> dict:
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await wait_ready(session, url, proc)
+        await wait_ready(session, url, proc, engines=kv_blocks)
         before = await replica_counters(session, fleet)
         t0 = time.perf_counter() + 0.2
         kill: dict = {}
@@ -79,7 +80,8 @@ async def run_once(url: str, proc, fleet: Fleet, reqs: list[workloads.Request], 
         await kill_task
         after = await replica_counters(session, fleet)
         decisions = await router_decisions(session, url)
-    res = summarize(results, before, after, decisions, t0, len(reqs))
+        on = await routes_on(session, url)
+    res = summarize(results, before, after, decisions, t0, len(reqs)) | {"routes_on": on}
     res |= classify(results) | kill
     # Requests sent after the kill: do they still fail (retries into the dead replica) or not?
     late = [r for r in results if r["sent"] > kill["killed_at_s"] + 1.0]
@@ -97,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds into the replay, one run per value (a burst starts every --burst-gap-s seconds: "
                         "0.1 s in, its requests are mostly queued or in prefill; 0.6 s in, many are streaming)")
     p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--sim-kv-events", action="store_true",
+                   help="the sims also speak kvgate's replica-state protocol, so kvgate routes on their KV block "
+                        "events (as bench_routing.py --sim-kv-events); the killed replica's stream drops with it")
     p.add_argument("--out", type=Path, default=WORK / "bench_routing_faults.json")
     args = p.parse_args(argv)
     n = 4
@@ -116,12 +121,13 @@ def main(argv: list[str] | None = None) -> None:
             out["skipped"][name] = why
             print(f"  {name}: skipped, {why}", flush=True)
             continue
-        fleet = start_fleet(n, kv_tokens, prefill_tps)
+        fleet = start_fleet(n, kv_tokens, prefill_tps, kv_events=args.sim_kv_events)
         with tempfile.TemporaryDirectory() as tmp:
             log = WORK / f"bench_routing_faults-{name.replace(':', '-')}.log"
             proc, url = start_router(name, fleet, Path(tmp), log)
             try:
-                res = asyncio.run(run_once(url, proc, fleet, reqs, kill_at_s, args.timeout_s))
+                res = asyncio.run(run_once(url, proc, fleet, reqs, kill_at_s, args.timeout_s,
+                                           kv_blocks=args.sim_kv_events and name.startswith("kvgate")))
             finally:
                 stop_router(proc)
                 fleet.stop()
