@@ -87,10 +87,22 @@ class _Tracked:
         """What the readers were started for; a change restarts them."""
         return (self.url, self.backend, self.grpc_target)
 
+    @property
+    def healthy(self) -> bool:
+        return (self.health_ok and self.ejected_until is None
+                and self.member_state in (None, MemberState.READY, MemberState.DRAINING))
+
+    @property
+    def draining(self) -> bool:
+        return self.load.draining or self.member_state is MemberState.DRAINING
+
+    @property
+    def accepts_requests(self) -> bool:
+        """`state().accepts_requests` without building the state (asked per request by `kv_chain`)."""
+        return self.healthy and not self.draining
+
     def state(self) -> ReplicaState:
-        healthy = (self.health_ok and self.ejected_until is None
-                   and self.member_state in (None, MemberState.READY, MemberState.DRAINING))
-        draining = self.load.draining or self.member_state is MemberState.DRAINING
+        healthy, draining = self.healthy, self.draining
         ended = self.num_ended_since_report
         num_running = max(self.load.num_running - ended, 0)  # what ended was running, or else waiting
         num_waiting = max(self.load.num_waiting - max(ended - self.load.num_running, 0), 0)
@@ -214,7 +226,7 @@ class ReplicaTracker:
             return None
         synced = False
         for tracked in self._replicas.values():
-            if tracked.model != model or not tracked.state().accepts_requests:
+            if tracked.model != model or not tracked.accepts_requests:
                 continue
             if not tracked.grpc_target:
                 return None
@@ -226,7 +238,7 @@ class ReplicaTracker:
 
     def num_ready(self, model: str) -> int:
         """Replicas of `model` that take requests now."""
-        return sum(1 for r in self._replicas.values() if r.model == model and r.state().accepts_requests)
+        return sum(1 for r in self._replicas.values() if r.model == model and r.accepts_requests)
 
     def url(self, replica_id: str) -> str:
         """Base URL of a tracked replica; raises KeyError for an unknown one."""
@@ -391,11 +403,11 @@ class ReplicaTracker:
         tracked = self._replicas.get(replica_id)
         if tracked is None:
             return
-        was_routable = tracked.state().accepts_requests
+        was_routable = tracked.accepts_requests
         tracked.load = report
         tracked.num_ended_since_report = 0
         self._ensure_index(tracked)
-        if tracked.state().accepts_requests != was_routable:
+        if tracked.accepts_requests != was_routable:
             self._notify()
 
     def _apply_stream(self, replica_id: str, report: LoadReport) -> None:
@@ -468,13 +480,13 @@ class ReplicaTracker:
         tracked = self._replicas.get(replica_id)
         if tracked is None:
             return
-        before = tracked.state().accepts_requests
+        before = tracked.accepts_requests
         tracked.health_ok = ok
         if ok and tracked.ejected_until is not None and self._clock.now() >= tracked.ejected_until:
             log.info("replica %s passed its probe after ejection", replica_id)
             tracked.ejected_until = None
             tracked.consecutive_failures = 0
-        if tracked.state().accepts_requests != before:
+        if tracked.accepts_requests != before:
             self._notify()
 
     def _http_session(self) -> aiohttp.ClientSession:
