@@ -106,7 +106,10 @@ class Tokenizer:
         config = _read_json(files.get("tokenizer_config.json"), path("tokenizer_config.json"))
         generation = _read_json(files.get("generation_config.json"), path("generation_config.json"))
         if "chat_template.jinja" in files:
-            chat_template = files["chat_template.jinja"].decode("utf-8")
+            try:
+                chat_template = files["chat_template.jinja"].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TokenizerError(f"{path('chat_template.jinja')}: not UTF-8: {exc}") from exc
         else:
             chat_template = _pick_chat_template(config.get("chat_template"), path("tokenizer_config.json"))
         try:
@@ -131,8 +134,10 @@ class Tokenizer:
         return self._special.eos
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (a BOS)."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds (a BOS).
+        Through `encode_batch`, which gives the same ids but releases the GIL while it works (`encode`
+        holds it), so a caller that tokenizes a long prompt on a worker thread leaves the event loop free."""
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`. Bytes of an incomplete UTF-8 character decode to U+FFFD."""

@@ -10,8 +10,9 @@ nothing still agree on where a prefix lives: what the LRU guess could not give t
 
 One gap the events cannot close: blocks are reported once computed, so a prompt routed a moment ago
 is not yet held anywhere and a burst sharing a new system prompt would scatter. The gateway therefore
-adds what it has just routed as *predicted* blocks of that replica, and takes them back one state
-report after the request ends (`retire`), by which time the replica's events say what it kept.
+adds what it has just routed as *predicted* blocks of that replica, and takes them back at the second
+state report after the request ends (`retire`): the first may have been built before the engine
+committed the blocks and been read late, the second was built after the request's end was sent.
 
 Mutable state owned by the gateway shell (ReplicaTracker); policies read it through `view.PrefixQuery`.
 """
@@ -66,7 +67,8 @@ class BlockIndex:
 
     cached: set[int] = field(default_factory=set)
     predicted: Counter[int] = field(default_factory=Counter)
-    retiring: list[tuple[int, ...]] = field(default_factory=list)
+    retiring: list[tuple[int, ...]] = field(default_factory=list)  # ended; predictions go at the 2nd report
+    retiring_next: list[tuple[int, ...]] = field(default_factory=list)  # ...and these at the next one
     synced: bool = False
     capacity_blocks: int = 0
     predicted_tokens: int = 0
@@ -74,9 +76,9 @@ class BlockIndex:
     num_corrections: int = 0
 
     def apply(self, events: Iterable[KvEvent]) -> None:
-        """Apply a state report's events, oldest first; then drop the predictions of requests that
-        ended before this report (it was sent after they ended, so their blocks are in `cached` now if
-        the replica kept them)."""
+        """Apply a state report's events, oldest first; then drop the predictions of requests that ended
+        before the previous report (this one was built after they ended, so their blocks are in `cached`
+        now if the replica kept them)."""
         for event in events:
             if isinstance(event, KvStored):
                 self.cached.update(event.block_hashes)
@@ -85,9 +87,9 @@ class BlockIndex:
             else:
                 self.cached.clear()
                 self.synced = True
-        for hashes in self.retiring:
+        for hashes in self.retiring_next:
             self._unpredict(hashes)
-        self.retiring.clear()
+        self.retiring_next, self.retiring = self.retiring, []
 
     def disconnected(self) -> None:
         """The stream dropped: what the replica holds is unknown until the next resync."""
@@ -109,8 +111,8 @@ class BlockIndex:
         self.predicted.update(hashes)
 
     def retire(self, hashes: tuple[int, ...]) -> None:
-        """The request `predict` counted has ended; its prediction goes at the next state report (at
-        once while the stream is down: no report is coming to say what the replica kept)."""
+        """The request `predict` counted has ended; its prediction goes at the second state report from
+        now (at once while the stream is down: no report is coming to say what the replica kept)."""
         if self.synced:
             self.retiring.append(hashes)
         else:

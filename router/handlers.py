@@ -27,8 +27,9 @@ from router.prompt_tokens import PromptTokenizer, prompt_token_ids
 from router.proxy import ProxyRequest
 
 log = logging.getLogger("kvgate.router")
-# Prompts longer than this (characters) are tokenized on a thread (the engine's own threshold).
-TOKENIZE_INLINE_MAX_CHARS = 16_384
+# Prompts longer than this (characters) are tokenized on a worker thread: 4,096 characters of new text take
+# ~1-2 ms to encode, and the tokenizer releases the GIL meanwhile (kvgate.tokenizer), so the loop serves on.
+TOKENIZE_INLINE_MAX_CHARS = 4_096
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -122,15 +123,16 @@ def _is_prompt(prompt: object) -> bool:
     return isinstance(prompt, list) and all(isinstance(p, str) or token_ids(p) for p in prompt)
 
 
-async def _engine_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer) -> list[int] | None:
-    """The prompt's tokens as its engines compute them (`prompt_tokens`); a long prompt on a thread,
-    as the engine does: ~1 ms of tokenizer work that the event loop, serving every stream, should not
-    wait for."""
-    size = sum(len(str(m.get("content", ""))) for m in body.get("messages") or ()) or len(str(body.get("prompt", "")))
+async def _engine_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer, chat: bool) -> list[int] | None:
+    """The prompt's tokens as its engines compute them (`prompt_tokens`); a long prompt on a thread, so
+    that the event loop, serving every stream, does not wait for the tokenizer."""
     try:
+        source = body.get("messages") if chat else body.get("prompt")
+        size = (sum(len(str(m.get("content", ""))) for m in source if isinstance(m, dict))
+                if chat and isinstance(source, list) else len(str(source)))
         if size > TOKENIZE_INLINE_MAX_CHARS:
-            return await asyncio.to_thread(prompt_token_ids, body, tokenizer)
-        return prompt_token_ids(body, tokenizer)
+            return await asyncio.to_thread(prompt_token_ids, body, tokenizer, chat)
+        return prompt_token_ids(body, tokenizer, chat)
     except Exception:  # a template that trips on odd input: route on text; the engine answers the request itself
         log.debug("could not tokenize a prompt for KV-block routing; routing it on text", exc_info=True)
         return None
@@ -154,7 +156,7 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     sequence[model] += 1
     tracker = app[TRACKER_KEY]
     chain = tracker.kv_chain(model) if routing.policy is RoutingPolicy.CACHE_AWARE and routing.kv_events else None
-    token_ids = await _engine_token_ids(body, chain.tokenizer) if chain is not None else None
+    token_ids = await _engine_token_ids(body, chain.tokenizer, chat) if chain is not None else None
     try:
         route = build_route_request(body, model, adapter.metadata.name if adapter else None,
                                     routing.prefix_chunk_chars, sequence[model],

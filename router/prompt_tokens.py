@@ -33,8 +33,11 @@ from kvgate.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger(__name__)
 
-# Encoded pieces kept: a piece is a message's text between special tokens (a system prompt, a turn).
+# Encoded pieces kept: a piece is a message's text between special tokens (a system prompt, a turn), cut at
+# word starts past WORD_CUT_CHARS; text without word starts (CJK, base64) stays whole, so the characters held
+# are bounded too.
 MAX_CACHED_PIECES = 4096
+MAX_CACHED_CHARS = 8 * 1024 * 1024
 # One chat in this many is also encoded whole and compared: a tokenizer whose pieces do not add up to
 # the whole (a pre-tokenizer that treats each piece's start as the text's start) turns the cache off.
 CHECK_EVERY = 64
@@ -55,6 +58,7 @@ class PromptTokenizer:
                      if specials else None)
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._max_pieces = max_pieces
+        self._cached_chars = 0
         self._check_every = check_every
         self._num_encoded = 0
         self._lock = threading.Lock()
@@ -70,8 +74,8 @@ class PromptTokenizer:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         ids = self._encode_pieces(text)
         with self._lock:
+            check = self._num_encoded % self._check_every == 0  # the first chat, then one in check_every
             self._num_encoded += 1
-            check = self._num_encoded % self._check_every == 1
         if check:
             whole = self.tokenizer.encode(text, add_special_tokens=False)
             if whole != ids:
@@ -101,10 +105,15 @@ class PromptTokenizer:
                 self._pieces.move_to_end(piece)
         if cached is None:
             cached = self.tokenizer.encode(piece, add_special_tokens=False)
+            if len(piece) > MAX_CACHED_CHARS // 16:
+                return cached  # too big to keep: encoded, not cached
             with self._lock:
-                self._pieces[piece] = cached
-                while len(self._pieces) > self._max_pieces:
-                    self._pieces.popitem(last=False)
+                if piece not in self._pieces:
+                    self._pieces[piece] = cached
+                    self._cached_chars += len(piece)
+                while len(self._pieces) > self._max_pieces or self._cached_chars > MAX_CACHED_CHARS:
+                    evicted, _ = self._pieces.popitem(last=False)
+                    self._cached_chars -= len(evicted)
         return cached
 
     def _self_check(self, word_cuts: bool = False) -> bool:
@@ -124,6 +133,7 @@ class PromptTokenizer:
             return self._encode_pieces(text) == self.tokenizer.encode(text, add_special_tokens=False)
         finally:
             self._pieces.clear()
+            self._cached_chars = 0
 
 
 # Text between special tokens longer than this is also cut at word starts, about this many characters apart,
@@ -178,11 +188,15 @@ def _is_token_ids(value: object) -> bool:
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value)
 
 
-def prompt_token_ids(body: Mapping[str, object], tokenizer: Tokenizer | PromptTokenizer) -> list[int] | None:
-    """The prompt token ids the engine will compute for this chat or completions body, or None where
-    the engine would refuse it (see the module docstring)."""
-    if "messages" in body:
-        messages = _chat_messages(body["messages"])
+def prompt_token_ids(body: Mapping[str, object], tokenizer: Tokenizer | PromptTokenizer,
+                     chat: bool | None = None) -> list[int] | None:
+    """The prompt token ids the engine will compute for this chat (`chat`: /v1/chat/completions) or
+    completions body, or None where the engine would refuse it (see the module docstring). Each endpoint
+    reads only its own field, as the engine does; `chat` None: a chat when the body has `messages`."""
+    if chat is None:
+        chat = "messages" in body
+    if chat:
+        messages = _chat_messages(body.get("messages"))
         if messages is None:
             return None
         try:

@@ -55,6 +55,7 @@ class Tracker(Protocol):
     def url(self, replica_id: str) -> str: ...
     def chars_per_token_of(self, model: str) -> float: ...
     def learn_prompt_size(self, model: str, prompt_chars: int, prompt_tokens: int) -> None: ...
+    def tokens_disagree(self, model: str, replica_id: str) -> None: ...
     async def wait_for_replica(self, model: str, timeout_s: float) -> bool: ...
     def num_ready(self, model: str) -> int: ...
 
@@ -348,12 +349,13 @@ class Proxy:
                prompt_tokens: int | None = None) -> None:
         """Learn from the response's usage: the model's characters per token from prompt_tokens, then
         predicted vs realised, correcting the prefix index from cached_tokens."""
-        model = preq.route.model
+        model, route = preq.route.model, preq.route
         if prompt_tokens is not None:
-            self.tracker.learn_prompt_size(model, preq.route.num_prompt_chars, prompt_tokens)
+            self.tracker.learn_prompt_size(model, route.num_prompt_chars, prompt_tokens)
+            if route.hash_tokens and prompt_tokens != route.estimated_prompt_tokens:
+                self.tracker.tokens_disagree(model, replica_id)  # its hashes cannot match the engine's either
         if cached_tokens is None:
             return
-        route = preq.route
         predicted = min(decision.predicted_match_chunks, len(route.prefix_hashes))
         if route.hash_tokens:  # exact counts; the replica's events, not this response, keep the index right
             predicted_tokens = route.estimated_prompt_tokens - route.uncached_tokens(predicted)

@@ -44,8 +44,10 @@ from router.view import ReplicaState, ReplicaView
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE_TOKENS = 16
-# A replica that did not answer GetTokenizer (starting up, unreachable) is asked again after this long.
+# A model's engines that did not answer GetTokenizer (starting up, unreachable) are asked again after this
+# long, doubling to TOKENIZER_RETRY_MAX_S while none can say (an engine without the RPC mid-upgrade, say).
 TOKENIZER_RETRY_S = 2.0
+TOKENIZER_RETRY_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,9 @@ class ReplicaTracker:
         self._default_chunk_chars = prefix_chunk_chars
         self.prefixes = PrefixIndexes(prefix_chunk_chars)
         self.blocks = BlockIndexes()  # exact, from kvgate engines' KV block events
-        self._kv_chains: dict[str, KvChain | None] = {}  # per model; None: its engines cannot say
+        self._kv_chains: dict[str, KvChain] = {}  # per model, once one of its engines sent its tokenizer
         self._chain_sources: dict[str, str] = {}  # the model's registry source when its chain was fetched
+        self._refetch_after: dict[str, float] = {}  # per model: no refetch on disagreement before this (clock)
         self._tokenizer_tasks: dict[str, asyncio.Task[None]] = {}
         self._chars_per_token: dict[str, CharsPerToken] = {}  # per model, learnt from responses
         self._replicas: dict[str, _Tracked] = {}
@@ -185,7 +188,7 @@ class ReplicaTracker:
                 self._chain_sources.pop(name, None)
                 for tracked in self._replicas.values():
                     if tracked.model == name and tracked.grpc_target:
-                        self._want_tokenizer(name)
+                        self._want_tokenizer(name, prefer=tracked.grpc_target)
                         break
         self._notify()
 
@@ -423,32 +426,58 @@ class ReplicaTracker:
         self._apply_load(replica_id, report)
 
     # ------------------------------------------------------------------------------ tokenizers
-    def _want_tokenizer(self, model: str) -> None:
-        """Fetch the model's engine tokenizer once (from whichever of its engines answers first)."""
+    def tokens_disagree(self, model: str, replica_id: str) -> None:
+        """A response's usage.prompt_tokens differed from the gateway's count for a prompt it routed on KV
+        blocks: the tokenizer it holds is not the engines' (weights changed under a replica, a stale fetch
+        during a rolling change). Drop it, so the model routes on text, and fetch again from that engine, at
+        most once a minute (an engine that counts differently for good then stays on text between tries)."""
+        if self._kv_chains.pop(model, None) is None:
+            return
+        log.warning("model %s: replica %s counted a prompt differently from this gateway's tokenizer; "
+                    "routing on text until its tokenizer is fetched again", model, replica_id)
+        tracked = self._replicas.get(replica_id)
+        now = self._clock.now()
+        wait_s = max(self._refetch_after.get(model, now) - now, 0.0)
+        self._refetch_after[model] = now + wait_s + TOKENIZER_RETRY_MAX_S
+        self._want_tokenizer(model, prefer=tracked.grpc_target if tracked else None, wait_s=wait_s)
+
+    def _want_tokenizer(self, model: str, prefer: str | None = None, wait_s: float = 0.0) -> None:
+        """Fetch the model's engine tokenizer (from `prefer` first, else whichever engine answers), until
+        one arrives; at most one fetch task per model."""
         task = self._tokenizer_tasks.get(model)
         if model in self._kv_chains or (task is not None and not task.done()):
             return
-        self._tokenizer_tasks[model] = asyncio.create_task(self._fetch_tokenizer(model),
+        self._tokenizer_tasks[model] = asyncio.create_task(self._fetch_tokenizer(model, prefer, wait_s),
                                                            name=f"kvgate-tokenizer-{model}")
 
-    async def _fetch_tokenizer(self, model: str) -> None:
+    async def _fetch_tokenizer(self, model: str, prefer: str | None, wait_s: float) -> None:
+        delay_s = TOKENIZER_RETRY_S
+        if wait_s > 0:
+            await self._clock.sleep(wait_s)
         while model not in self._kv_chains:
-            targets = [r.grpc_target for r in self._replicas.values() if r.model == model and r.grpc_target]
+            targets = sorted({r.grpc_target for r in self._replicas.values() if r.model == model and r.grpc_target},
+                             key=lambda t: t != prefer)
             if not targets:
                 return  # no engine left to ask; the next one to join asks again
             for target in targets:
                 try:
                     fetched = await fetch_tokenizer(target)
+                    chain = KvChain(PromptTokenizer(fetched[0]), fetched[1]) if fetched is not None else None
                 except grpc.aio.AioRpcError as exc:
                     log.debug("GetTokenizer %s: %s", target, exc.code().name)
                     continue
-                self._kv_chains[model] = KvChain(PromptTokenizer(fetched[0]), fetched[1]) if fetched else None
+                except Exception:  # a tokenizer that fails its own checks: this task must not die of it
+                    log.warning("GetTokenizer %s: unusable answer", target, exc_info=True)
+                    continue
+                if chain is None:
+                    continue  # this engine cannot say; another may
+                self._kv_chains[model] = chain
                 doc = self._snapshot.models.get(model) if self._snapshot is not None else None
                 self._chain_sources[model] = doc.spec.source if doc is not None else ""
-                if fetched is not None:
-                    log.info("model %s: routing on its engines' KV blocks (block size %d)", model, fetched[1])
+                log.info("model %s: routing on its engines' KV blocks (block size %d)", model, chain.block_size_tokens)
                 return
-            await self._clock.sleep(TOKENIZER_RETRY_S)
+            await self._clock.sleep(delay_s)
+            delay_s = min(delay_s * 2, TOKENIZER_RETRY_MAX_S)
 
     async def _scrape_loop(self, tracked: _Tracked) -> None:
         while True:

@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 # a dead one costs one connect attempt per 5 s.
 STREAM_BACKOFF_MIN_S = 0.1
 STREAM_BACKOFF_MAX_S = 5.0
-# GetTokenizer carries the model's tokenizer.json, which runs to ~9 MB for Llama 3 (gRPC's default cap is 4 MB).
-MAX_TOKENIZER_MESSAGE_BYTES = 64 * 1024 * 1024
+# GetTokenizer carries the model's tokenizer.json, which runs to ~9 MB for Llama 3, and a stream's resync every
+# cached block hash (gRPC's default cap is 4 MB).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,9 @@ def report_from_state(state: replica_pb2.ReplicaState) -> LoadReport:
 
 
 async def _stream_once(target: str, include_kv_events: bool) -> AsyncIterator[LoadReport]:
-    async with grpc.aio.insecure_channel(target) as channel:
+    # A resync carries every cached block hash: past ~400,000 blocks it outgrows gRPC's default 4 MB.
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
         call = replica_pb2_grpc.ReplicaStub(channel).WatchState(
             replica_pb2.WatchStateRequest(include_kv_events=include_kv_events))
         async for state in call:
@@ -177,7 +180,7 @@ async def fetch_tokenizer(target: str, timeout_s: float = 30.0) -> tuple[Tokeniz
     connection, never per request. None when the replica cannot say (an engine without the RPC, or
     without a tokenizer.json); the caller then routes on text. Raises grpc.aio.AioRpcError when the
     replica is unreachable, so the caller can try again later."""
-    options = [("grpc.max_receive_message_length", MAX_TOKENIZER_MESSAGE_BYTES)]
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     async with grpc.aio.insecure_channel(target, options=options) as channel:
         try:
             reply = await replica_pb2_grpc.ReplicaStub(channel).GetTokenizer(

@@ -297,3 +297,32 @@ async def test_token_ids_the_block_hash_cannot_take_are_the_engines_400_not_a_ga
                 async with s.post(gw.url + "/v1/completions", json=body) as response:
                     assert response.status == 400, (prompt, await response.text())
                     assert (await response.json())["error"]["message"]
+            for messages in (5, "abc", [1]):  # was a 500 on the KV-block path: now the gateway's own 400
+                body = {"model": SERVED, "prompt": "Hi", "messages": messages, "max_tokens": 1}
+                async with s.post(gw.url + "/v1/completions", json=body) as response:
+                    assert response.status == 400, (messages, await response.text())
+                    assert "message" in (await response.json())["error"]["message"]
+
+
+async def test_a_tokenizer_that_counts_differently_from_the_engine_is_dropped_and_fetched_again(
+        tmp_path: Path, engines: list[Engine]) -> None:
+    """A stale tokenizer (here SmolLM2's in place of tiny-llama's, as after a change of weights under a
+    gateway): the first response's usage.prompt_tokens disagrees with the gateway's count, the model goes
+    back to text and the engine's tokenizer is fetched again."""
+    from kvgate.tokenizer import Tokenizer
+    from router.prompt_tokens import PromptTokenizer, prompt_token_ids
+    from router.replicas import KvChain
+    from tests.engine.builtin_cache import smollm2_dir
+
+    async with gateway(tmp_path, engines) as gw:
+        await on_kv_blocks(gw)
+        right = gw.tracker.kv_chain(SERVED)
+        gw.tracker._kv_chains[SERVED] = KvChain(PromptTokenizer(Tokenizer.from_dir(smollm2_dir())), 16)
+        body = {"model": SERVED, "messages": [{"role": "user", "content": LONG_PROMPT[:400]}],
+                "max_tokens": 1}
+        assert len(prompt_token_ids(body, gw.tracker.kv_chain(SERVED).tokenizer)) != len(
+            prompt_token_ids(body, right.tokenizer))
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=body) as response:
+            engine_count = (await response.json())["usage"]["prompt_tokens"]
+        await eventually(lambda: gw.tracker.kv_chain(SERVED) is not None
+                         and len(prompt_token_ids(body, gw.tracker.kv_chain(SERVED).tokenizer)) == engine_count)

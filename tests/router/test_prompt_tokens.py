@@ -84,3 +84,34 @@ def test_a_long_message_that_grows_is_encoded_once_up_to_its_last_word_cut(model
         assert prompt_token_ids(body, pieces) == prompt_token_ids(body, tokenizer)
         encoded = counted.chars_encoded - before
     assert len(history) > 5_000 and encoded < 1_200  # the second request: its last part only
+
+
+def test_a_live_mismatch_turns_the_pieces_off_and_answers_with_the_whole_prompts_tokens() -> None:
+    """The build-time check passed, then pieces stop adding up (here: a tokenizer that, once armed, adds a
+    token to any text without a special token): the next checked chat says so, and from then on prompts
+    are encoded whole."""
+    tokenizer = Tokenizer.from_dir(smollm2_dir())
+
+    class Drifting(CountingTokenizer):
+        armed = False
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            ids = super().encode(text, add_special_tokens)
+            return ids + [0] if self.armed and "<|im_start|>" not in text else ids
+
+    drifting = Drifting(tokenizer)
+    pieces = PromptTokenizer(drifting, check_every=2)
+    assert pieces.pieces_on
+    drifting.armed = True
+    body = {"messages": [{"role": "user", "content": "Hello there"}]}
+    assert prompt_token_ids(body, pieces) == prompt_token_ids(body, tokenizer)  # the first chat is checked
+    assert not pieces.pieces_on and not pieces.word_cuts_on
+    assert prompt_token_ids(body, pieces) == prompt_token_ids(body, tokenizer)
+
+
+def test_each_endpoint_reads_only_its_own_prompt_field() -> None:
+    tokenizer = Tokenizer.from_dir(smollm2_dir())
+    both = {"prompt": "plain text", "messages": [{"role": "user", "content": "a chat"}]}
+    assert prompt_token_ids(both, tokenizer, chat=False) == tokenizer.encode("plain text", add_special_tokens=True)
+    assert prompt_token_ids({"prompt": "x", "messages": 5}, tokenizer, chat=False) is not None
+    assert prompt_token_ids({"messages": 5}, tokenizer, chat=True) is None
