@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 # a dead one costs one connect attempt per 5 s.
 STREAM_BACKOFF_MIN_S = 0.1
 STREAM_BACKOFF_MAX_S = 5.0
+# A stream silent this long is dropped and reconnected: eight of the engine's default 250 ms heartbeats.
+STREAM_SILENCE_S = 2.0
 # GetTokenizer carries the model's tokenizer.json, which runs to ~9 MB for Llama 3, and a stream's resync every
 # cached block hash (gRPC's default cap is 4 MB).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -201,22 +203,34 @@ async def fetch_tokenizer(target: str, timeout_s: float = 30.0) -> tuple[Tokeniz
 
 
 async def watch_stream(target: str, clock: Clock, on_report: Callable[[LoadReport], None],
-                       on_disconnect: Callable[[], None], include_kv_events: bool = False) -> None:
+                       on_disconnect: Callable[[], None], include_kv_events: bool = False,
+                       silence_s: float = STREAM_SILENCE_S) -> None:
     """Follow a replica's WatchState stream until cancelled, reconnecting with backoff.
 
     `on_report` gets every snapshot (with KV block events when `include_kv_events`; each connection
-    starts with a full resync); `on_disconnect` is called each time the stream ends or fails to
-    connect. Never raises but CancelledError: every gRPC error is logged and retried."""
+    starts with a full resync); `on_disconnect` is called each time the stream ends, fails to connect, or
+    says nothing for `silence_s` (the engine heartbeats every 250 ms, so a silent stream is a stuck replica
+    or a half-open connection, whose KV events can no longer be trusted). Never raises but CancelledError:
+    every gRPC error is logged and retried."""
     backoff_s = STREAM_BACKOFF_MIN_S
     while True:
+        stream = _stream_once(target, include_kv_events)
         try:
-            async for report in _stream_once(target, include_kv_events):
+            while True:
+                async with asyncio.timeout(silence_s):
+                    report = await anext(stream)
                 backoff_s = STREAM_BACKOFF_MIN_S
                 on_report(report)
+        except StopAsyncIteration:
+            pass
+        except TimeoutError:
+            log.warning("state stream %s said nothing for %.1f s; reconnecting", target, silence_s)
         except grpc.aio.AioRpcError as exc:
             log.info("state stream %s: %s %s", target, exc.code().name, exc.details())
         except Exception:  # a backend must never crash the tracker
             log.exception("state stream %s failed", target)
+        finally:
+            await stream.aclose()
         on_disconnect()
         await clock.sleep(backoff_s)
         backoff_s = min(backoff_s * 2, STREAM_BACKOFF_MAX_S)

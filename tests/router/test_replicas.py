@@ -264,3 +264,32 @@ async def test_a_kvgate_engine_reports_running_requests_and_kv_blocks_over_its_g
             await eventually(lambda: only(tracker, SERVED).num_running == 0, timeout_s=10)  # client left: aborted
     finally:
         await asyncio.to_thread(stop, engine)
+
+
+async def test_a_state_stream_that_goes_silent_is_dropped_and_reconnected() -> None:
+    """A replica whose stream stops mid-way without closing (stuck, or a half-open connection): after
+    `silence_s` with no snapshot the gateway calls it disconnected (its KV blocks then count for nothing)
+    and connects again."""
+    import grpc
+
+    from kvgate.v1 import replica_pb2, replica_pb2_grpc
+    from router.sources import watch_stream
+
+    class Stalls(replica_pb2_grpc.ReplicaServicer):
+        async def WatchState(self, request, context):
+            yield replica_pb2.ReplicaState(replica_id="r", seq=1, num_requests_running=1)
+            await asyncio.Event().wait()  # then nothing, connection open
+
+    server = grpc.aio.server()
+    replica_pb2_grpc.add_ReplicaServicer_to_server(Stalls(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    events: list[str] = []
+    task = asyncio.create_task(watch_stream(f"127.0.0.1:{port}", RealClock(), lambda r: events.append("report"),
+                                            lambda: events.append("disconnect"), silence_s=0.3))
+    try:
+        await eventually(lambda: events[:3] == ["report", "disconnect", "report"], timeout_s=5.0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await server.stop(0)
