@@ -77,6 +77,9 @@ class RouteRequest:
     affinity_depth_chunks: int = 1  # how many chunks the affinity key reaches (routing.affinity_depth_chars)
     chars_per_token: float = CHARS_PER_TOKEN  # the gateway's calibrated estimate for this model
     hash_tokens: int = 0  # tokens per hash when prefix_hashes are the engine's KV blocks; 0: text chunks
+    # With KV blocks, the text chunk chain as well: the gateway keeps its text index warm with it, for when
+    # the model falls back to text (a foreign server joins the fleet). Empty when prefix_hashes are text.
+    text_hashes: tuple[int, ...] = ()
 
     def affinity_key_after(self, skip_chunks: int) -> int:
         """The affinity key of the text after its first `skip_chunks` chunks: the chain hash reaching
@@ -239,7 +242,8 @@ def build_route_request(body: Mapping[str, object], model: str, adapter: str | N
             affinity_key=affinity_key(text, blocks, adapter, depth), num_prompt_chars=len(text),
             estimated_prompt_tokens=len(token_ids), max_tokens=_max_tokens(body),
             stream=bool(body.get("stream", False)), request_seq=request_seq, chunk_chars=chunk_chars,
-            affinity_depth_chunks=depth, chars_per_token=chars_per_token, hash_tokens=block_size_tokens)
+            affinity_depth_chunks=depth, chars_per_token=chars_per_token, hash_tokens=block_size_tokens,
+            text_hashes=prefix_hashes(text, chunk_chars, adapter))
     hashes = prefix_hashes(text, chunk_chars, adapter)
     return RouteRequest(
         model=model,

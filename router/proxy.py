@@ -150,6 +150,7 @@ class Proxy:
             on_blocks = preq.route.hash_tokens > 0
             if on_blocks:  # held as predicted until the replica's own events say (block_index)
                 self.tracker.blocks.predict(replica_id, preq.route.prefix_hashes)
+                self.tracker.prefixes.record(replica_id, preq.route.text_hashes)  # warm, should text take over
             else:
                 self.tracker.prefixes.record(replica_id, preq.route.prefix_hashes)
             prefill = _PendingPrefill(self.tracker, replica_id,

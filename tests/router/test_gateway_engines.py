@@ -222,11 +222,15 @@ async def test_a_prefix_hit_is_predicted_to_the_token_from_the_engines_events(tm
                 messages = [*messages, reply["choices"][0]["message"], {"role": "user", "content": f"And {turn}?"}]
                 await asyncio.sleep(0.2)  # the engine's next state report carries the new blocks
         assert len(served_by) == 1
-        index = gw.tracker.blocks.get(served_by.pop())
+        index_id = served_by.pop()
+        index = gw.tracker.blocks.get(index_id)
         stats = index.stats()
         assert stats.realised_cached_tokens_total > 0
         assert stats.predicted_cached_tokens_total == stats.realised_cached_tokens_total
         assert stats.num_corrections_total == 0
+        # The text index was kept too, for a fall back to text: it holds the conversation's opening.
+        text_index = gw.tracker.prefixes.get(index_id)
+        assert text_index is not None and len(text_index) > 0
 
 
 async def test_two_gateways_that_share_nothing_agree_through_the_engines_events(tmp_path: Path,
