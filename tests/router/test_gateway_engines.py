@@ -21,10 +21,12 @@ import pytest
 
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
+from tests.engine.peft_files import write_peft_dir
 from tests.gateway_harness import running_gateway
 from tests.services import free_loopback_port
 from tests.engine_server.test_process import SERVED, Replica, start_replica, stop
 
+ADAPTER = "sql"  # a LoRA adapter every engine registers: its KV blocks hash under its name
 # ~2,100 characters: dozens of 16-token KV blocks, so a repeat has a prefix the engine can serve from cache.
 LONG_PROMPT = "You are a careful assistant for the kvgate project, answering in short sentences. " * 26
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -47,9 +49,11 @@ class Engine:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
     work = tmp_path_factory.mktemp("engines")
     grpc_ports = [free_loopback_port(), free_loopback_port()]
+    adapter = write_peft_dir(work / "sql-lora")
     with ThreadPoolExecutor(2) as pool:  # both start at once: startup is mostly waiting on imports
         replicas = list(pool.map(lambda port: start_replica(work, "--grpc-port", str(port), "--kv-cache-bytes",
-                                                            "4MiB"), grpc_ports))
+                                                            "4MiB", "--adapter", f"{ADAPTER}={adapter}"),
+                                 grpc_ports))
     try:
         yield [Engine(r, f"127.0.0.1:{p}") for r, p in zip(replicas, grpc_ports)]
     finally:
@@ -78,6 +82,11 @@ metadata: {{name: {SERVED}}}
 spec:
   source: builtin:tiny-llama
   routing: {{prefix_chunk_chars: 64, static_replicas: [{static}]}}
+---
+apiVersion: kvgate/v1
+kind: Adapter
+metadata: {{name: {ADAPTER}}}
+spec: {{base_model: {SERVED}, source: /adapters/{ADAPTER}, rank: 4}}
 """)
     async with running_gateway(tmp_path) as (url, tracker):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30.0)
@@ -205,17 +214,20 @@ async def test_the_gateway_tokenizes_every_prompt_shape_as_the_engine_does(tmp_p
                     assert len(prompt_token_ids(body, tokenizer)) == usage["prompt_tokens"], body
 
 
-async def test_a_prefix_hit_is_predicted_to_the_token_from_the_engines_events(tmp_path: Path,
-                                                                              engines: list[Engine]) -> None:
+@pytest.mark.parametrize("model", [SERVED, ADAPTER])
+async def test_a_prefix_hit_is_predicted_to_the_token_from_the_engines_events(tmp_path: Path, engines: list[Engine],
+                                                                              model: str) -> None:
     """A conversation's turns go to the engine whose events say it holds the earlier turn, and what the
-    gateway predicted it holds is what the engine then served from cache (usage.cached_tokens)."""
+    gateway predicted it holds is what the engine then served from cache (usage.cached_tokens): for the
+    base model, and for a LoRA adapter, whose name is in every block hash on both sides."""
     async with gateway(tmp_path, engines) as gw:
         await on_kv_blocks(gw)
-        messages = [{"role": "system", "content": LONG_PROMPT + " Turn-test."}, {"role": "user", "content": "Hi"}]
+        messages = [{"role": "system", "content": LONG_PROMPT + f" Turn-test {model}."},
+                    {"role": "user", "content": "Hi"}]
         served_by = set()
         async with aiohttp.ClientSession() as s:
             for turn in range(3):
-                body = {"model": SERVED, "messages": messages, "max_tokens": 4, "temperature": 0}
+                body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}
                 async with s.post(gw.url + "/v1/chat/completions", json=body) as response:
                     reply = await response.json()
                     served_by.add(response.headers[REPLICA_HEADER])
