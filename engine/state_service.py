@@ -47,7 +47,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,28 +278,25 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         subscriber = Subscriber(request.include_kv_events and self._kv_events_enabled,
                                 self._max_pending_kv_hashes)
         self._subscribers.add(subscriber)  # before the first cache read: no event falls in between
-        loop = asyncio.get_running_loop()
-        last_sent_s, last_key = -math.inf, None
+        last_key: tuple[object, ...] | None = None
+
+        async def alive() -> None:
+            if not self._engine.is_alive:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica's engine has stopped")
+
+        async def build(is_heartbeat: bool) -> replica_pb2.ReplicaState | None:
+            nonlocal last_key
+            kv_events = await self._take_kv_events(subscriber, context)
+            stats, draining = self._engine.stats, self._is_draining()
+            key = content_key(stats, draining)
+            if not (is_heartbeat or kv_events or key != last_key):
+                return None  # the engine's own counters moved; nothing on the wire did
+            last_key = key
+            return self._snapshot(stats, draining, kv_events)
+
         try:
-            while True:
-                if subscriber.closed:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica is shutting down")
-                if not self._engine.is_alive:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica's engine has stopped")
-                now_s = loop.time()
-                due_s = next_send_at(last_sent_s, subscriber.changed.is_set(), intervals)
-                if now_s < due_s:
-                    await wait_for_change(subscriber, due_s - now_s)
-                    continue
-                subscriber.changed.clear()
-                kv_events = await self._take_kv_events(subscriber, context)
-                stats, draining = self._engine.stats, self._is_draining()
-                key = content_key(stats, draining)
-                is_heartbeat = now_s >= last_sent_s + intervals.max_s
-                if not (is_heartbeat or kv_events or key != last_key):
-                    continue  # the engine's own counters moved; nothing on the wire did
-                yield self._snapshot(stats, draining, kv_events)
-                last_sent_s, last_key = now_s, key
+            async for snapshot in paced_snapshots(subscriber, intervals, context, build, alive):
+                yield snapshot
         finally:
             self._subscribers.discard(subscriber)
 
@@ -319,6 +316,32 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             events = resync_events(cached, self._engine.stats.block_size_tokens)
         events.extend(kv_event_to_proto(event) for event in subscriber.take_kv_events())
         return events
+
+
+async def paced_snapshots(subscriber: Subscriber, intervals: StreamIntervals, context: grpc.aio.ServicerContext,
+                          build: Callable[[bool], Awaitable[replica_pb2.ReplicaState | None]],
+                          check: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[replica_pb2.ReplicaState]:
+    """One WatchState stream's pacing: the first snapshot at once, then at most one per min interval after a
+    change and a heartbeat after max interval of none (`next_send_at`). `build(is_heartbeat)` makes the
+    snapshot, or None when nothing on the wire changed; `check` runs on every wake-up (it may abort).
+    Aborts with UNAVAILABLE once the subscriber is closed. Shared with stand-ins (loadtests/sim_state.py)."""
+    loop = asyncio.get_running_loop()
+    last_sent_s = -math.inf
+    while True:
+        if subscriber.closed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica is shutting down")
+        if check is not None:
+            await check()
+        now_s = loop.time()
+        due_s = next_send_at(last_sent_s, subscriber.changed.is_set(), intervals)
+        if now_s < due_s:
+            await wait_for_change(subscriber, due_s - now_s)
+            continue
+        subscriber.changed.clear()
+        snapshot = await build(now_s >= last_sent_s + intervals.max_s)
+        if snapshot is not None:
+            yield snapshot
+            last_sent_s = now_s
 
 
 async def wait_for_change(subscriber: Subscriber, timeout_s: float) -> None:

@@ -277,11 +277,11 @@ def engine_sizes(reqs: list[workloads.Request], n: int, kv_factor: float) -> dic
 
 def sim_token_replay(reqs: list[workloads.Request]) -> dict[str, float]:
     """The best-possible replay of `reqs` on sims in KV-events mode: their tokenizer, their prompt tokens."""
+    from kvgate.tokenizer import Tokenizer
     from loadtests.routing_fleet import sim_tokenizer_dir
-    from loadtests.sim_state import SimTokens
     from router.prompt_tokens import prompt_token_ids
 
-    tokenizer = SimTokens.load(sim_tokenizer_dir()).tokenizer
+    tokenizer = Tokenizer.from_dir(sim_tokenizer_dir())
     return workloads.token_replay(reqs, lambda r: prompt_token_ids(r.body(), tokenizer), 16)
 
 

@@ -67,11 +67,11 @@ async def killer(session, fleet: Fleet, t0: float, kill_at_s: float, out: dict) 
 
 
 async def run_once(url: str, proc, fleet: Fleet, reqs: list[workloads.Request], kill_at_s: float,
-                   timeout_s: float, kv_blocks: bool = False) -> dict:
+                   timeout_s: float) -> dict:
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await wait_ready(session, url, proc, engines=kv_blocks)
+        await wait_ready(session, url, proc, engines=bool(fleet.grpc_targets))  # peers answer at once
         before = await replica_counters(session, fleet)
         t0 = time.perf_counter() + 0.2
         kill: dict = {}
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             log = WORK / f"bench_routing_faults-{name.replace(':', '-')}.log"
             proc, url = start_router(name, fleet, Path(tmp), log)
             try:
-                res = asyncio.run(run_once(url, proc, fleet, reqs, kill_at_s, args.timeout_s,
-                                           kv_blocks=args.sim_kv_events and name.startswith("kvgate")))
+                res = asyncio.run(run_once(url, proc, fleet, reqs, kill_at_s, args.timeout_s))
             finally:
                 stop_router(proc)
                 fleet.stop()

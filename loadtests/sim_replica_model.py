@@ -142,25 +142,19 @@ class PrefixCache:
     def insert(self, hashes: Sequence[int], adapter: str | None = None) -> None:
         """Add or touch every block of a prompt's chain, then evict the least recently used beyond capacity.
         `adapter` only labels the recorded `BlockStored` events (the hashes already cover it)."""
-        if not self.record_events:
-            for h in hashes:
-                self._blocks[h] = None
-                self._blocks.move_to_end(h)
-            while len(self._blocks) > self.capacity_blocks:
-                self._blocks.popitem(last=False)
-            return
         new: list[int] = []  # chain indices of the blocks that join the cache
         for index, h in enumerate(hashes):
             if h not in self._blocks:
                 new.append(index)
             self._blocks[h] = None
             self._blocks.move_to_end(h)
-        self._events.extend(stored_events(hashes, new, adapter))
         evicted = []
         while len(self._blocks) > self.capacity_blocks:
             evicted.append(self._blocks.popitem(last=False)[0])
-        if evicted:
-            self._events.append(BlockRemoved(tuple(evicted)))
+        if self.record_events:
+            self._events.extend(stored_events(hashes, new, adapter))
+            if evicted:
+                self._events.append(BlockRemoved(tuple(evicted)))
 
 
 def stored_events(chain: Sequence[int], new: Sequence[int], adapter: str | None) -> list[BlockStored]:

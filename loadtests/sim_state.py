@@ -27,10 +27,8 @@ change with the KV events it drained, so a snapshot never races a cache change.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,9 +38,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.block_manager import KVEvent
-from engine.state_service import (DEFAULT_MAX_PENDING_KV_HASHES, Subscriber, kv_event_to_proto, next_send_at,
-                                  read_tokenizer_files, resync_events, serve_replica_servicer, stream_intervals,
-                                  wait_for_change)
+from engine.state_service import (DEFAULT_MAX_PENDING_KV_HASHES, Subscriber, kv_event_to_proto, paced_snapshots,
+                                  read_tokenizer_files, resync_events, serve_replica_servicer, stream_intervals)
 from kvgate.kv_blocks import hash_blocks
 from kvgate.tokenizer import Tokenizer
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
@@ -60,19 +57,21 @@ class SimTokens:
     """A tokenizer directory's files and the tokenizer built from exactly those bytes. Load once per
     process and share between sims (`SimTokens.load`): a tokenizer is ~0.1 s and tens of MB."""
 
-    tokenizer: Tokenizer
     files: Mapping[str, bytes]
-    # The same tokens, with the gateway's piece cache (router.prompt_tokens): a real engine tokenizes
+    # The tokenizer, behind the gateway's piece cache (router.prompt_tokens): a real engine tokenizes
     # every prompt whole, but here that CPU would come out of the gateway's share of this box.
     pieces: PromptTokenizer
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.pieces.tokenizer
 
     @classmethod
     def load(cls, model_dir: str | Path) -> SimTokens:
         """Raises engine.state_service.TokenizerFilesUnavailable (no tokenizer.json, unreadable file) or
         kvgate.tokenizer.TokenizerError (files that do not make a tokenizer)."""
         files = read_tokenizer_files(Path(model_dir))
-        tokenizer = Tokenizer.from_files(files, str(model_dir))
-        return cls(tokenizer, files, PromptTokenizer(tokenizer))
+        return cls(files, PromptTokenizer(Tokenizer.from_files(files, str(model_dir))))
 
     def prompt(self, body: Mapping[str, object], adapter: str | None) -> tuple[int, tuple[int, ...]] | None:
         """(prompt tokens, KV block chain) of a chat or completions body as a kvgate engine computes them;
@@ -147,25 +146,20 @@ class _ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         intervals = stream_intervals(request)
         subscriber = Subscriber(request.include_kv_events, self._max_pending_kv_hashes)
         self._subscribers.add(subscriber)
-        loop = asyncio.get_running_loop()
-        last_sent_s, last_content = -math.inf, None
+        last_content: tuple[object, ...] | None = None
+
+        async def build(is_heartbeat: bool) -> replica_pb2.ReplicaState | None:
+            nonlocal last_content
+            kv_events = self._take_kv_events(subscriber)
+            content = self._content()
+            if not (is_heartbeat or kv_events or content != last_content):
+                return None  # e.g. a decode step: nothing on the wire moved
+            last_content = content
+            return self._snapshot(content, kv_events)
+
         try:
-            while True:
-                if subscriber.closed:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica is shutting down")
-                now_s = loop.time()
-                due_s = next_send_at(last_sent_s, subscriber.changed.is_set(), intervals)
-                if now_s < due_s:
-                    await wait_for_change(subscriber, due_s - now_s)
-                    continue
-                subscriber.changed.clear()
-                kv_events = self._take_kv_events(subscriber)
-                content = self._content()
-                is_heartbeat = now_s >= last_sent_s + intervals.max_s
-                if not (is_heartbeat or kv_events or content != last_content):
-                    continue  # e.g. a decode step: nothing on the wire moved
-                yield self._snapshot(content, kv_events)
-                last_sent_s, last_content = now_s, content
+            async for snapshot in paced_snapshots(subscriber, intervals, context, build):
+                yield snapshot
         finally:
             self._subscribers.discard(subscriber)
 
