@@ -42,7 +42,7 @@ from registry.schema import Routing  # noqa: E402
 from router.features import RouteRequest, build_route_request  # noqa: E402
 from router.policies import PolicyFn, Reason, RouteDecision, RoutingKnobs, choose  # noqa: E402
 from router.prefix_index import PrefixIndexes  # noqa: E402
-from router.view import ReplicaState, ReplicaView  # noqa: E402
+from router.view import InFlightChains, ReplicaState, ReplicaView  # noqa: E402
 
 MODEL = "sim-llama"
 CHUNK_CHARS = 128  # what bench_routing gives kvgate in sim mode
@@ -58,12 +58,13 @@ class _Replica:
 
 @dataclass
 class _Gateway:
-    """What one gateway knows: its own prefix indexes, and its own requests in flight and pending prefill
-    per replica. Gateways share nothing; the replicas' own queue counts are seen by all (fresh here)."""
+    """What one gateway knows: its own prefix indexes, and its own requests in flight (with their prefix
+    chains) and pending prefill per replica. Gateways share nothing; the replicas' own queue counts are seen by all (fresh here)."""
 
     indexes: PrefixIndexes
     in_flight: dict[str, int] = field(default_factory=dict)
     pending_prefill_tokens: dict[str, int] = field(default_factory=dict)
+    in_flight_chains: InFlightChains = field(default_factory=InFlightChains)
 
 
 @dataclass
@@ -189,13 +190,15 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
             if policy == "oracle":
                 decision = _oracle(req, replicas, knobs)
             else:
-                view = ReplicaView.of((state(gateway, rep) for rep in replicas.values()), gateway.indexes)
+                view = ReplicaView.of((state(gateway, rep) for rep in replicas.values()), gateway.indexes,
+                                      gateway.in_flight_chains)
                 decision = policy(route, view, knobs)
             decisions[decision.reason.value] = decisions.get(decision.reason.value, 0) + 1
             rep = replicas[decision.replica_id]
             gateway.indexes.record(rep.replica_id, route.prefix_hashes)
             prefill = route.uncached_tokens(decision.predicted_match_chunks)
             gateway.in_flight[rep.replica_id] += 1
+            gateway.in_flight_chains.add(rep.replica_id, route.prefix_hashes)
             gateway.pending_prefill_tokens[rep.replica_id] += prefill
             rep.served += 1
             text = req.prompt_text()
@@ -216,6 +219,7 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
                     p.gateway.pending_prefill_tokens[rid] = max(0, left)
                 if event.finished:
                     p.gateway.in_flight[rid] -= 1
+                    p.gateway.in_flight_chains.remove(rid, p.route.prefix_hashes)
                     if cached.get(event.seq_id) is not None and policy is choose:  # the proxy learns from usage.cached_tokens
                         p.gateway.indexes.correct(rid, p.route.prefix_hashes, p.predicted_chunks, cached[event.seq_id],
                                                   CHARS_PER_TOKEN)

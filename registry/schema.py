@@ -169,6 +169,17 @@ class Routing(_Strict):
         default=8, ge=1,
         description="The load bound never caps a replica below this many requests in flight: an engine "
                     "batches that few at once with no queue, and spilling a prefix hit costs a full prefill.")
+    hot_prefix_requests: int = Field(
+        default=2, ge=1,
+        description="cache_aware: a prefix that at least this many of the gateway's requests in flight at a "
+                    "replica share is hot there, and the load bound holds for it: more requests for it go to "
+                    "other replicas, which then hold it too (a burst on one system prompt spreads).")
+    over_bound_cost_tokens: float = Field(
+        default=500.0, ge=0,
+        description="cache_aware: for a request whose own cached prefix a replica over the load bound holds "
+                    "(and it is not hot there), each request over the bound adds this many tokens to that "
+                    "replica's cost instead of ruling it out, so a conversation stays with its cache until the "
+                    "queue there outweighs prefilling it elsewhere; 1e9 makes the bound hard for every request.")
     affinity_depth_chars: int = Field(
         default=1024, ge=1,
         description="Ties (new text on equally loaded replicas) go by rendezvous hash of this many characters "

@@ -33,7 +33,7 @@ from router.metrics import RouterMetrics
 from router.policies import Reason, RouteDecision, RoutingKnobs, choose
 from router.prefix_index import PrefixIndexes
 from router.queueing import WaitQueues
-from router.view import ReplicaView
+from router.view import InFlightChains, ReplicaView
 
 NUM_RECENT_DECISIONS = 100
 _DRAIN_AFTER_DONE_S = 1.0
@@ -45,6 +45,7 @@ class Tracker(Protocol):
 
     prefixes: PrefixIndexes
     blocks: BlockIndexes
+    in_flight_chains: InFlightChains
 
     def view(self, model: str, blocks: bool = False) -> ReplicaView: ...
     def begin(self, replica_id: str, prefill_tokens: int = 0) -> None: ...
@@ -155,6 +156,7 @@ class Proxy:
                 self.tracker.prefixes.record(replica_id, preq.route.prefix_hashes)
             prefill = _PendingPrefill(self.tracker, replica_id,
                                       preq.route.uncached_tokens(decision.predicted_match_chunks))
+            self.tracker.in_flight_chains.add(replica_id, preq.route.prefix_hashes)
             try:
                 return await self._attempt(request, preq, replica_id, decision, prefill)
             except AttemptFailed as failure:
@@ -165,6 +167,7 @@ class Proxy:
             finally:
                 prefill.done()
                 self.tracker.end(replica_id)
+                self.tracker.in_flight_chains.remove(replica_id, preq.route.prefix_hashes)
                 if on_blocks:
                     self.tracker.blocks.retire(replica_id, preq.route.prefix_hashes)
         return self._give_up(model, last)
@@ -183,7 +186,8 @@ class Proxy:
         started = self.clock.now()
         view = self.tracker.view(preq.route.model, blocks=preq.route.hash_tokens > 0)
         if excluded:
-            view = ReplicaView(tuple(r for r in view.replicas if r.replica_id not in excluded), view.prefixes)
+            view = ReplicaView(tuple(r for r in view.replicas if r.replica_id not in excluded), view.prefixes,
+                               view.in_flight_chains)
         decision = choose(preq.route, view, preq.knobs)
         self.metrics.decision_seconds.labels(preq.route.model).observe(self.clock.now() - started)
         self.metrics.decisions.labels(preq.route.model, decision.reason.value).inc()

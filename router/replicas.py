@@ -39,7 +39,7 @@ from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
 from router.prompt_tokens import PromptTokenizer
 from router.sources import LoadReport, fetch_tokenizer, parse_metrics, watch_stream
-from router.view import ReplicaState, ReplicaView
+from router.view import InFlightChains, ReplicaState, ReplicaView
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ class ReplicaTracker:
         self._default_chunk_chars = prefix_chunk_chars
         self.prefixes = PrefixIndexes(prefix_chunk_chars)
         self.blocks = BlockIndexes()  # exact, from kvgate engines' KV block events
+        self.in_flight_chains = InFlightChains()  # the prefix chains of requests in flight, per replica
         self._kv_chains: dict[str, KvChain] = {}  # per model, once one of its engines sent its tokenizer
         self._chain_sources: dict[str, str] = {}  # the model's registry source when its chain was fetched
         self._refetch_after: dict[str, float] = {}  # per model: no refetch on disagreement before this (clock)
@@ -215,7 +216,7 @@ class ReplicaTracker:
         """Every known replica of `model` (routable or not), with `self.prefixes` as prefix query, or
         `self.blocks` when `blocks` (a request whose chain is KV blocks, see `kv_chain`)."""
         return ReplicaView.of((r.state() for r in self._replicas.values() if r.model == model),
-                              self.blocks if blocks else self.prefixes)
+                              self.blocks if blocks else self.prefixes, self.in_flight_chains)
 
     def kv_chain(self, model: str) -> KvChain | None:
         """The KV chain to route `model`'s requests on, or None to route them on text: one of its engines
@@ -360,6 +361,7 @@ class ReplicaTracker:
             task.cancel()
         self.prefixes.forget_replica(replica_id)
         self.blocks.forget_replica(replica_id)
+        self.in_flight_chains.forget_replica(replica_id)
         self._notify()
 
     def _start_readers(self, tracked: _Tracked) -> None:

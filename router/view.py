@@ -1,13 +1,14 @@
-"""What the policies see of the fleet: frozen replica states plus a read-only prefix-index query.
+"""What the policies see of the fleet: frozen replica states plus read-only prefix queries.
 
 The shell builds a `ReplicaView` per decision from the latest replica snapshots (engine state stream
 or scraped /metrics) and its own in-flight counts; policies never see anything mutable but the
-`PrefixQuery`, which they only read.
+`PrefixQuery` and `SharingQuery`, which they only read.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -71,24 +72,74 @@ class PrefixQuery(Protocol):
 
 
 class NoPrefixes:
-    """A PrefixQuery that knows nothing: for policies that ignore prefixes, and for tests."""
+    """A PrefixQuery (and SharingQuery) that knows nothing: for policies that ignore prefixes, and for
+    tests."""
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
         return 0
 
+    def sharing(self, replica_id: str, chain_hash: int) -> int:
+        return 0
+
+
+class SharingQuery(Protocol):
+    """Read-only: how many of the gateway's requests in flight at `replica_id` have `chain_hash` in
+    their prefix chain."""
+
+    def sharing(self, replica_id: str, chain_hash: int) -> int: ...
+
+
+class InFlightChains:
+    """The prefix chains of the gateway's requests in flight, counted per replica and hash: how many
+    requests in flight at a replica share a prefix (`sharing`), which tells a hot prompt (a burst of
+    requests on one system prompt) from a conversation's own history. The shell adds a chain when it
+    sends a request and removes it when the attempt ends."""
+
+    def __init__(self) -> None:
+        self._by_replica: dict[str, Counter[int]] = {}
+
+    def add(self, replica_id: str, hashes: tuple[int, ...]) -> None:
+        self._by_replica.setdefault(replica_id, Counter()).update(hashes)
+
+    def remove(self, replica_id: str, hashes: tuple[int, ...]) -> None:
+        counts = self._by_replica.get(replica_id)
+        if counts is None:
+            return
+        for chain_hash in hashes:
+            left = counts[chain_hash] - 1
+            if left > 0:
+                counts[chain_hash] = left
+            else:
+                counts.pop(chain_hash, None)
+
+    def sharing(self, replica_id: str, chain_hash: int) -> int:
+        counts = self._by_replica.get(replica_id)
+        return counts.get(chain_hash, 0) if counts is not None else 0
+
+    def num_hashes(self, replica_id: str) -> int:
+        """Distinct hashes counted at `replica_id`: 0 once every request sent there has ended."""
+        counts = self._by_replica.get(replica_id)
+        return len(counts) if counts is not None else 0
+
+    def forget_replica(self, replica_id: str) -> None:
+        self._by_replica.pop(replica_id, None)
+
 
 @dataclass(frozen=True)
 class ReplicaView:
-    """All replicas known to the gateway (every model), sorted by id, plus the prefix query."""
+    """All replicas known to the gateway (every model), sorted by id, plus the prefix queries."""
 
     replicas: tuple[ReplicaState, ...]
     prefixes: PrefixQuery
+    in_flight_chains: SharingQuery = NoPrefixes()
 
     @classmethod
-    def of(cls, replicas: Iterable[ReplicaState], prefixes: PrefixQuery | None = None) -> ReplicaView:
+    def of(cls, replicas: Iterable[ReplicaState], prefixes: PrefixQuery | None = None,
+           in_flight_chains: SharingQuery | None = None) -> ReplicaView:
         """Sorts by replica id, so every decision is independent of the order states arrived in."""
         ordered = tuple(sorted(replicas, key=lambda r: r.replica_id))
-        return cls(replicas=ordered, prefixes=prefixes if prefixes is not None else NoPrefixes())
+        return cls(replicas=ordered, prefixes=prefixes if prefixes is not None else NoPrefixes(),
+                   in_flight_chains=in_flight_chains if in_flight_chains is not None else NoPrefixes())
 
     def candidates(self, model: str) -> tuple[ReplicaState, ...]:
         """Replicas of `model` that take new requests: healthy and not draining, sorted by id."""
@@ -96,3 +147,6 @@ class ReplicaView:
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
         return self.prefixes.match_length(replica_id, hashes)
+
+    def sharing(self, replica_id: str, chain_hash: int) -> int:
+        return self.in_flight_chains.sharing(replica_id, chain_hash)

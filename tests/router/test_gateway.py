@@ -356,7 +356,7 @@ async def test_a_client_that_goes_away_aborts_the_upstream_request(tmp_path: Pat
         assert (await gw.stats(gw.sims[0]))["num_aborted"] == 1
 
 
-async def test_pending_prefill_lasts_until_the_first_token_not_an_opening_role_chunk(tmp_path: Path) -> None:
+async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_the_end(tmp_path: Path) -> None:
     # A backend that opens every stream with a role-only chunk at once and sends the token only when
     # told: the gateway must count the prompt as waiting for prefill until that token.
     release = asyncio.Event()
@@ -387,14 +387,18 @@ async def test_pending_prefill_lasts_until_the_first_token_not_an_opening_role_c
             def pending() -> int:
                 return sum(r.pending_prefill_tokens for r in gw.tracker.view("m").candidates("m"))
 
+            (replica_id,) = [r.replica_id for r in gw.tracker.view("m").candidates("m")]
             async with aiohttp.ClientSession() as s:
                 r = await s.post(gw.url + "/v1/chat/completions", json=chat(LONG_PROMPT, stream=True))
                 assert json.loads((await r.content.readline())[5:])["choices"][0]["delta"]["role"] == "assistant"
                 await asyncio.sleep(0.05)
                 assert pending() > 400  # ~2,000 characters of prompt still to prefill
+                # its prefix chain counts as in flight there (what tells a hot prefix) until it ends
+                assert gw.tracker.in_flight_chains.num_hashes(replica_id) > 5
                 release.set()
                 assert b"[DONE]" in await r.read()
             assert pending() == 0
+            assert gw.tracker.in_flight_chains.num_hashes(replica_id) == 0
     finally:
         release.set()
         await runner.cleanup()

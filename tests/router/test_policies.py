@@ -11,7 +11,7 @@ from registry.schema import Routing, RoutingPolicy
 from router.features import RouteRequest, build_route_request
 from router.policies import POLICIES, Reason, RoutingKnobs, choose, load_cap
 from router.prefix_index import PrefixIndexes
-from router.view import AdapterFit, ReplicaState, ReplicaView
+from router.view import AdapterFit, InFlightChains, ReplicaState, ReplicaView
 
 CHUNK = 64
 HOT_SYSTEM = "You are the support bot of a large shop. Answer politely and briefly. " * 10  # 700 chars
@@ -39,21 +39,33 @@ def knobs(policy: RoutingPolicy, epsilon: float = 0.25, min_load_cap: int = 1) -
 
 
 class Gateway:
-    """A gateway's routing loop without I/O: route, record the chain, count the request in flight."""
+    """A gateway's routing loop without I/O: route, record the chain, count the request (and its chain)
+    in flight."""
 
     def __init__(self, replicas: list[ReplicaState], policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE) -> None:
         self.replicas = {r.replica_id: r for r in replicas}
         self.indexes = PrefixIndexes(CHUNK)
+        self.in_flight_chains = InFlightChains()
         self.knobs = knobs(policy)
 
     def route(self, req: RouteRequest, *, stays_in_flight: bool) -> str:
-        decision = choose(req, ReplicaView.of(self.replicas.values(), self.indexes), self.knobs)
+        view = ReplicaView.of(self.replicas.values(), self.indexes, self.in_flight_chains)
+        decision = choose(req, view, self.knobs)
         assert decision.replica_id is not None
         self.indexes.record(decision.replica_id, req.prefix_hashes)
         if stays_in_flight:
             chosen = self.replicas[decision.replica_id]
             self.replicas[decision.replica_id] = replace(chosen, in_flight=chosen.in_flight + 1)
+            self.in_flight_chains.add(decision.replica_id, req.prefix_hashes)
         return decision.replica_id
+
+
+def sharing_at(replica_id: str, req: RouteRequest, count: int) -> InFlightChains:
+    """`count` requests in flight at `replica_id` whose chains are `req`'s: its prefix is hot there."""
+    chains = InFlightChains()
+    for _ in range(count):
+        chains.add(replica_id, req.prefix_hashes)
+    return chains
 
 
 def test_every_registry_policy_has_a_function() -> None:
@@ -116,11 +128,13 @@ def test_distinct_sequential_prompts_on_idle_replicas_spread(policy: RoutingPoli
     # holder 4: mean_after 2.75, cap max(floor(3.44), 3) = 3
     (4, False),
 ])
-def test_same_prefix_goes_to_the_replica_holding_it_within_the_bound(holder_load: int, holds_it: bool) -> None:
+def test_a_hot_prefix_goes_to_the_replica_holding_it_within_the_bound(holder_load: int, holds_it: bool) -> None:
+    # two of the holder's requests in flight share the prompt: it is hot there, and the bound holds
     gateway = Gateway(fleet(4))
     holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
     loads = {rid: holder_load if rid == holder else 2 for rid in gateway.replicas}
-    view = ReplicaView.of([replace(r, in_flight=loads[rid]) for rid, r in gateway.replicas.items()], gateway.indexes)
+    view = ReplicaView.of([replace(r, in_flight=loads[rid]) for rid, r in gateway.replicas.items()], gateway.indexes,
+                          sharing_at(holder, request(HOT_SYSTEM + "question 0"), 2))
     decision = choose(request(HOT_SYSTEM + "question 1"), view, knobs(RoutingPolicy.CACHE_AWARE))
     if holds_it:
         # 710 chars -> 11 chunks; the 11th (chars 640..703) ends in "ques", common to both questions
@@ -151,18 +165,91 @@ def test_load_cap(loads: tuple[int, ...], epsilon: float, cap: int) -> None:
 
 
 def test_under_the_floor_a_holder_keeps_its_prefix_at_low_load() -> None:
-    # 4 replicas, the holder has 3 in flight, the others 1: mean_after 1.75, epsilon 0.25 -> cap
-    # max(floor(2.19), 2) = 2, so 3 + 1 > 2 would spill the hit; with min_load_cap 4 the cap is 4 and
-    # it stays (an engine batches 4 at once: spilling would only cost a prefill elsewhere).
+    # 4 replicas, the holder has 3 in flight (all on this prompt: hot), the others 1: mean_after 1.75,
+    # epsilon 0.25 -> cap max(floor(2.19), 2) = 2, so 3 + 1 > 2 would spill the hit; with min_load_cap
+    # 4 the cap is 4 and it stays (an engine batches 4 at once: spilling would only cost a prefill elsewhere).
     gateway = Gateway(fleet(4))
     holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
     view = ReplicaView.of([replace(r, in_flight=3 if rid == holder else 1) for rid, r in gateway.replicas.items()],
-                          gateway.indexes)
+                          gateway.indexes, sharing_at(holder, request(HOT_SYSTEM + "question 0"), 3))
     req = request(HOT_SYSTEM + "question 1")
     spilled = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE))
     assert spilled.replica_id != holder and spilled.reason is Reason.LOAD_FALLBACK
     kept = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=4))
     assert (kept.replica_id, kept.reason, kept.load_cap) == (holder, Reason.PREFIX_HIT, 4)
+
+
+@pytest.mark.parametrize("holder_load,stays", [
+    # others at 2. The next turn's prompt is 178 tokens (710 chars / 4), of which the holder lacks 2:
+    # its cost 16 x 2 + 500 x (requests over the bound), anywhere else 16 x 178 = 2,848.
+    (4, True),  # cap 3 (worked above), 4 + 1 - 3 = 2 over: 32 + 1,000
+    (9, True),  # mean_after 4.25, cap max(floor(5.31), 5) = 5: 5 over: 32 + 2,500 < 2,848
+    (10, False),  # mean_after 4.5, cap 5: 6 over: 32 + 3,000 > 2,848: the queue outweighs the miss
+])
+def test_a_conversation_stays_with_its_cache_over_the_bound_until_the_queue_outweighs_the_miss(
+        holder_load: int, stays: bool) -> None:
+    # the holder's load is other traffic: no request in flight there shares this conversation's prefix
+    gateway = Gateway(fleet(4))
+    holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
+    view = ReplicaView.of([replace(r, in_flight=holder_load if rid == holder else 2)
+                           for rid, r in gateway.replicas.items()], gateway.indexes)
+    decision = choose(request(HOT_SYSTEM + "question 1"), view, knobs(RoutingPolicy.CACHE_AWARE))
+    assert holder_load + 1 > decision.load_cap  # the holder is over the bound in every case
+    if stays:
+        assert (decision.replica_id, decision.reason) == (holder, Reason.PREFIX_HIT)
+    else:
+        assert decision.replica_id != holder and decision.reason is Reason.LOAD_FALLBACK
+    hard = replace(knobs(RoutingPolicy.CACHE_AWARE), over_bound_cost_tokens=1e9)
+    assert choose(request(HOT_SYSTEM + "question 1"), view, hard).replica_id != holder
+
+
+@pytest.mark.parametrize("sharing,stays", [(0, True), (1, True), (2, False), (5, False)])
+def test_a_prefix_is_hot_at_two_requests_in_flight_sharing_it_and_then_the_bound_holds(sharing: int, stays: bool) -> None:
+    gateway = Gateway(fleet(4))
+    holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
+    view = ReplicaView.of([replace(r, in_flight=5 if rid == holder else 2) for rid, r in gateway.replicas.items()],
+                          gateway.indexes, sharing_at(holder, request(HOT_SYSTEM + "question 0"), sharing))
+    decision = choose(request(HOT_SYSTEM + "question 1"), view, knobs(RoutingPolicy.CACHE_AWARE))
+    assert (decision.replica_id == holder) is stays
+
+
+def test_new_text_never_goes_over_the_bound() -> None:
+    # nothing of this prompt is held anywhere: the over-bound replica is idle in tokens, the others are
+    # not, but the bound rules it out (only a held cache earns the exception)
+    replicas = [replace(replica("a", load=6)), replace(replica("b", load=1), pending_prefill_tokens=5000),
+                replace(replica("c", load=1), pending_prefill_tokens=5000)]
+    decision = choose(request("brand new text " * 20), ReplicaView.of(replicas), knobs(RoutingPolicy.CACHE_AWARE))
+    assert decision.replica_id in ("b", "c") and decision.load_cap == 3
+
+
+def test_the_kv_test_never_sends_a_request_over_the_bound() -> None:
+    # under the bound, b and c lack free KV for the prompt; a holds the prefix but is over the bound
+    # with the prefix hot there: the KV test is dropped rather than breaking the bound
+    req = request(HOT_SYSTEM + "question 1")
+    indexes = PrefixIndexes(CHUNK)
+    indexes.record("a", request(HOT_SYSTEM + "question 0").prefix_hashes)
+    full = dict(kv_blocks_total=1024, kv_blocks_free=0)
+    replicas = [replica("a", load=6), replace(replica("b", load=1), **full), replace(replica("c", load=1), **full)]
+    view = ReplicaView.of(replicas, indexes, sharing_at("a", req, 2))
+    assert choose(req, view, knobs(RoutingPolicy.CACHE_AWARE)).replica_id in ("b", "c")
+    # not hot at a, which is 7 over its bound (loads 12, 1, 1: cap 6): it could take the request, but
+    # its cost (16 x 2 + 500 x 7) is above a miss elsewhere (16 x 178): the KV test alone must not pick it
+    far_over = ReplicaView.of([replica("a", load=12), *replicas[1:]], indexes)
+    assert choose(req, far_over, knobs(RoutingPolicy.CACHE_AWARE)).replica_id in ("b", "c")
+
+
+def test_in_flight_chains_count_requests_per_replica_and_hash() -> None:
+    chains = InFlightChains()
+    chains.add("a", (1, 2, 3))
+    chains.add("a", (1, 2, 9))
+    chains.add("b", (1,))
+    assert [chains.sharing("a", h) for h in (1, 2, 3, 9, 7)] == [2, 2, 1, 1, 0]
+    chains.remove("a", (1, 2, 3))
+    assert [chains.sharing("a", h) for h in (1, 2, 3)] == [1, 1, 0] and chains.sharing("b", 1) == 1
+    chains.remove("a", (1, 2, 9))
+    chains.remove("zz", (1,))  # a replica it never saw: nothing to do
+    chains.forget_replica("b")
+    assert chains.sharing("a", 1) == chains.sharing("b", 1) == 0
 
 
 def test_two_gateways_sharing_nothing_agree_on_repeated_prefixes_below_the_load_bound() -> None:
