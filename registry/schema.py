@@ -166,16 +166,17 @@ class Routing(_Strict):
                     "tokens it does not hold; above 1, a cache miss also counts what it costs those behind it "
                     "and the conversation's later turns.")
     min_load_cap_requests: int = Field(
-        default=8, ge=1,
-        description="The load bound never caps a replica below this many requests in flight: an engine "
-                    "batches that few at once with no queue, and spilling a prefix hit costs a full prefill.")
+        default=1, ge=1,
+        description="The load bound never caps a replica below this many requests in flight (1: the bound as "
+                    "stated above). cache_aware already lets a conversation stay with its cache over the bound "
+                    "(over_bound_cost_tokens); a higher floor also lets a hot prefix pile up to it.")
     hot_prefix_requests: int = Field(
         default=2, ge=1,
         description="cache_aware: a prefix that at least this many of the gateway's requests in flight at a "
                     "replica share is hot there, and the load bound holds for it: more requests for it go to "
                     "other replicas, which then hold it too (a burst on one system prompt spreads).")
     over_bound_cost_tokens: float = Field(
-        default=500.0, ge=0,
+        default=2000.0, ge=0,
         description="cache_aware: for a request whose own cached prefix a replica over the load bound holds "
                     "(and it is not hot there), each request over the bound adds this many tokens to that "
                     "replica's cost instead of ruling it out, so a conversation stays with its cache until the "

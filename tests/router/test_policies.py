@@ -70,7 +70,7 @@ def sharing_at(replica_id: str, req: RouteRequest, count: int) -> InFlightChains
 
 def test_every_registry_policy_has_a_function() -> None:
     assert set(POLICIES) == set(RoutingPolicy)
-    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5, 8)
+    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5, 1)
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
@@ -181,10 +181,9 @@ def test_under_the_floor_a_holder_keeps_its_prefix_at_low_load() -> None:
 
 @pytest.mark.parametrize("holder_load,stays", [
     # others at 2. The next turn's prompt is 178 tokens (710 chars / 4), of which the holder lacks 2:
-    # its cost 16 x 2 + 500 x (requests over the bound), anywhere else 16 x 178 = 2,848.
-    (4, True),  # cap 3 (worked above), 4 + 1 - 3 = 2 over: 32 + 1,000
-    (9, True),  # mean_after 4.25, cap max(floor(5.31), 5) = 5: 5 over: 32 + 2,500 < 2,848
-    (10, False),  # mean_after 4.5, cap 5: 6 over: 32 + 3,000 > 2,848: the queue outweighs the miss
+    # its cost 16 x 2 + 2,000 x (requests over the bound), anywhere else 16 x 178 = 2,848.
+    (3, True),  # cap 3 (worked above), 3 + 1 - 3 = 1 over: 32 + 2,000 < 2,848
+    (4, False),  # cap 3, 2 over: 32 + 4,000 > 2,848: the queue outweighs the miss
 ])
 def test_a_conversation_stays_with_its_cache_over_the_bound_until_the_queue_outweighs_the_miss(
         holder_load: int, stays: bool) -> None:
@@ -207,10 +206,28 @@ def test_a_conversation_stays_with_its_cache_over_the_bound_until_the_queue_outw
 def test_a_prefix_is_hot_at_two_requests_in_flight_sharing_it_and_then_the_bound_holds(sharing: int, stays: bool) -> None:
     gateway = Gateway(fleet(4))
     holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
-    view = ReplicaView.of([replace(r, in_flight=5 if rid == holder else 2) for rid, r in gateway.replicas.items()],
+    view = ReplicaView.of([replace(r, in_flight=3 if rid == holder else 2) for rid, r in gateway.replicas.items()],
                           gateway.indexes, sharing_at(holder, request(HOT_SYSTEM + "question 0"), sharing))
     decision = choose(request(HOT_SYSTEM + "question 1"), view, knobs(RoutingPolicy.CACHE_AWARE))
     assert (decision.replica_id == holder) is stays
+
+
+def test_a_hot_prefix_counts_as_hot_when_the_held_tail_reaches_into_rarer_text() -> None:
+    # The holder holds 11 chunks of "question 1"'s chain (its 11th reaches "ques", from an earlier
+    # "question 0"); the 5 requests in flight there are other questions on the same system prompt,
+    # sharing its first 10 chunks but not the 11th. Hot all the same: they share most of what it holds.
+    gateway = Gateway(fleet(4))
+    holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
+    in_flight = InFlightChains()
+    for i in range(5):
+        other = request(HOT_SYSTEM + f"another thing {i}")
+        assert other.prefix_hashes[9] == request(HOT_SYSTEM + "question 1").prefix_hashes[9]
+        assert other.prefix_hashes[10] != request(HOT_SYSTEM + "question 1").prefix_hashes[10]
+        in_flight.add(holder, other.prefix_hashes)
+    view = ReplicaView.of([replace(r, in_flight=5 if rid == holder else 2) for rid, r in gateway.replicas.items()],
+                          gateway.indexes, in_flight)
+    decision = choose(request(HOT_SYSTEM + "question 1"), view, knobs(RoutingPolicy.CACHE_AWARE))
+    assert decision.replica_id != holder and decision.reason is Reason.LOAD_FALLBACK
 
 
 def test_new_text_never_goes_over_the_bound() -> None:
@@ -233,7 +250,7 @@ def test_the_kv_test_never_sends_a_request_over_the_bound() -> None:
     view = ReplicaView.of(replicas, indexes, sharing_at("a", req, 2))
     assert choose(req, view, knobs(RoutingPolicy.CACHE_AWARE)).replica_id in ("b", "c")
     # not hot at a, which is 7 over its bound (loads 12, 1, 1: cap 6): it could take the request, but
-    # its cost (16 x 2 + 500 x 7) is above a miss elsewhere (16 x 178): the KV test alone must not pick it
+    # its cost (16 x 2 + 2,000 x 7) is above a miss elsewhere (16 x 178): the KV test alone must not pick it
     far_over = ReplicaView.of([replica("a", load=12), *replicas[1:]], indexes)
     assert choose(req, far_over, knobs(RoutingPolicy.CACHE_AWARE)).replica_id in ("b", "c")
 
