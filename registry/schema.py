@@ -166,10 +166,11 @@ class Routing(_Strict):
                     "tokens it does not hold; above 1, a cache miss also counts what it costs those behind it "
                     "and the conversation's later turns.")
     min_load_cap_requests: int = Field(
-        default=1, ge=1,
-        description="The load bound never caps a replica below this many requests in flight (1: the bound as "
-                    "stated above). cache_aware already lets a conversation stay with its cache over the bound "
-                    "(over_bound_cost_tokens); a higher floor also lets a hot prefix pile up to it.")
+        default=8, ge=1,
+        description="consistent_hash: the load bound never caps a replica below this many requests in flight. "
+                    "cache_aware: the same, for a request whose own cached prefix the replica holds (an engine "
+                    "batches that few at once, and moving the request costs its prefill); new text and a hot "
+                    "prefix see the bound itself.")
     hot_prefix_requests: int = Field(
         default=2, ge=1,
         description="cache_aware: a prefix that at least this many of the gateway's requests in flight at a "
@@ -178,9 +179,10 @@ class Routing(_Strict):
     over_bound_cost_tokens: float = Field(
         default=2000.0, ge=0,
         description="cache_aware: for a request whose own cached prefix a replica over the load bound holds "
-                    "(and it is not hot there), each request over the bound adds this many tokens to that "
-                    "replica's cost instead of ruling it out, so a conversation stays with its cache until the "
-                    "queue there outweighs prefilling it elsewhere; 1e9 makes the bound hard for every request.")
+                    "(and it is not hot there), each request over the bound (from min_load_cap_requests up) adds "
+                    "this many tokens to that replica's cost instead of ruling it out, so a conversation stays "
+                    "with its cache until the queue there outweighs prefilling it elsewhere; 1e9 makes the bound "
+                    "hard for every request.")
     affinity_depth_chars: int = Field(
         default=1024, ge=1,
         description="Ties (new text on equally loaded replicas) go by rendezvous hash of this many characters "

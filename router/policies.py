@@ -18,17 +18,17 @@ load + 1 <= ceil(mean_after)); the floor keeps the maximum within (1 + epsilon) 
 large. Worked: 4 replicas, 99 in flight, epsilon 0.25 -> mean_after 25, cap max(floor(31.25), 25) = 31,
 so max/mean <= 31 / 25 = 1.24.
 
-In `cache_aware` the bound is hard for what it exists to spread: new text, and a hot prefix (one that
-`hot_prefix_requests` of this gateway's requests in flight at the replica share, e.g. a burst on one
-system prompt: the bound makes other replicas take and cache it too). A request whose own cache a
-replica over the bound holds (a conversation's history, shared by nothing else in flight there) may
-still go there, at `over_bound_cost_tokens` per request over: moving it costs its whole history's
-prefill elsewhere, which the token cost below weighs against the queue. With that exception the floor
-under the cap (`min_load_cap_requests`, once 8 to keep conversations home) is 1 by default, the bound
-as stated. Replayed (`loadtests/routing_replay.py`, six seeds a cell) against the hard bound with a
-floor of 8: the Mooncake trace's hit rate over the best 0.920 -> 0.982 at 4 replicas and 0.837 ->
-0.941 at 16, p99 TTFT -7% and +6%; hot_prefix hit rate 0.955 -> 0.959 and 0.893 -> 0.898, p99 -3% and
--19%, max/mean requests 1.07 -> 1.08 and 1.17 -> 1.10.
+In `cache_aware` the bound holds as stated (no floor) for what it exists to spread: new text, and a hot
+prefix (one that `hot_prefix_requests` of this gateway's requests in flight at the replica share, e.g.
+a burst on one system prompt: the bound makes other replicas take and cache it too). For a request
+whose own cache a replica holds (a conversation's history, shared by nothing else in flight there) the
+cap has the floor `min_load_cap_requests` (an engine batches that many at once, and moving the request
+costs its history's prefill), and past it the replica stays a candidate at `over_bound_cost_tokens`
+per request over, which the token cost below weighs against that prefill. Replayed
+(`loadtests/routing_replay.py`, six seeds a cell) against the previous rule (the bound hard for every
+request, floor 8): the Mooncake trace's hit rate over the best 0.920 -> 0.979 at 4 replicas and 0.837
+-> 0.957 at 16, p99 TTFT -1% and +3%; hot_prefix hit rate 0.955 -> 0.958 and 0.893 -> 0.887, p99 -1%
+and -11%, max/mean requests at 16 replicas 1.17 -> 1.13.
 
 Requests are a coarse unit: one request may need 2,000 prompt tokens prefilled and the next, a later
 turn of a cached conversation, 40. Within the bound, `cache_aware` therefore chooses by a cost in tokens,
@@ -87,7 +87,7 @@ class RoutingKnobs:
 
     policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     load_epsilon: float = 0.25  # the registry's defaults
-    min_load_cap: int = 1
+    min_load_cap: int = 8
     min_match_fraction: float = 0.0
     miss_cost_weight: float = 16.0
     hot_prefix_requests: int = 2
@@ -245,7 +245,7 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     candidates = view.candidates(request.model)
     if not candidates:
         return _no_replica()
-    cap = load_cap(candidates, knobs.load_epsilon, knobs.min_load_cap)
+    cap = load_cap(candidates, knobs.load_epsilon)
     held = {r.replica_id: view.match_length(r.replica_id, request.prefix_hashes) for r in candidates}
     held_everywhere = min(held.values())
     matches = {rid: _counted_match(request, n - held_everywhere, held_everywhere, knobs.min_match_fraction)
@@ -260,13 +260,15 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     def score(r: ReplicaState) -> tuple[int, int, int]:
         return cache_aware_score(request, r, matches[r.replica_id], key)
 
-    # Over the bound, a replica stays a candidate for a request whose own cache it holds (a counted
-    # match) unless that prefix is hot there, at a cost per request over: what the bound must spread is
-    # a hot prefix and new text, not a conversation's only cache.
-    under_cap = [r for r in candidates if r.load + 1 <= cap]
-    eligible = [r for r in candidates if r.load + 1 <= cap or (
-        matches[r.replica_id] > 0
-        and not is_hot_at(request, view, r.replica_id, held[r.replica_id], knobs.hot_prefix_requests))]
+    # The bound holds as stated for new text and for a prefix hot at the replica (the burst spreads,
+    # and more replicas cache the prefix). For a request whose own cache a replica holds (a counted
+    # match, not hot there) it holds from the floor up, and over it that replica stays a candidate at
+    # a cost per request over: moving the request costs its prefill, which the cost weighs.
+    own_cap = load_cap(candidates, knobs.load_epsilon, knobs.min_load_cap)
+    own = {r.replica_id for r in candidates if matches[r.replica_id] > 0
+           and not is_hot_at(request, view, r.replica_id, held[r.replica_id], knobs.hot_prefix_requests)}
+    under_cap = [r for r in candidates if r.load + 1 <= (own_cap if r.replica_id in own else cap)]
+    eligible = [r for r in candidates if r.replica_id in own or r.load + 1 <= cap]
     # The KV-fit test prefers replicas with free KV for the uncached part, but never sends a request
     # over the bound for it: with no fitting replica under the bound, the cost decides among all.
     fits = {r.replica_id for r in eligible if _kv_fits(r, uncached[r.replica_id])}
@@ -274,7 +276,7 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
         fits.update(r.replica_id for r in under_cap)
     with_room = [r for r in eligible if r.replica_id in fits]
     costs = {r.replica_id: prefill_cost(r, counted_uncached[r.replica_id], knobs.miss_cost_weight)
-             + knobs.over_bound_cost_tokens * max(0, r.load + 1 - cap) for r in with_room}
+             + knobs.over_bound_cost_tokens * max(0, r.load + 1 - own_cap) for r in with_room}
     least = min(costs.values())
     cheapest = [r for r in with_room if costs[r.replica_id] == least]
     chosen = cheapest[0] if len(cheapest) == 1 else max(cheapest, key=score)  # scores (hashes) only for ties
@@ -292,7 +294,8 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
         reason = Reason.NEW_TEXT if any(held.values()) else Reason.RENDEZVOUS
     # predicted_match_chunks is what it holds, counted or not: the prefill estimate and the
     # predicted-vs-realised check need the truth.
-    return _decision(request, view, chosen, reason, len(candidates), cap, held[chosen.replica_id])
+    chosen_cap = own_cap if chosen.replica_id in own else cap
+    return _decision(request, view, chosen, reason, len(candidates), chosen_cap, held[chosen.replica_id])
 
 
 POLICIES: Mapping[RoutingPolicy, PolicyFn] = MappingProxyType({

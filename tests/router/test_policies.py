@@ -70,7 +70,7 @@ def sharing_at(replica_id: str, req: RouteRequest, count: int) -> InFlightChains
 
 def test_every_registry_policy_has_a_function() -> None:
     assert set(POLICIES) == set(RoutingPolicy)
-    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5, 1)
+    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5, 8)
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
@@ -164,19 +164,26 @@ def test_load_cap(loads: tuple[int, ...], epsilon: float, cap: int) -> None:
     assert load_cap(tuple(replica(f"r{i}", load=x) for i, x in enumerate(loads)), epsilon) == cap
 
 
-def test_under_the_floor_a_holder_keeps_its_prefix_at_low_load() -> None:
-    # 4 replicas, the holder has 3 in flight (all on this prompt: hot), the others 1: mean_after 1.75,
-    # epsilon 0.25 -> cap max(floor(2.19), 2) = 2, so 3 + 1 > 2 would spill the hit; with min_load_cap
-    # 4 the cap is 4 and it stays (an engine batches 4 at once: spilling would only cost a prefill elsewhere).
+def test_under_the_floor_a_holder_keeps_its_own_cache_but_not_a_hot_prefix() -> None:
+    # 4 replicas, the holder has 3 in flight, the others 1: mean_after 1.75, epsilon 0.25 -> cap
+    # max(floor(2.19), 2) = 2. The next turn's prompt is 178 tokens, 2 of them not at the holder.
     gateway = Gateway(fleet(4))
     holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
-    view = ReplicaView.of([replace(r, in_flight=3 if rid == holder else 1) for rid, r in gateway.replicas.items()],
-                          gateway.indexes, sharing_at(holder, request(HOT_SYSTEM + "question 0"), 3))
+    loads = [replace(r, in_flight=3 if rid == holder else 1) for rid, r in gateway.replicas.items()]
     req = request(HOT_SYSTEM + "question 1")
+    # Its load is other traffic: 3 + 1 - 2 = 2 over the bound, 16 x 2 + 2 x 2,000 against a miss
+    # elsewhere of 16 x 178 = 2,848: it spills.
+    view = ReplicaView.of(loads, gateway.indexes)
     spilled = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE))
     assert spilled.replica_id != holder and spilled.reason is Reason.LOAD_FALLBACK
+    # With min_load_cap 4, a replica holding a request's own cache is not over the bound for it below
+    # 4 in flight (an engine batches 4 at once: spilling would only cost a prefill elsewhere).
     kept = choose(req, view, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=4))
     assert (kept.replica_id, kept.reason, kept.load_cap) == (holder, Reason.PREFIX_HIT, 4)
+    # The floor is not for a hot prefix: with its 3 requests in flight all on this prompt, it spreads.
+    hot = ReplicaView.of(loads, gateway.indexes, sharing_at(holder, request(HOT_SYSTEM + "question 0"), 3))
+    moved = choose(req, hot, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=4))
+    assert moved.replica_id != holder and moved.reason is Reason.LOAD_FALLBACK and moved.load_cap == 2
 
 
 @pytest.mark.parametrize("holder_load,stays", [
@@ -235,8 +242,10 @@ def test_new_text_never_goes_over_the_bound() -> None:
     # not, but the bound rules it out (only a held cache earns the exception)
     replicas = [replace(replica("a", load=6)), replace(replica("b", load=1), pending_prefill_tokens=5000),
                 replace(replica("c", load=1), pending_prefill_tokens=5000)]
-    decision = choose(request("brand new text " * 20), ReplicaView.of(replicas), knobs(RoutingPolicy.CACHE_AWARE))
-    assert decision.replica_id in ("b", "c") and decision.load_cap == 3
+    for floor in (1, 8):  # the floor is for a request's own cache, not for new text
+        decision = choose(request("brand new text " * 20), ReplicaView.of(replicas),
+                          knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=floor))
+        assert decision.replica_id in ("b", "c") and decision.load_cap == 3
 
 
 def test_the_kv_test_never_sends_a_request_over_the_bound() -> None:
@@ -345,9 +354,10 @@ def test_new_text_goes_to_the_least_pending_prefill_and_on_ties_to_its_rendezvou
     assert choose(request(shared + "n" * 4 * CHUNK + "longer"), idle,
                   knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8)).replica_id == home.replica_id
     # The home has 900 tokens of prefill waiting, another 100 and the third 300: the 100 takes it,
-    # whatever the request counts under the cap (the one at 100 has the most requests in flight).
+    # whatever the request counts under the cap (the one at 100 has the most requests in flight; the
+    # cap, mean_after 20 / 3, is floor(8.33) = 8, and new text sees no floor).
     pending = dict(zip(sorted("abc", key=lambda r: r != home.replica_id), (900, 100, 300)))
-    loads = dict(zip(sorted("abc", key=lambda r: r != home.replica_id), (3, 5, 3)))
+    loads = dict(zip(sorted("abc", key=lambda r: r != home.replica_id), (6, 7, 6)))
     busy = ReplicaView.of([replace(replica(rid, load=loads[rid]), pending_prefill_tokens=pending[rid])
                            for rid in "abc"], indexes)
     decision = choose(req, busy, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8))
