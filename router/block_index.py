@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from router.view import count_down
+
 
 @dataclass(frozen=True)
 class KvStored:
@@ -130,13 +132,7 @@ class BlockIndex:
                           self.num_corrections)
 
     def _unpredict(self, hashes: tuple[int, ...]) -> None:
-        predicted = self.predicted
-        for block_hash in hashes:
-            left = predicted[block_hash] - 1
-            if left > 0:
-                predicted[block_hash] = left
-            else:
-                predicted.pop(block_hash, None)
+        count_down(self.predicted, hashes)
 
 
 class BlockIndexes:

@@ -89,6 +89,17 @@ class SharingQuery(Protocol):
     def sharing(self, replica_id: str, chain_hash: int) -> int: ...
 
 
+def count_down(counts: Counter[int], hashes: Iterable[int]) -> None:
+    """Take one off each hash's count, dropping a hash whose count reaches 0 (so `len` stays the
+    number of hashes still counted)."""
+    for chain_hash in hashes:
+        left = counts[chain_hash] - 1
+        if left > 0:
+            counts[chain_hash] = left
+        else:
+            counts.pop(chain_hash, None)
+
+
 class InFlightChains:
     """The prefix chains of the gateway's requests in flight, counted per replica and hash: how many
     requests in flight at a replica share a prefix (`sharing`), which tells a hot prompt (a burst of
@@ -103,14 +114,8 @@ class InFlightChains:
 
     def remove(self, replica_id: str, hashes: tuple[int, ...]) -> None:
         counts = self._by_replica.get(replica_id)
-        if counts is None:
-            return
-        for chain_hash in hashes:
-            left = counts[chain_hash] - 1
-            if left > 0:
-                counts[chain_hash] = left
-            else:
-                counts.pop(chain_hash, None)
+        if counts is not None:
+            count_down(counts, hashes)
 
     def sharing(self, replica_id: str, chain_hash: int) -> int:
         counts = self._by_replica.get(replica_id)
