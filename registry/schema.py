@@ -181,8 +181,8 @@ class Routing(_Strict):
         description="cache_aware: for a request whose own cached prefix a replica over the load bound holds "
                     "(and it is not hot there), each request over the bound (from min_load_cap_requests up) adds "
                     "this many tokens to that replica's cost instead of ruling it out, so a conversation stays "
-                    "with its cache until the queue there outweighs prefilling it elsewhere; 1e9 makes the bound "
-                    "hard for every request.")
+                    "with its cache until the queue there outweighs prefilling it elsewhere; 1e9 rules such a "
+                    "replica out past the floor.")
     affinity_depth_chars: int = Field(
         default=1024, ge=1,
         description="Ties (new text on equally loaded replicas) go by rendezvous hash of this many characters "

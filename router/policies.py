@@ -3,7 +3,9 @@
 No I/O, no clock, no mutation: the same request and view give the same decision in every gateway,
 which is what lets gateways that share nothing agree (rendezvous hashing is keyed on request content,
 and ties are never broken by list position: sglang-router sent 12 of 12 distinct sequential prompts to
-its first worker).
+its first worker). What a view holds differs per gateway only in its own in-flight counts: the load,
+pending prefill and the in-flight chains that make a prefix hot (with G gateways a burst is seen as hot
+once about 2G of its requests are in flight).
 
 The load bound (consistent hashing with bounded loads, Mirrokni et al. 2016), used by
 `consistent_hash` and `cache_aware`: with n candidates whose loads sum to `total`, a replica has room
@@ -70,7 +72,7 @@ from router.view import AdapterFit, ReplicaState, ReplicaView
 class Reason(enum.Enum):
     """Why a replica was chosen; one `kvgate_router_decisions_total` label each."""
 
-    PREFIX_HIT = "prefix_hit"  # it holds the longest prefix of the prompt, within the load bound
+    PREFIX_HIT = "prefix_hit"  # it holds the longest prefix, within the load bound (or over it, for its own cache)
     ADAPTER_AFFINITY = "adapter_affinity"  # no prefix anywhere; it has the adapter loaded (or a free slot)
     RENDEZVOUS = "rendezvous"  # no prefix, no adapter preference: placed by rendezvous hash
     NEW_TEXT = "new_text"  # held somewhere, too little to count: placed as new text
@@ -210,15 +212,17 @@ def _kv_fits(replica: ReplicaState, uncached: int) -> bool:
     return replica.kv_blocks_total == 0 or replica.kv_blocks_free * replica.block_size_tokens >= uncached
 
 
-def is_hot_at(request: RouteRequest, view: ReplicaView, replica_id: str, held_chunks: int, min_requests: int) -> bool:
-    """Whether the prefix `replica_id` holds of this prompt is hot there: at least `min_requests` of the
-    gateway's requests in flight there share most of it (the first half of the held chunks, rounded
-    up: the last held chunk may reach into text only a few share, as a question's first word). A burst
-    on one system prompt is hot at its holder; a conversation's history is shared by its own turns only,
-    even where conversations open with the same short system prompt."""
-    if held_chunks <= 0:
+def is_hot_at(request: RouteRequest, view: ReplicaView, replica_id: str, skip_chunks: int, match_chunks: int,
+              min_requests: int) -> bool:
+    """Whether the part of this prompt that `replica_id` alone holds (`match_chunks` past the first
+    `skip_chunks`, which every candidate holds) is hot there: at least `min_requests` of the gateway's
+    requests in flight there share most of it (its first half, rounded up: the last held chunk may
+    reach into text only a few share, as a question's first word). A burst on one system prompt is hot
+    at its holder; a conversation's history is shared by its own turns only, even behind a long system
+    prompt that every replica holds and other conversations in flight share."""
+    if match_chunks <= 0:
         return False
-    return view.sharing(replica_id, request.prefix_hashes[(held_chunks + 1) // 2 - 1]) >= min_requests
+    return view.sharing(replica_id, request.prefix_hashes[skip_chunks + (match_chunks + 1) // 2 - 1]) >= min_requests
 
 
 def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
@@ -265,8 +269,8 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     # match, not hot there) it holds from the floor up, and over it that replica stays a candidate at
     # a cost per request over: moving the request costs its prefill, which the cost weighs.
     own_cap = load_cap(candidates, knobs.load_epsilon, knobs.min_load_cap)
-    own = {r.replica_id for r in candidates if matches[r.replica_id] > 0
-           and not is_hot_at(request, view, r.replica_id, held[r.replica_id], knobs.hot_prefix_requests)}
+    own = {r.replica_id for r in candidates if matches[r.replica_id] > 0 and not is_hot_at(
+        request, view, r.replica_id, held_everywhere, matches[r.replica_id], knobs.hot_prefix_requests)}
     under_cap = [r for r in candidates if r.load + 1 <= (own_cap if r.replica_id in own else cap)]
     eligible = [r for r in candidates if r.replica_id in own or r.load + 1 <= cap]
     # The KV-fit test prefers replicas with free KV for the uncached part, but never sends a request

@@ -165,9 +165,9 @@ class Proxy:
                 excluded.add(replica_id)
                 last = failure
             finally:
+                self.tracker.in_flight_chains.remove(replica_id, preq.route.prefix_hashes)
                 prefill.done()
                 self.tracker.end(replica_id)
-                self.tracker.in_flight_chains.remove(replica_id, preq.route.prefix_hashes)
                 if on_blocks:
                     self.tracker.blocks.retire(replica_id, preq.route.prefix_hashes)
         return self._give_up(model, last)

@@ -175,10 +175,12 @@ async def test_a_failing_replica_is_retried_elsewhere_and_never_twice(tmp_path: 
         await gw.fail(gw.sims[1], mode="refuse")
         for i in range(6):
             before = [(await gw.stats(s))["num_failures_injected"] for s in gw.sims[:2]]
-            raw = await gw.client.chat.completions.with_raw_response.create(**chat(f"distinct prompt {i}"))
+            raw = await gw.client.chat.completions.with_raw_response.create(**chat(f"distinct prompt {i} " * 20))
             assert raw.headers[REPLICA_HEADER] == gw.sims[2].url
             after = [(await gw.stats(s))["num_failures_injected"] for s in gw.sims[:2]]
             assert all(a - b <= 1 for a, b in zip(after, before)), "a failed replica was tried twice"
+        # every attempt's prefix chain left the in-flight count, the failed ones too
+        assert [gw.tracker.in_flight_chains.num_hashes(s.url) for s in gw.sims] == [0, 0, 0]
 
 
 async def test_when_every_replica_fails_the_upstream_error_passes_through(tmp_path: Path) -> None:
@@ -346,7 +348,7 @@ async def test_a_client_that_goes_away_aborts_the_upstream_request(tmp_path: Pat
     slow = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=20.0)  # 200 tokens: 10 s
     async with gateway(tmp_path, num_replicas=1, sim_spec=slow) as gw:
         async with aiohttp.ClientSession() as s:
-            r = await s.post(gw.url + "/v1/chat/completions", json=chat("bye", stream=True, max_tokens=200))
+            r = await s.post(gw.url + "/v1/chat/completions", json=chat("bye " * 50, stream=True, max_tokens=200))
             await r.content.readline()
             r.close()  # the client leaves after the first event
         for _ in range(100):
@@ -354,6 +356,7 @@ async def test_a_client_that_goes_away_aborts_the_upstream_request(tmp_path: Pat
                 break
             await asyncio.sleep(0.05)
         assert (await gw.stats(gw.sims[0]))["num_aborted"] == 1
+        assert gw.tracker.in_flight_chains.num_hashes(gw.sims[0].url) == 0  # no longer counted in flight
 
 
 async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_the_end(tmp_path: Path) -> None:

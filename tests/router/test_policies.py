@@ -71,6 +71,8 @@ def sharing_at(replica_id: str, req: RouteRequest, count: int) -> InFlightChains
 def test_every_registry_policy_has_a_function() -> None:
     assert set(POLICIES) == set(RoutingPolicy)
     assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5, 8)
+    tuned = RoutingKnobs.from_routing(Routing(hot_prefix_requests=5, over_bound_cost_tokens=123.0))
+    assert (tuned.hot_prefix_requests, tuned.over_bound_cost_tokens) == (5, 123.0)
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
@@ -235,6 +237,32 @@ def test_a_hot_prefix_counts_as_hot_when_the_held_tail_reaches_into_rarer_text()
                           gateway.indexes, in_flight)
     decision = choose(request(HOT_SYSTEM + "question 1"), view, knobs(RoutingPolicy.CACHE_AWARE))
     assert decision.replica_id != holder and decision.reason is Reason.LOAD_FALLBACK
+
+
+def test_a_system_prompt_every_replica_holds_does_not_make_a_conversation_hot() -> None:
+    # Every replica holds a long system prompt; a holds this conversation's history past it. Two other
+    # conversations in flight at a share only the system prompt: the conversation is not hot there and
+    # keeps the floor (8) for its own cache instead of spilling at the bound (cap 4 at loads 4/3/3/3).
+    system = "You are a helpful assistant with a long policy. " * 30  # 23 chunks
+    history = "user: my conversation history about topic X. " * 8
+    indexes = PrefixIndexes(CHUNK)
+    for rid in "abcd":
+        indexes.record(rid, request(system + "other").prefix_hashes)
+    indexes.record("a", request(system + history).prefix_hashes)
+    in_flight = InFlightChains()
+    for k in range(2):
+        in_flight.add("a", request(system + f"unrelated conversation {k} " * 5).prefix_hashes)
+    replicas = [replica("a", load=4)] + [replica(rid, load=3) for rid in "bcd"]
+    decision = choose(request(system + history + "next turn"), ReplicaView.of(replicas, indexes, in_flight),
+                      knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8))
+    assert (decision.replica_id, decision.reason, decision.load_cap) == ("a", Reason.PREFIX_HIT, 8)
+    # ...while two in flight that share its history make it hot: the bound itself then holds
+    hot = InFlightChains()
+    for _ in range(2):
+        hot.add("a", request(system + history + "another turn").prefix_hashes)
+    decision = choose(request(system + history + "next turn"), ReplicaView.of(replicas, indexes, hot),
+                      knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8))
+    assert decision.replica_id != "a" and decision.reason is Reason.LOAD_FALLBACK and decision.load_cap == 4
 
 
 def test_new_text_never_goes_over_the_bound() -> None:
