@@ -18,7 +18,7 @@ import asyncio
 import collections
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import aiohttp
@@ -186,8 +186,7 @@ class Proxy:
         started = self.clock.now()
         view = self.tracker.view(preq.route.model, blocks=preq.route.hash_tokens > 0)
         if excluded:
-            view = ReplicaView(tuple(r for r in view.replicas if r.replica_id not in excluded), view.prefixes,
-                               view.in_flight_chains)
+            view = replace(view, replicas=tuple(r for r in view.replicas if r.replica_id not in excluded))
         decision = choose(preq.route, view, preq.knobs)
         self.metrics.decision_seconds.labels(preq.route.model).observe(self.clock.now() - started)
         self.metrics.decisions.labels(preq.route.model, decision.reason.value).inc()
