@@ -47,6 +47,7 @@ from loadtests.sim_failures import (HEALTH_FAILS, FailMode, FailureSpec, Failure
                                     drop_connection, stall)
 from loadtests.sim_state import SimStateService, SimTokens, start_sim_state_service  # noqa: E402
 from loadtests.sim_replica_model import (  # noqa: E402
+    BLOCK_SIZE_TOKENS,
     Scheduler,
     SchedulerSpec,
     SimSequence,
@@ -373,6 +374,10 @@ async def _metrics(request: web.Request) -> web.Response:
     metric("vllm:num_requests_waiting", "gauge", sched.num_waiting)
     metric("vllm:gpu_cache_usage_perc", "gauge", sched.kv_usage())
     metric("vllm:kv_cache_usage_perc", "gauge", sched.kv_usage())
+    # As vLLM does: the KV size, from which a gateway sizes its index of what the replica caches.
+    metric("vllm:cache_config_info", "gauge", 1.0,
+           f'{{block_size="{BLOCK_SIZE_TOKENS}",num_gpu_blocks="{sched.cache.capacity_blocks}",'
+           f'enable_prefix_caching="True"}}')
     metric("vllm:prefix_cache_queries_total", "counter", sched.counters.num_prompt_tokens_queried)
     metric("vllm:prefix_cache_hits_total", "counter", sched.counters.num_prompt_tokens_hit)
     metric("vllm:prompt_tokens_total", "counter", sched.counters.num_prompt_tokens_queried)

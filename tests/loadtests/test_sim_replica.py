@@ -152,6 +152,8 @@ async def test_a_burst_beyond_max_batch_queues(serve):
     assert 'vllm:num_requests_waiting{model_name="sim"} 4' in metrics
     assert 'vllm:num_requests_running{model_name="sim"} 2' in metrics
     assert "vllm:lora_requests_info{" in metrics and "running_lora_adapters=" in metrics
+    # vLLM's KV size, as a gateway reads it: 32,768 tokens / 16 per block
+    assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="2048",' in metrics
     assert (await stats(server.url))["num_served"] == 6
 
 

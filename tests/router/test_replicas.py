@@ -18,7 +18,7 @@ from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_
 from loadtests.sim_replica_model import SchedulerSpec
 from registry.loader import load_registry
 from registry.snapshot import Snapshot
-from router.prefix_index import DEFAULT_CAPACITY_CHUNKS
+from router.prefix_index import DEFAULT_CAPACITY_CHUNKS, capacity_chunks
 from router.replicas import ReplicaTracker
 from router.sources import LoadReport, parse_metrics
 
@@ -109,7 +109,10 @@ async def test_static_sim_replica_is_healthy_with_scraped_waiting_and_running(tm
         state = only(tracker)
         assert (state.replica_id, state.url, state.healthy, state.draining) == (sim.url, sim.url, True, False)
         assert state.max_loaded_adapters == 3 and tracker.num_ready("m") == 1 and tracker.url(sim.url) == sim.url
-        assert tracker.prefixes.get(sim.url).capacity == DEFAULT_CAPACITY_CHUNKS  # sim reports no block counts
+        # vllm:cache_config_info's block count sizes the prefix index, as for a vLLM server
+        assert state.kv_blocks_total == SchedulerSpec().kv_capacity_tokens // 16 and state.block_size_tokens == 16
+        index = tracker.prefixes.get(sim.url)
+        assert index.capacity == capacity_chunks(state.kv_blocks_total, 16, index.chunk_chars) != DEFAULT_CAPACITY_CHUNKS
         for request in requests:
             (await request).close()
 
