@@ -6,8 +6,10 @@ vLLM and SGLang export are pinned by table tests, not by live servers.
 
 KV figures. vLLM exports only a usage fraction (`vllm:gpu_cache_usage_perc`, renamed
 `vllm:kv_cache_usage_perc` in v1), plus, when it has it, `vllm:cache_config_info` whose labels carry
-`num_gpu_blocks` and `block_size`. With both, free blocks = total x (1 - usage): 1,000 blocks at 0.25
-usage -> 750 free. Without block counts the report says 0 total ("unknown"), and
+`num_gpu_blocks` and `block_size`. SGLang exports its pool in tokens (`sglang:max_total_num_tokens`, in
+pages of `sglang:page_size`, default 1) and `sglang:token_usage`. Either way free blocks = total x (1 -
+usage): 1,000 blocks at 0.25 usage -> 750 free (both count cached blocks no request holds as free). Without
+block counts the report says 0 total ("unknown"), and
 `PrefixIndexes.ensure()` then sizes that replica's index to `prefix_index.DEFAULT_CAPACITY_CHUNKS`.
 """
 
@@ -138,6 +140,10 @@ def parse_metrics(text: str) -> LoadReport:
     usage = _mean(samples, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
     total = _int_label(samples, "vllm:cache_config_info", "num_gpu_blocks")
     block_size = _int_label(samples, "vllm:cache_config_info", "block_size")
+    if total <= 0:  # SGLang: the KV pool in tokens, in pages of page_size tokens
+        pool_tokens = _sum(samples, "sglang:max_total_num_tokens") or 0.0
+        page = max(1, int(_sum(samples, "sglang:page_size") or 1))
+        total, block_size = (int(pool_tokens) // page, page) if pool_tokens >= 1 else (0, 0)
     free = 0
     if total > 0:
         free = round(total * (1.0 - min(max(usage or 0.0, 0.0), 1.0)))

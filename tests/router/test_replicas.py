@@ -83,6 +83,9 @@ SGLANG = """sglang:num_queue_reqs{model_name="m"} 7
 sglang:num_running_reqs{model_name="m"} 4
 sglang:token_usage{model_name="m"} 0.9
 """
+SGLANG_POOL = SGLANG + """sglang:max_total_num_tokens{model_name="m"} 161721.0
+sglang:page_size{model_name="m"} 16
+"""
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -92,6 +95,9 @@ sglang:token_usage{model_name="m"} 0.9
     (VLLM_V1, LoadReport(num_waiting=0, num_running=3, kv_blocks_free=500, kv_blocks_total=1000,
                          block_size_tokens=32)),
     (SGLANG, LoadReport(num_waiting=7, num_running=4)),
+    # SGLang's pool: 161,721 tokens in pages of 16 -> 10,107 blocks, 0.9 used -> 1,011 free
+    (SGLANG_POOL, LoadReport(num_waiting=7, num_running=4, kv_blocks_free=1011, kv_blocks_total=10107,
+                             block_size_tokens=16)),
     ("", LoadReport()),
     ("garbage {{\nvllm:num_requests_waiting{model_name=\"m\"} NaN\n# only a comment", LoadReport()),
 ])
