@@ -15,6 +15,7 @@ old (here it is fresh), and learning characters per token (the sim's 4 is given)
     .venv/bin/python loadtests/routing_replay.py --workload hot_prefix --replicas 4 --set miss_cost_weight=1
     .venv/bin/python loadtests/routing_replay.py --workload mooncake --policy oracle     # or: sglang
     .venv/bin/python loadtests/routing_replay.py --workload mooncake --replicas 4 --gateways 2 --mooncake-requests 600
+    .venv/bin/python loadtests/routing_replay.py --workload mooncake --floor   # the TTFT no router can beat
 
 Each line printed is one cell as JSON: hit rate over the infinite-cache best, p50 / p99 TTFT, max/mean
 requests per replica, decisions by reason, and with --gateways > 1 the two-gateway bench's agreement figure.
@@ -245,6 +246,14 @@ def to_a_holder_share(reqs: list[workloads.Request], replica_by_request: dict[in
     return home_replica_share(results, earlier_with_prefix(reqs))["share"]
 
 
+def ttft_floor_s(reqs: list[workloads.Request], spec: SchedulerSpec) -> list[float]:
+    """Each request's time to first token on a replica with an infinite cache and nothing else to do: its
+    uncached prompt tokens (`workloads.infinite_cache_hits`) at the replica's prefill speed (the first
+    token comes with the prefill's last step; a step that also decodes others takes longer). No router
+    beats these; their p99 says how low a p99 target can go."""
+    return [(tokens - hit) / spec.prefill_tokens_per_s for tokens, hit in workloads.infinite_cache_hits(reqs)]
+
+
 def bench_spec(reqs: list[workloads.Request], num_replicas: int, load: float = 1.0,
                kv_factor: float = 1.0) -> SchedulerSpec:
     """The replica sizing of `bench_routing.py`'s sim mode."""
@@ -264,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mooncake-requests", type=int, default=1200, help="first N trace rows (bench_routing's default)")
     p.add_argument("--bursts", type=int, default=8, help="hot_prefix bursts (bench_routing's default)")
     p.add_argument("--gateways", type=int, default=1, help="gateways sharing nothing; requests split at random")
+    p.add_argument("--floor", action="store_true",
+                   help="print only the TTFT floor: p50 / p99 with an infinite cache and no queue (ttft_floor_s)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a registry routing field, e.g. --set load_epsilon=0.5 (repeatable)")
     args = p.parse_args(argv)
@@ -282,6 +293,12 @@ def main(argv: list[str] | None = None) -> None:
         reqs = workloads.hot_prefix(MODEL, args.bursts, 2.0)
     best = workloads.infinite_cache_hit_rate(reqs)
     for n in args.replicas:
+        if args.floor:
+            floor = sorted(ttft_floor_s(reqs, bench_spec(reqs, n)))
+            at = lambda q: round(floor[min(len(floor) - 1, int(q * len(floor)))] * 1000)  # noqa: E731  (as bench_routing.py)
+            print(json.dumps({"floor": True, "workload": args.workload, "replicas": n, "p50_ms": at(0.5),
+                              "p99_ms": at(0.99)}))
+            continue
         res = replay(reqs, n, bench_spec(reqs, n), knobs, routing.affinity_depth_chars,
                      {"kvgate": choose, "sglang": SglangLike(), "oracle": "oracle"}[args.policy], args.gateways)
         print(json.dumps({"policy": args.policy, "workload": args.workload, "replicas": n,

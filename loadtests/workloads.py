@@ -128,14 +128,14 @@ def hot_prefix(model: str, num_bursts: int, burst_gap_s: float, burst_size: int 
     return requests
 
 
-def infinite_cache_hit_rate(requests: list[Request]) -> float:
-    """Prompt-token hit rate of the requests in arrival order on one replica with an unbounded cache.
+def infinite_cache_hits(requests: list[Request]) -> list[tuple[int, int]]:
+    """(prompt tokens, tokens hit) of each request, in arrival order, on one replica with an unbounded cache.
 
     Mirrors the simulated replica: 64-character blocks chained from the model (adapter) name, leading
     blocks only, never the prompt's last token.
     """
     seen: set[int] = set()
-    queried = hit = 0
+    out = []
     for r in requests:
         text = r.prompt_text()
         hashes = block_hashes(text, r.model)
@@ -146,10 +146,17 @@ def infinite_cache_hit_rate(requests: list[Request]) -> float:
             if h not in seen:
                 break
             n += 1
-        queried += tokens
-        hit += n * BLOCK_SIZE_TOKENS
+        out.append((tokens, n * BLOCK_SIZE_TOKENS))
         seen.update(hashes)
-    return hit / queried if queried else 0.0
+    return out
+
+
+def infinite_cache_hit_rate(requests: list[Request]) -> float:
+    """Prompt-token hit rate of the requests on one replica with an unbounded cache: the best any
+    routing can do (`infinite_cache_hits`)."""
+    hits = infinite_cache_hits(requests)
+    queried = sum(t for t, _ in hits)
+    return sum(h for _, h in hits) / queried if queried else 0.0
 
 
 def token_block_hashes(ids: list[int], name: str, block_tokens: int = 16) -> list[int]:

@@ -138,3 +138,24 @@ def test_the_routing_replay_is_deterministic_and_cache_aware_beats_least_load_on
     oracle = routing_replay.replay(reqs, 4, spec, cache_aware, policy="oracle")
     sglang = routing_replay.replay(reqs, 4, spec, cache_aware, policy=routing_replay.SglangLike())
     assert oracle.hit_rate > least.hit_rate and sglang.hit_rate > least.hit_rate
+
+
+def test_the_ttft_floor_is_each_prompts_uncached_part_at_prefill_speed_and_no_replay_beats_it() -> None:
+    from loadtests import routing_replay
+    from loadtests.sim_replica_model import SchedulerSpec
+    from registry.schema import Routing
+    from router.policies import RoutingKnobs
+
+    system = {"role": "system", "content": "s" * 4000}
+    first = workloads.Request(0.0, routing_replay.MODEL, (system, {"role": "user", "content": "a"}), 8, "hot")
+    again = workloads.Request(0.1, routing_replay.MODEL, (system, {"role": "user", "content": "b"}), 8, "hot")
+    (tokens_1, hit_1), (tokens_2, hit_2) = workloads.infinite_cache_hits([first, again])
+    assert hit_1 == 0 and 900 < hit_2 < tokens_2  # the second finds the system prompt, not its own question
+    spec = SchedulerSpec(kv_capacity_tokens=1 << 20, prefill_tokens_per_s=1000.0, decode_tokens_per_s=50.0)
+    assert routing_replay.ttft_floor_s([first, again], spec) == [tokens_1 / 1000, (tokens_2 - hit_2) / 1000]
+
+    reqs = workloads.hot_prefix(routing_replay.MODEL, 2, 2.0)
+    spec = routing_replay.bench_spec(reqs, 4)
+    floors = routing_replay.ttft_floor_s(reqs, spec)
+    res = routing_replay.replay(reqs, 4, spec, RoutingKnobs.from_routing(Routing()))
+    assert all(res.ttft_by_request[i] >= floor - 1e-9 for i, floor in enumerate(floors))
