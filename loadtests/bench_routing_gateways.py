@@ -153,9 +153,9 @@ def run(workload: str, reqs: list[workloads.Request], gateways: int, args: argpa
             for g in range(gateways):
                 d = Path(tmp) / f"g{g}"
                 d.mkdir()
+                extra = args.set + (["kv_events: false"] if args.text_index else [])
                 proc, url = start_router(f"kvgate:{args.policy}", fleet, d,
-                                         WORK / f"bench_routing_gateways-{g}.log", chunk_chars,
-                                         "kv_events: false" if args.text_index else "")
+                                         WORK / f"bench_routing_gateways-{g}.log", chunk_chars, ", ".join(extra))
                 procs.append(proc)
                 urls.append(url)
             results, res = asyncio.run(replay(urls, procs, fleet, reqs, args.seed, args.timeout_s, extra_body,
@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text-index", action="store_true",
                    help="with --engines or --sim-kv-events: registry routing.kv_events false, so each gateway routes "
                         "on its own index of what it sent (the control for the replicas' KV block events)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD: VALUE",
+                   help="a registry routing field for both gateways, e.g. --set 'miss_cost_weight: 32' (repeatable)")
     p.add_argument("--out", type=Path, default=None,
                    help="default loadtests/.work/bench_routing_gateways.json (-engines.json with --engines, "
                         "-sim-kv.json with --sim-kv-events, -text before .json with --text-index)")
