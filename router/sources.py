@@ -142,7 +142,7 @@ def parse_metrics(text: str) -> LoadReport:
     block_size = _int_label(samples, "vllm:cache_config_info", "block_size")
     if total <= 0:  # SGLang: the KV pool in tokens, in pages of page_size tokens
         pool_tokens = _sum(samples, "sglang:max_total_num_tokens") or 0.0
-        page = max(1, int(_sum(samples, "sglang:page_size") or 1))
+        page = max(1, int(_mean(samples, "sglang:page_size") or 1))  # the same on every rank
         total, block_size = (int(pool_tokens) // page, page) if pool_tokens >= 1 else (0, 0)
     free = 0
     if total > 0:
