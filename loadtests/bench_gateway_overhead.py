@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import statistics
@@ -45,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from loadtests.common import free_port, stop_process_group  # noqa: E402  (after the path is set)
+from loadtests.common import free_port, percentile, stop_process_group  # noqa: E402  (after the path is set)
 
 WORK = ROOT / "loadtests" / ".work"
 SGLANG_PY = WORK / "sglang-router-venv" / "bin" / "python"
@@ -135,14 +136,8 @@ async def _load(url: str, connections: int, duration_s: float, warmup_s: float) 
     return {"connections": connections, "duration_s": duration_s, "num_requests": len(latencies_s),
             "num_sent_with_warmup": num_sent,
             "num_failed": num_failed, "requests_per_s": len(latencies_s) / duration_s,
-            "p50_ms": _pct(latencies_s, 0.50) * 1e3, "p99_ms": _pct(latencies_s, 0.99) * 1e3,
+            "p50_ms": percentile(latencies_s, 0.50, math.nan) * 1e3, "p99_ms": percentile(latencies_s, 0.99, math.nan) * 1e3,
             "mean_ms": (statistics.fmean(latencies_s) if latencies_s else 0.0) * 1e3}
-
-
-def _pct(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def run_load(args: argparse.Namespace) -> None:

@@ -58,6 +58,7 @@ ENGINE_BLOCK_CHARS = 16  # mooncake: one 512-token trace block -> 16 chars (~14 
 ENGINE_MAX_BLOCKS = 56  # mooncake: at most 56 trace blocks (896 chars) per prompt, under 1,024 tokens
 
 from loadtests import workloads  # noqa: E402
+from loadtests.common import percentile  # noqa: E402
 from loadtests.routing_fleet import (  # noqa: E402,F401  (re-exported: callers of the old module keep working)
     ROUTERS,
     Fleet,
@@ -222,9 +223,6 @@ def summarize(results: list[dict], before: list[dict | None], after: list[dict |
             key = (r["error"] or "?")[:80]
             errors[key] = errors.get(key, 0) + 1
 
-    def pct(q: float) -> float | None:
-        return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None
-
     mean_load = statistics.fmean(loads) if loads else 0.0
     by_kind: dict[str, dict[str, int]] = {}  # kind -> replica -> requests (kvgate names its replica)
     for r in results:
@@ -234,8 +232,8 @@ def summarize(results: list[dict], before: list[dict | None], after: list[dict |
     return {"num_requests": num_requests, "num_ok": len(ok), "num_failed": num_requests - len(ok), "errors": errors,
             "hit_rate": hit / queried if queried else 0.0, "prompt_tokens_queried": queried,
             "prompt_tokens_hit": hit,
-            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None, "ttft_p50_s": pct(0.5),
-            "ttft_p99_s": pct(0.99), "duration_s": end - t0,
+            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None, "ttft_p50_s": percentile(ttfts, 0.5),
+            "ttft_p99_s": percentile(ttfts, 0.99), "duration_s": end - t0,
             "throughput_rps": len(ok) / (end - t0), "output_tokens_per_s": sum(r["tokens"] for r in ok) / (end - t0),
             "router_decisions": decisions, "replica_loads": loads, "max_over_mean_load": max(loads) / mean_load if mean_load else None,
             "replica_requests_by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())}}

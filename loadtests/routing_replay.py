@@ -37,6 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtests import workloads  # noqa: E402
+from loadtests.common import percentile  # noqa: E402
 from loadtests.sim_replica_model import (BLOCK_SIZE_TOKENS, CHARS_PER_TOKEN, Scheduler, SchedulerSpec,  # noqa: E402
                                          SimSequence, block_hashes, num_prompt_tokens)
 from registry.schema import Routing  # noqa: E402
@@ -294,10 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     best = workloads.infinite_cache_hit_rate(reqs)
     for n in args.replicas:
         if args.floor:
-            floor = sorted(ttft_floor_s(reqs, bench_spec(reqs, n)))
-            at = lambda q: round(floor[min(len(floor) - 1, int(q * len(floor)))] * 1000)  # noqa: E731  (as bench_routing.py)
-            print(json.dumps({"floor": True, "workload": args.workload, "replicas": n, "p50_ms": at(0.5),
-                              "p99_ms": at(0.99)}))
+            floor = sorted(ttft_floor_s(reqs, bench_spec(reqs, n)))  # p99 as the bench takes it
+            print(json.dumps({"floor": True, "workload": args.workload, "replicas": n,
+                              "p50_ms": round(percentile(floor, 0.5) * 1000),
+                              "p99_ms": round(percentile(floor, 0.99) * 1000)}))
             continue
         res = replay(reqs, n, bench_spec(reqs, n), knobs, routing.affinity_depth_chars,
                      {"kvgate": choose, "sglang": SglangLike(), "oracle": "oracle"}[args.policy], args.gateways)
