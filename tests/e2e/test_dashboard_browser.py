@@ -4,7 +4,7 @@ state stream: KV usage, adapters) and a simulated replica.
 
 The autoscaler's status record is written by the test in the documented schema, standing in for the
 autoscaler's loop, which is not part of the gateway. A full-page screenshot is saved under
-test-artifacts/ (path printed); docs/dashboard.png is a copy of one.
+.test-artifacts/ (path printed); docs/dashboard.png is a copy of one.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests.services import free_loopback_port
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / ".test-artifacts"
 TOKEN = "dash-token"
 
 
