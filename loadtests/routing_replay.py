@@ -44,7 +44,7 @@ from registry.schema import Routing  # noqa: E402
 from router.features import RouteRequest, build_route_request  # noqa: E402
 from router.policies import PolicyFn, Reason, RouteDecision, RoutingKnobs, choose  # noqa: E402
 from router.prefix_index import PrefixIndexes  # noqa: E402
-from router.view import InFlightChains, ReplicaState, ReplicaView  # noqa: E402
+from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView  # noqa: E402
 
 MODEL = "sim-llama"
 CHUNK_CHARS = 128  # what bench_routing gives kvgate in sim mode
@@ -77,6 +77,7 @@ class _Pending:
     prefill_tokens: int
     route: RouteRequest
     predicted_chunks: int
+    chains: ChainHold
     ttft_s: float | None = None
 
 
@@ -200,11 +201,11 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
             gateway.indexes.record(rep.replica_id, route.prefix_hashes)
             prefill = route.uncached_tokens(decision.predicted_match_chunks)
             gateway.in_flight[rep.replica_id] += 1
-            gateway.in_flight_chains.add(rep.replica_id, route.prefix_hashes)
             gateway.pending_prefill_tokens[rep.replica_id] += prefill
             rep.served += 1
             text = req.prompt_text()
-            pending[i] = _Pending(now, gateway, rep.replica_id, prefill, route, decision.predicted_match_chunks)
+            pending[i] = _Pending(now, gateway, rep.replica_id, prefill, route, decision.predicted_match_chunks,
+                                  gateway.in_flight_chains.add(rep.replica_id, route.prefix_hashes))
             rep.scheduler.add(SimSequence(i, req.model, num_prompt_tokens(text), block_hashes(text, req.model),
                                           req.max_tokens))
             kick(rep, now)
@@ -221,7 +222,7 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
                     p.gateway.pending_prefill_tokens[rid] = max(0, left)
                 if event.finished:
                     p.gateway.in_flight[rid] -= 1
-                    p.gateway.in_flight_chains.remove(rid, p.route.prefix_hashes)
+                    p.chains.release()
                     if cached.get(event.seq_id) is not None and policy is choose:  # the proxy learns from usage.cached_tokens
                         p.gateway.indexes.correct(rid, p.route.prefix_hashes, p.predicted_chunks, cached[event.seq_id],
                                                   CHARS_PER_TOKEN)

@@ -163,13 +163,12 @@ class BlockIndexes:
         if index is not None:
             index.disconnected()
 
-    def predict(self, replica_id: str, hashes: tuple[int, ...]) -> None:
-        self._by_replica.setdefault(replica_id, BlockIndex()).predict(hashes)
-
-    def retire(self, replica_id: str, hashes: tuple[int, ...]) -> None:
-        index = self._by_replica.get(replica_id)
-        if index is not None:
-            index.retire(hashes)
+    def predict(self, replica_id: str, hashes: tuple[int, ...]) -> BlockIndex:
+        """Predict the chain at the replica; returns the index to `retire` it from when the request ends,
+        so a replica re-registered under the same id meanwhile (a new index) keeps its own predictions."""
+        index = self._by_replica.setdefault(replica_id, BlockIndex())
+        index.predict(hashes)
+        return index
 
     def tally(self, replica_id: str, predicted_tokens: int, realised_tokens: int) -> None:
         index = self._by_replica.get(replica_id)

@@ -19,7 +19,7 @@ import collections
 import contextlib
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -33,7 +33,10 @@ from router.metrics import RouterMetrics
 from router.policies import Reason, RouteDecision, RoutingKnobs, choose
 from router.prefix_index import PrefixIndexes
 from router.queueing import WaitQueues
-from router.view import InFlightChains, ReplicaView
+from router.view import ReplicaView
+
+if TYPE_CHECKING:
+    from router.replicas import AttemptLease
 
 NUM_RECENT_DECISIONS = 100
 _DRAIN_AFTER_DONE_S = 1.0
@@ -45,12 +48,10 @@ class Tracker(Protocol):
 
     prefixes: PrefixIndexes
     blocks: BlockIndexes
-    in_flight_chains: InFlightChains
 
     def view(self, model: str, blocks: bool = False) -> ReplicaView: ...
-    def begin(self, replica_id: str, prefill_tokens: int = 0) -> None: ...
-    def prefilled(self, replica_id: str, prefill_tokens: int) -> None: ...
-    def end(self, replica_id: str) -> None: ...
+    def start_attempt(self, replica_id: str, prefix_hashes: tuple[int, ...], prefill_tokens: int = 0,
+                      predict_blocks: bool = False) -> AttemptLease: ...
     def report_success(self, replica_id: str) -> None: ...
     def report_failure(self, replica_id: str) -> None: ...
     def url(self, replica_id: str) -> str: ...
@@ -72,20 +73,6 @@ class ProxyRequest:
     routing: Routing  # retries, timeouts, queue bound
     queue_wait_s: float  # the model's scaling.max_queue_wait_s, or the gateway default
     arrived_at: float  # clock.now() when the request arrived, for TTFT
-
-
-class _PendingPrefill:
-    """One attempt's share of its replica's pending prefill tokens: counted by `Tracker.begin` when
-    made, taken off once by `done()` (at the first event, or when the attempt ends without one)."""
-
-    def __init__(self, tracker: Tracker, replica_id: str, tokens: int) -> None:
-        self._tracker, self._replica_id, self._tokens = tracker, replica_id, tokens
-        tracker.begin(replica_id, tokens)
-
-    def done(self) -> None:
-        if self._tokens >= 0:
-            self._tracker.prefilled(self._replica_id, self._tokens)
-            self._tokens = -1
 
 
 class AttemptFailed(Exception):
@@ -148,28 +135,21 @@ class Proxy:
                 continue
             num_attempts += 1
             replica_id = decision.replica_id
-            on_blocks = preq.route.hash_tokens > 0
-            if on_blocks:  # held as predicted until the replica's own events say (block_index)
-                self.tracker.blocks.predict(replica_id, preq.route.prefix_hashes)
-                self.tracker.prefixes.record(replica_id, preq.route.text_hashes)  # warm, should text take over
-            else:
-                self.tracker.prefixes.record(replica_id, preq.route.prefix_hashes)
-            prefill = _PendingPrefill(self.tracker, replica_id,
-                                      preq.route.uncached_tokens(decision.predicted_match_chunks))
-            self.tracker.in_flight_chains.add(replica_id, preq.route.prefix_hashes)
+            on_blocks = preq.route.hash_tokens > 0  # then held as predicted until the replica's events say
+            # The text index records what was sent (warm on blocks too, should text take over).
+            self.tracker.prefixes.record(replica_id, preq.route.text_hashes if on_blocks else preq.route.prefix_hashes)
+            lease = self.tracker.start_attempt(replica_id, preq.route.prefix_hashes,
+                                               preq.route.uncached_tokens(decision.predicted_match_chunks),
+                                               predict_blocks=on_blocks)
             try:
-                return await self._attempt(request, preq, replica_id, decision, prefill)
+                return await self._attempt(request, preq, replica_id, decision, lease)
             except AttemptFailed as failure:
                 self.tracker.report_failure(replica_id)
                 self._count(model, replica_id, failure.outcome)
                 excluded.add(replica_id)
                 last = failure
             finally:
-                self.tracker.in_flight_chains.remove(replica_id, preq.route.prefix_hashes)
-                prefill.done()
-                self.tracker.end(replica_id)
-                if on_blocks:
-                    self.tracker.blocks.retire(replica_id, preq.route.prefix_hashes)
+                lease.end()
         return self._give_up(model, last)
 
     def _give_up(self, model: str, last: AttemptFailed | None) -> web.StreamResponse:
@@ -205,7 +185,7 @@ class Proxy:
             self.outcomes_by_replica[replica_id][outcome] += 1
 
     async def _attempt(self, request: web.Request, preq: ProxyRequest, replica_id: str,
-                       decision: RouteDecision, prefill: _PendingPrefill) -> web.StreamResponse:
+                       decision: RouteDecision, lease: AttemptLease) -> web.StreamResponse:
         routing = preq.routing
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=routing.connect_timeout_s)
         started = self.clock.now()
@@ -227,7 +207,7 @@ class Proxy:
                                     content_type=upstream.headers.get("Content-Type", "application/json"))
             if upstream.content_type == "text/event-stream" and upstream.status < 300:
                 remaining_s = routing.first_byte_timeout_s - (self.clock.now() - started)
-                response = await self._stream(request, preq, upstream, replica_id, decision, remaining_s, prefill)
+                response = await self._stream(request, preq, upstream, replica_id, decision, remaining_s, lease)
             else:
                 response = await self._buffered(preq, upstream, replica_id, decision)
             finished = True
@@ -275,7 +255,7 @@ class Proxy:
 
     async def _stream(self, request: web.Request, preq: ProxyRequest, upstream: aiohttp.ClientResponse,
                       replica_id: str, decision: RouteDecision, first_byte_s: float,
-                      prefill: _PendingPrefill) -> web.StreamResponse:
+                      lease: AttemptLease) -> web.StreamResponse:
         """Pass SSE through event by event, awaiting each write (backpressure: a slow client slows the
         upstream read, never a growing buffer)."""
         try:
@@ -303,7 +283,7 @@ class Proxy:
                         # The prompt's prefill is over at the first token, not at the first event: a
                         # server may open the stream with a role-only chunk before it has prefilled.
                         ttft_observed = True
-                        prefill.done()
+                        lease.prefilled()
                         self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
                 if relay.done:
                     break

@@ -3,7 +3,7 @@
     registry static_replicas ─┐                    ┌─ kvgate backend: gRPC WatchState stream (sources.py)
     store.list_members() ─────┼─> _Tracked records ┼─ vllm / sglang / member w/o gRPC: GET /metrics
        (every poll_interval_s)│   (one per replica)└─ every replica: GET /health every health_interval_s
-    gateway begin/end/report ─┘
+    gateway attempts/reports ─┘
                                         └──> view(model): frozen ReplicaStates for the policies
 
 Replica ids: a static replica's id is its URL; a member's id is its membership record's replica_id.
@@ -34,12 +34,12 @@ from kvgate.state.base import MemberRecord, StateStore
 from kvgate.state.base import ReplicaState as MemberState
 from registry.schema import Backend
 from registry.snapshot import Snapshot
-from router.block_index import BlockIndexes
+from router.block_index import BlockIndex, BlockIndexes
 from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
 from router.prompt_tokens import PromptTokenizer
 from router.sources import LoadReport, fetch_tokenizer, parse_metrics, watch_stream
-from router.view import InFlightChains, ReplicaState, ReplicaView
+from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,44 @@ class _Tracked:
             kv_blocks_free=self.load.kv_blocks_free, kv_blocks_total=self.load.kv_blocks_total,
             block_size_tokens=self.load.block_size_tokens or self.block_size_tokens,
             adapters_loaded=self.load.adapters_loaded, max_loaded_adapters=self.max_loaded_adapters)
+
+
+class AttemptLease:
+    """What one attempt counts at its replica (`ReplicaTracker.start_attempt`), taken off once each.
+
+    It holds the replica's record and indexes as they were when the attempt started, not its id: when
+    the replica is re-registered under the same id meanwhile (a member restarted on a new port, a
+    static replica's backend changed), the new record starts from zero and this attempt's end takes
+    nothing from the requests counted there since."""
+
+    def __init__(self, tracked: _Tracked | None, chains: ChainHold | None, blocks: BlockIndex | None,
+                 prefix_hashes: tuple[int, ...], prefill_tokens: int) -> None:
+        self._tracked, self._chains, self._blocks = tracked, chains, blocks
+        self._hashes, self._prefill_tokens = prefix_hashes, prefill_tokens
+        self._prefilled = self._ended = False
+
+    def prefilled(self) -> None:
+        """The first token came (or the attempt ended without one): its prompt no longer waits."""
+        if self._prefilled:
+            return
+        self._prefilled = True
+        if self._tracked is not None:
+            self._tracked.pending_prefill_tokens = max(0, self._tracked.pending_prefill_tokens - self._prefill_tokens)
+
+    def end(self) -> None:
+        """The attempt is over: no longer in flight, its chain no longer shared there, and its predicted
+        blocks retire at the replica's second report from now (block_index)."""
+        if self._ended:
+            return
+        self._ended = True
+        self.prefilled()
+        if self._tracked is not None:
+            self._tracked.in_flight = max(0, self._tracked.in_flight - 1)
+            self._tracked.num_ended_since_report += 1
+        if self._chains is not None:
+            self._chains.release()
+        if self._blocks is not None:
+            self._blocks.retire(self._hashes)
 
 
 class ReplicaTracker:
@@ -266,26 +304,20 @@ class ReplicaTracker:
 
     # ------------------------------------------------------------------ the gateway's own signals
 
-    def begin(self, replica_id: str, prefill_tokens: int = 0) -> None:
-        """One more request in flight there, with `prefill_tokens` still to prefill (its uncached
-        prompt) until `prefilled`; unknown ids (a replica that just left) are ignored."""
+    def start_attempt(self, replica_id: str, prefix_hashes: tuple[int, ...], prefill_tokens: int = 0,
+                      predict_blocks: bool = False) -> AttemptLease:
+        """Count one attempt at the replica until the lease's `end`: one more in flight, `prefill_tokens`
+        (its uncached prompt) pending until `prefilled`, its prefix chain in flight (what makes a prefix
+        hot), and with `predict_blocks` its chain as the replica's predicted KV blocks. An unknown id (a
+        replica that just left) counts nothing."""
         tracked = self._replicas.get(replica_id)
-        if tracked is not None:
-            tracked.in_flight += 1
-            tracked.pending_prefill_tokens += prefill_tokens
-
-    def prefilled(self, replica_id: str, prefill_tokens: int) -> None:
-        """The request `begin` counted has its first token (or ended without one): its prompt no
-        longer waits for prefill. Call once per `begin`, with the same count."""
-        tracked = self._replicas.get(replica_id)
-        if tracked is not None:
-            tracked.pending_prefill_tokens = max(0, tracked.pending_prefill_tokens - prefill_tokens)
-
-    def end(self, replica_id: str) -> None:
-        tracked = self._replicas.get(replica_id)
-        if tracked is not None:
-            tracked.in_flight = max(0, tracked.in_flight - 1)
-            tracked.num_ended_since_report += 1
+        if tracked is None:
+            return AttemptLease(None, None, None, prefix_hashes, 0)
+        tracked.in_flight += 1
+        tracked.pending_prefill_tokens += prefill_tokens
+        chains = self.in_flight_chains.add(replica_id, prefix_hashes)
+        blocks = self.blocks.predict(replica_id, prefix_hashes) if predict_blocks else None
+        return AttemptLease(tracked, chains, blocks, prefix_hashes, prefill_tokens)
 
     def chars_per_token_of(self, model: str) -> float:
         """The model's learnt prompt characters per token (features.CharsPerToken)."""

@@ -100,22 +100,36 @@ def count_down(counts: Counter[int], hashes: Iterable[int]) -> None:
             counts.pop(chain_hash, None)
 
 
+@dataclass(eq=False)
+class ChainHold:
+    """One request's chain counted at one replica by `InFlightChains.add`; `release` takes it off once.
+    It holds the counts it was added to, not the replica id: after `forget_replica` (the replica left, or
+    re-registered under the same id) a release touches only the forgotten counts, never those of requests
+    sent to the new one."""
+
+    counts: Counter[int]
+    hashes: tuple[int, ...]
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            count_down(self.counts, self.hashes)
+
+
 class InFlightChains:
     """The prefix chains of the gateway's requests in flight, counted per replica and hash: how many
     requests in flight at a replica share a prefix (`sharing`), which tells a hot prompt (a burst of
     requests on one system prompt) from a conversation's own history. The shell adds a chain when it
-    sends a request and removes it when the attempt ends."""
+    sends a request and releases the hold when the attempt ends."""
 
     def __init__(self) -> None:
         self._by_replica: dict[str, Counter[int]] = {}
 
-    def add(self, replica_id: str, hashes: tuple[int, ...]) -> None:
-        self._by_replica.setdefault(replica_id, Counter()).update(hashes)
-
-    def remove(self, replica_id: str, hashes: tuple[int, ...]) -> None:
-        counts = self._by_replica.get(replica_id)
-        if counts is not None:
-            count_down(counts, hashes)
+    def add(self, replica_id: str, hashes: tuple[int, ...]) -> ChainHold:
+        counts = self._by_replica.setdefault(replica_id, Counter())
+        counts.update(hashes)
+        return ChainHold(counts, hashes)
 
     def sharing(self, replica_id: str, chain_hash: int) -> int:
         counts = self._by_replica.get(replica_id)

@@ -44,16 +44,16 @@ def test_a_routed_prompt_counts_as_held_until_a_report_after_it_ends() -> None:
     the request ends (by then the replica's events say what it kept)."""
     indexes = BlockIndexes()
     synced(indexes, "a")
-    indexes.predict("a", CHAIN)
-    indexes.predict("a", CHAIN[:2])  # a second request sharing two blocks
+    first = indexes.predict("a", CHAIN)
+    second = indexes.predict("a", CHAIN[:2])  # a second request sharing two blocks
     assert indexes.match_length("a", CHAIN) == 4
-    indexes.retire("a", CHAIN)
+    first.retire(CHAIN)
     assert indexes.match_length("a", CHAIN) == 4  # ended, but no report since
     indexes.apply("a", [], capacity_blocks=100)  # a report that may have been built before the commit
     assert indexes.match_length("a", CHAIN) == 4
     indexes.apply("a", [KvStored(CHAIN[:1])], capacity_blocks=100)  # it kept one block
     assert indexes.match_length("a", CHAIN) == 2  # block 1 held, block 2 still predicted by the other
-    indexes.retire("a", CHAIN[:2])
+    second.retire(CHAIN[:2])
     indexes.apply("a", [], capacity_blocks=100)
     indexes.apply("a", [], capacity_blocks=100)
     assert indexes.match_length("a", CHAIN) == 1
@@ -89,7 +89,6 @@ def test_a_prediction_on_a_replica_whose_stream_is_down_goes_when_its_request_en
     indexes = BlockIndexes()
     synced(indexes, "a")
     indexes.disconnected("a")
-    indexes.predict("a", CHAIN)
-    indexes.retire("a", CHAIN)  # no report will come while the stream is down: nothing may pile up
+    indexes.predict("a", CHAIN).retire(CHAIN)  # no report will come while the stream is down: nothing may pile up
     synced(indexes, "a")
     assert indexes.match_length("a", CHAIN) == 0 and not indexes.get("a").predicted

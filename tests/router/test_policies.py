@@ -294,16 +294,20 @@ def test_the_kv_test_never_sends_a_request_over_the_bound() -> None:
 
 def test_in_flight_chains_count_requests_per_replica_and_hash() -> None:
     chains = InFlightChains()
-    chains.add("a", (1, 2, 3))
-    chains.add("a", (1, 2, 9))
+    first = chains.add("a", (1, 2, 3))
+    second = chains.add("a", (1, 2, 9))
     chains.add("b", (1,))
     assert [chains.sharing("a", h) for h in (1, 2, 3, 9, 7)] == [2, 2, 1, 1, 0]
-    chains.remove("a", (1, 2, 3))
+    first.release()
+    first.release()  # once only
     assert [chains.sharing("a", h) for h in (1, 2, 3)] == [1, 1, 0] and chains.sharing("b", 1) == 1
-    chains.remove("a", (1, 2, 9))
-    chains.remove("zz", (1,))  # a replica it never saw: nothing to do
+    chains.forget_replica("a")  # it left and came back under the same id
+    third = chains.add("a", (1, 2))
+    second.release()  # sent to the old one: takes nothing from the new one's counts
+    assert [chains.sharing("a", h) for h in (1, 2, 9)] == [1, 1, 0]
+    third.release()
     chains.forget_replica("b")
-    assert chains.sharing("a", 1) == chains.sharing("b", 1) == 0
+    assert chains.sharing("a", 1) == chains.sharing("b", 1) == chains.num_hashes("a") == 0
 
 
 def test_two_gateways_sharing_nothing_agree_on_repeated_prefixes_below_the_load_bound() -> None:

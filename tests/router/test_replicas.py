@@ -123,15 +123,26 @@ async def test_static_sim_replica_is_healthy_with_scraped_waiting_and_running(tm
             (await request).close()
 
 
-async def test_begin_and_end_change_in_flight_at_once(tmp_path, sim) -> None:
+async def test_an_attempt_counts_in_flight_pending_prefill_and_its_chain_until_it_ends(tmp_path, sim) -> None:
     async with tracking(registry(tmp_path, [sim.url])) as tracker:
-        tracker.begin(sim.url)
-        tracker.begin(sim.url)
-        assert only(tracker).in_flight == 2
-        tracker.end(sim.url)
-        assert only(tracker).in_flight == 1
-        tracker.begin("gone")  # a replica that just left: ignored
-        tracker.end("gone")
+        first = tracker.start_attempt(sim.url, (1, 2), prefill_tokens=300)
+        second = tracker.start_attempt(sim.url, (1, 3), prefill_tokens=50)
+        state = only(tracker)
+        assert (state.in_flight, state.pending_prefill_tokens) == (2, 350)
+        assert tracker.in_flight_chains.sharing(sim.url, 1) == 2
+        first.prefilled()  # its first token
+        first.prefilled()  # once only
+        assert (only(tracker).in_flight, only(tracker).pending_prefill_tokens) == (2, 50)
+        first.end()
+        first.end()  # once only
+        assert (only(tracker).in_flight, only(tracker).pending_prefill_tokens) == (1, 50)
+        assert tracker.in_flight_chains.sharing(sim.url, 1) == 1
+        second.end()  # ended without a first token: its prefill is no longer pending either
+        assert (only(tracker).in_flight, only(tracker).pending_prefill_tokens) == (0, 0)
+        assert tracker.in_flight_chains.num_hashes(sim.url) == 0
+        gone = tracker.start_attempt("gone", (1,), prefill_tokens=10)  # a replica that just left: nothing counted
+        gone.end()
+        assert tracker.in_flight_chains.num_hashes("gone") == 0
 
 
 async def test_three_failures_in_a_row_eject_until_a_probe_after_eject_for_s(tmp_path, sim) -> None:
@@ -216,6 +227,26 @@ async def test_wait_for_replica_returns_when_a_member_appears_and_times_out_othe
         assert await asyncio.wait_for(nobody, 1.0) is False
 
 
+async def test_an_attempt_that_outlives_its_replicas_re_registration_takes_nothing_from_the_new_one(sim) -> None:
+    """A member restarted on a new port keeps its replica id: requests sent to the old process end after
+    the new one took requests, and must not count those down (in flight, pending prefill, hot chains,
+    predicted KV blocks)."""
+    clock = FakeClock()
+    async with tracking(Snapshot.empty(), clock, poll_interval_s=1.0, health_interval_s=60.0) as tracker:
+        tracker._apply_members([member("http://127.0.0.1:9", MemberState.READY)])
+        old = tracker.start_attempt("m-1", (1, 2), prefill_tokens=100, predict_blocks=True)
+        tracker._apply_members([member(sim.url, MemberState.READY)])  # the same id, a new process
+        assert (only(tracker).url, only(tracker).in_flight, only(tracker).pending_prefill_tokens) == (sim.url, 0, 0)
+        new = tracker.start_attempt("m-1", (1, 2), prefill_tokens=40, predict_blocks=True)
+        old.end()
+        state = only(tracker)
+        assert (state.in_flight, state.pending_prefill_tokens) == (1, 40)
+        assert tracker.in_flight_chains.sharing("m-1", 1) == 1
+        assert tracker.blocks.get("m-1").predicted[1] == 1
+        new.end()
+        assert (only(tracker).in_flight, tracker.in_flight_chains.sharing("m-1", 1)) == (0, 0)
+
+
 # ---------------------------------------------------------------------------------- prefix indexes
 
 def two_models(tmp_path: Path, chunk_a: int, chunk_b: int) -> Snapshot:
@@ -241,9 +272,9 @@ async def test_each_replica_prefix_index_uses_its_model_chunk_size(tmp_path: Pat
 async def test_a_request_the_gateway_ended_stops_counting_before_the_next_report(tmp_path: Path) -> None:
     async with tracking(two_models(tmp_path, 64, 64)) as tracker:
         rid = "http://127.0.0.1:9"
-        tracker.begin(rid)
+        attempt = tracker.start_attempt(rid, ())
         tracker._apply_load(rid, LoadReport(num_waiting=1, num_running=1, kv_blocks_total=100))
-        tracker.end(rid)  # the report above still counts it: 2 - 1 ended = 1, taken off running first
+        attempt.end()  # the report above still counts it: 2 - 1 ended = 1, taken off running first
         state = next(r for r in tracker.view("a").replicas)
         assert (state.num_running, state.num_waiting, state.load) == (0, 1, 1)
         tracker._apply_load(rid, LoadReport(num_waiting=0, num_running=1, kv_blocks_total=100, seq=1))
