@@ -325,6 +325,8 @@ def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list
             best = replay_info["best_hit_rate"]
             cell |= {"mode": "sim-kv-events", "infinite_cache_hit_rate": best, "token_replay": replay_info,
                      "infinite_cache_hit_rate_chars": workloads.infinite_cache_hit_rate(reqs)}
+        if getattr(args, "sim_no_kv_size", False):
+            cell["mode"] = "sim-no-kv-size"
         print(f"\n== {workload}, {n} replicas{' (KV events)' if kv_events else ''}: {info['num_requests']} requests "
               f"over {info['span_s']:.1f} s, {info['prompt_tokens']} prompt tokens, {info['unique_tokens']} unique; "
               f"infinite-cache hit rate {best:.3f}; replica KV {kv_tokens} tokens, prefill {prefill_tps:.0f} tok/s",
@@ -336,7 +338,8 @@ def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list
             print(f"  {name}: skipped, {why}", flush=True)
             continue
         fleet = (start_engine_fleet(n, sizes["kv_cache_bytes"]) if engines else
-                 start_fleet(n, kv_tokens, prefill_tps, kv_events=getattr(args, "sim_kv_events", False)))
+                 start_fleet(n, kv_tokens, prefill_tps, kv_events=getattr(args, "sim_kv_events", False),
+                             kv_size=not getattr(args, "sim_no_kv_size", False)))
         with tempfile.TemporaryDirectory() as tmp:
             log = WORK / f"bench_routing-{name.replace(':', '-')}.log"
             proc, url = start_router(name, fleet, Path(tmp), log, chunk_chars, ", ".join(args.set))
@@ -363,7 +366,8 @@ def fmt(v: float | None, spec: str) -> str:
 
 
 def print_table(cell: dict) -> None:
-    what = {"engines": "kvgate engines (tiny-llama)", "sim-kv-events": "simulated replicas with KV events"}.get(
+    what = {"engines": "kvgate engines (tiny-llama)", "sim-kv-events": "simulated replicas with KV events",
+            "sim-no-kv-size": "simulated replicas that report no KV size"}.get(
         cell.get("mode"), "simulated replicas")
     print(f"\n### {cell['workload']}, {cell['replicas']} {what} "
           f"(infinite-cache hit rate {cell['infinite_cache_hit_rate']:.3f})")
@@ -404,8 +408,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sim-kv-events", action="store_true",
                    help="simulated replicas in KV-events mode: they tokenize as a kvgate engine (SmolLM2-135M's "
                         "tokenizer) and stream their KV block events, so kvgate routes on them (see above)")
+    p.add_argument("--sim-no-kv-size", action="store_true",
+                   help="simulated replicas that do not export their KV size (vllm:cache_config_info), as a server "
+                        "that reports none: kvgate's text index then has its default size")
     p.add_argument("--out", type=Path, default=WORK / "bench_routing.json")
     args = p.parse_args(argv)
+    if args.sim_no_kv_size and (args.engines or args.sim_kv_events):
+        p.error("--sim-no-kv-size is for simulated replicas on the text index (not --engines or --sim-kv-events)")
     if args.sim_kv_events and args.engines:
         p.error("--sim-kv-events is for simulated replicas; real engines (--engines) always stream KV events")
     if args.sim_kv_events and args.out == WORK / "bench_routing.json":

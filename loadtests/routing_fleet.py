@@ -86,6 +86,7 @@ def serve_sims(argv: list[str]) -> None:
     p.add_argument("--decode", type=float, default=50.0)
     p.add_argument("--tokenizer-dir", default=None, help="KV-events mode: tokenize as a kvgate engine with this dir")
     p.add_argument("--grpc-ports", default=None, help="with --tokenizer-dir: a replica-state gRPC port per --ports")
+    p.add_argument("--no-kv-size", action="store_true", help="do not export vllm:cache_config_info")
     a = p.parse_args(argv)
     ports = [int(port) for port in a.ports.split(",")]
     grpc_ports: list[int | None] = [None] * len(ports)
@@ -95,7 +96,8 @@ def serve_sims(argv: list[str]) -> None:
             p.error("--grpc-ports needs --tokenizer-dir and one port per --ports")
     spec = SchedulerSpec(kv_capacity_tokens=a.kv, prefill_tokens_per_s=a.prefill, decode_tokens_per_s=a.decode,
                          max_batch=16)
-    config = SimReplicaConfig(model=MODEL, adapters=workloads.ADAPTERS, scheduler=spec, tokenizer_dir=a.tokenizer_dir)
+    config = SimReplicaConfig(model=MODEL, adapters=workloads.ADAPTERS, scheduler=spec, tokenizer_dir=a.tokenizer_dir,
+                              report_kv_size=not a.no_kv_size)
     tokens = SimTokens.load(a.tokenizer_dir) if a.tokenizer_dir else None
 
     async def run() -> None:
@@ -151,9 +153,10 @@ def sim_tokenizer_dir() -> Path:
     return resolve_model_source(SIM_TOKENIZER_MODEL, CACHE_DIR)
 
 
-def start_fleet(n: int, kv_tokens: int, prefill_tps: float, kv_events: bool = False) -> Fleet:
+def start_fleet(n: int, kv_tokens: int, prefill_tps: float, kv_events: bool = False, kv_size: bool = True) -> Fleet:
     """n simulated replicas, fresh caches, each KV `kv_tokens` tokens and prefill `prefill_tps` tokens/s.
-    `kv_events`: in KV-events mode (SIM_TOKENIZER_MODEL's tokenizer, a replica-state gRPC port each)."""
+    `kv_events`: in KV-events mode (SIM_TOKENIZER_MODEL's tokenizer, a replica-state gRPC port each).
+    Without `kv_size` they do not export their KV size (vllm:cache_config_info)."""
     ports = free_ports(2 * n if kv_events else n)
     ports, grpc_ports = ports[:n], ports[n:]
     groups = min(n, 4)
@@ -164,6 +167,8 @@ def start_fleet(n: int, kv_tokens: int, prefill_tps: float, kv_events: bool = Fa
                "--kv", str(kv_tokens), "--prefill", str(prefill_tps)]
         if kv_events:
             cmd += [*tokenizer, "--grpc-ports", ",".join(map(str, grpc_ports[g::groups]))]
+        if not kv_size:
+            cmd.append("--no-kv-size")
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
     try:
         for p in procs:

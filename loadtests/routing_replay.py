@@ -43,7 +43,7 @@ from loadtests.sim_replica_model import (BLOCK_SIZE_TOKENS, CHARS_PER_TOKEN, Sch
 from registry.schema import Routing  # noqa: E402
 from router.features import RouteRequest, build_route_request  # noqa: E402
 from router.policies import PolicyFn, Reason, RouteDecision, RoutingKnobs, choose  # noqa: E402
-from router.prefix_index import PrefixIndexes  # noqa: E402
+from router.prefix_index import PrefixIndexes, capacity_chunks  # noqa: E402
 from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView  # noqa: E402
 
 MODEL = "sim-llama"
@@ -79,6 +79,7 @@ class _Pending:
     predicted_chunks: int
     chains: ChainHold
     ttft_s: float | None = None
+    cached_tokens: int | None = None  # what the replica reports as usage.cached_tokens
 
 
 @dataclass
@@ -91,6 +92,7 @@ class ReplayResult:
     decisions: dict[str, int] = field(default_factory=dict)
     ttft_by_request: dict[int, float] = field(default_factory=dict)  # index in the request list -> seconds
     replica_by_request: dict[int, str] = field(default_factory=dict)
+    index_capacity_chunks: dict[str, int] = field(default_factory=dict)  # the first gateway's indexes
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -142,13 +144,16 @@ def _oracle(req: workloads.Request, replicas: dict[str, _Replica], knobs: Routin
 
 def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec, knobs: RoutingKnobs,
            affinity_depth_chars: int = 1024, policy: PolicyFn | str = choose, num_gateways: int = 1,
-           seed: int = 0) -> ReplayResult:
+           seed: int = 0, report_kv_size: bool = True) -> ReplayResult:
     """Route every request with `policy` (a policy function, or "oracle") and play the replicas' steps;
     see the module docstring. With several gateways each request goes to one at random (`seed`), as in
-    `bench_routing_gateways.py`."""
+    `bench_routing_gateways.py`. Without `report_kv_size` the replicas are servers that report no KV
+    size: the gateway's indexes have their default size (prefix_index) and no KV-fit test runs."""
     replicas = {f"r{i:02d}": _Replica(f"r{i:02d}", Scheduler(spec)) for i in range(num_replicas)}
     kv_blocks_total = spec.kv_capacity_tokens // BLOCK_SIZE_TOKENS
     index_blocks = 1 << 30 if isinstance(policy, SglangLike) else kv_blocks_total  # sglang's tree: no KV limit
+    if not report_kv_size:
+        index_blocks = 0
     gateways = [_Gateway(PrefixIndexes(CHUNK_CHARS)) for _ in range(num_gateways)]
     for gateway in gateways:
         for rid in replicas:
@@ -169,7 +174,8 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
         return ReplicaState(
             replica_id=rid, url="", model=MODEL, healthy=True, draining=False, in_flight=gateway.in_flight[rid],
             num_waiting=rep.scheduler.num_waiting, num_running=rep.scheduler.num_running,
-            kv_blocks_free=int(kv_blocks_total * (1 - used)), kv_blocks_total=kv_blocks_total,
+            kv_blocks_free=int(kv_blocks_total * (1 - used)) if report_kv_size else 0,
+            kv_blocks_total=kv_blocks_total if report_kv_size else 0,
             adapters_loaded=frozenset(workloads.ADAPTERS), max_loaded_adapters=len(workloads.ADAPTERS),
             pending_prefill_tokens=gateway.pending_prefill_tokens[rid])
 
@@ -218,13 +224,14 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
                 p = pending[event.seq_id]
                 if event.index == 0:
                     p.ttft_s = now - p.arrived_s
+                    p.cached_tokens = cached.get(event.seq_id)
                     left = p.gateway.pending_prefill_tokens[rid] - p.prefill_tokens
                     p.gateway.pending_prefill_tokens[rid] = max(0, left)
                 if event.finished:
                     p.gateway.in_flight[rid] -= 1
                     p.chains.release()
-                    if cached.get(event.seq_id) is not None and policy is choose:  # the proxy learns from usage.cached_tokens
-                        p.gateway.indexes.correct(rid, p.route.prefix_hashes, p.predicted_chunks, cached[event.seq_id],
+                    if p.cached_tokens is not None and policy is choose:  # the proxy learns from usage.cached_tokens
+                        p.gateway.indexes.correct(rid, p.route.prefix_hashes, p.predicted_chunks, p.cached_tokens,
                                                   CHARS_PER_TOKEN)
             kick(rep, now)
     counters = [rep.scheduler.counters for rep in replicas.values()]
@@ -236,7 +243,8 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
                         ttft_p99_s=_pct(ttfts, 0.99), ttft_mean_s=sum(ttfts) / len(ttfts),
                         max_over_mean_load=max(served) / (sum(served) / len(served)), decisions=decisions,
                         ttft_by_request={i: p.ttft_s for i, p in pending.items() if p.ttft_s is not None},
-                        replica_by_request={i: p.replica_id for i, p in pending.items()})
+                        replica_by_request={i: p.replica_id for i, p in pending.items()},
+                        index_capacity_chunks={rid: gateways[0].indexes.get(rid).capacity for rid in replicas})
 
 
 def to_a_holder_share(reqs: list[workloads.Request], replica_by_request: dict[int, str]) -> float | None:
@@ -275,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mooncake-requests", type=int, default=1200, help="first N trace rows (bench_routing's default)")
     p.add_argument("--bursts", type=int, default=8, help="hot_prefix bursts (bench_routing's default)")
     p.add_argument("--gateways", type=int, default=1, help="gateways sharing nothing; requests split at random")
+    p.add_argument("--no-kv-size", action="store_true",
+                   help="replicas that report no KV size: the text index has its default size (prefix_index)")
     p.add_argument("--floor", action="store_true",
                    help="print only the TTFT floor: p50 / p99 with an infinite cache and no queue (ttft_floor_s)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -301,14 +311,20 @@ def main(argv: list[str] | None = None) -> None:
                               "p50_ms": round(percentile(floor, 0.5) * 1000),
                               "p99_ms": round(percentile(floor, 0.99) * 1000)}))
             continue
-        res = replay(reqs, n, bench_spec(reqs, n), knobs, routing.affinity_depth_chars,
-                     {"kvgate": choose, "sglang": SglangLike(), "oracle": "oracle"}[args.policy], args.gateways)
+        spec = bench_spec(reqs, n)
+        res = replay(reqs, n, spec, knobs, routing.affinity_depth_chars,
+                     {"kvgate": choose, "sglang": SglangLike(), "oracle": "oracle"}[args.policy], args.gateways,
+                     report_kv_size=not args.no_kv_size)
         print(json.dumps({"policy": args.policy, "workload": args.workload, "replicas": n,
                           "hit_over_best": round(res.hit_rate / best, 3),
                           "p50_ms": round(res.ttft_p50_s * 1000), "p99_ms": round(res.ttft_p99_s * 1000),
                           "max_over_mean": round(res.max_over_mean_load, 2), "decisions": res.decisions,
                           **({"to_a_holder": round(to_a_holder_share(reqs, res.replica_by_request), 3)}
-                             if args.gateways > 1 else {})}))
+                             if args.gateways > 1 else {}),
+                          **({"index_capacity_chunks": sorted(set(res.index_capacity_chunks.values())),
+                              "kv_capacity_chunks": capacity_chunks(spec.kv_capacity_tokens // BLOCK_SIZE_TOKENS,
+                                                                    BLOCK_SIZE_TOKENS, CHUNK_CHARS, CHARS_PER_TOKEN)}
+                             if args.no_kv_size else {})}))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,9 @@ class SimReplicaConfig:
     tokenizer_dir: str | None = None
     # ...and serve the replica-state protocol on this gRPC port (0: a free one). Needs tokenizer_dir.
     grpc_port: int | None = None
+    # Export vllm:cache_config_info (the KV size). False: a server that reports none, as far as a
+    # gateway's index sizing goes (bench_routing.py --sim-no-kv-size).
+    report_kv_size: bool = True
 
     def __post_init__(self) -> None:
         if self.grpc_port is not None and self.tokenizer_dir is None:
@@ -374,10 +377,10 @@ async def _metrics(request: web.Request) -> web.Response:
     metric("vllm:num_requests_waiting", "gauge", sched.num_waiting)
     metric("vllm:gpu_cache_usage_perc", "gauge", sched.kv_usage())
     metric("vllm:kv_cache_usage_perc", "gauge", sched.kv_usage())
-    # As vLLM does: the KV size, from which a gateway sizes its index of what the replica caches.
-    metric("vllm:cache_config_info", "gauge", 1.0,
-           f'{{block_size="{BLOCK_SIZE_TOKENS}",num_gpu_blocks="{sched.cache.capacity_blocks}",'
-           f'enable_prefix_caching="True"}}')
+    if config.report_kv_size:  # as vLLM does: the KV size, from which a gateway sizes its index of what it caches
+        metric("vllm:cache_config_info", "gauge", 1.0,
+               f'{{block_size="{BLOCK_SIZE_TOKENS}",num_gpu_blocks="{sched.cache.capacity_blocks}",'
+               f'enable_prefix_caching="True"}}')
     metric("vllm:prefix_cache_queries_total", "counter", sched.counters.num_prompt_tokens_queried)
     metric("vllm:prefix_cache_hits_total", "counter", sched.counters.num_prompt_tokens_hit)
     metric("vllm:prompt_tokens_total", "counter", sched.counters.num_prompt_tokens_queried)
