@@ -17,9 +17,14 @@ from dataclasses import dataclass
 
 from router.features import CHARS_PER_TOKEN
 
-# A replica that reports no KV figures (a foreign backend) still gets an index this big, in chunks:
-# 4,096 x 256 chars is ~1M characters, a modest GPU's KV cache.
-DEFAULT_CAPACITY_CHUNKS = 4096
+# A replica that reports no KV figures (a foreign backend) gets an index this big, in chunks: 16,384 x 256
+# chars is ~4M characters (~1M tokens), more than most single replicas' KV (an H100 serving an 8B model in
+# bf16 holds ~0.5M tokens), and ~2.4 MB of hashes when full. Too big costs little: what the replica
+# evicted and the index still believes costs one miss, then `correct` drops it. Too small scatters
+# conversations the replica still holds. `routing_replay.py --no-kv-size`, the trace at 4 replicas (the
+# right size there is 6,299 chunks of 128 chars), six seeds: hit/best 0.532 at 1,024 chunks, 0.929 at 4,096,
+# 0.979 at 16,384, as sized right; at 16 replicas (1,574 right) 0.953 at 4,096 and at 16,384.
+DEFAULT_CAPACITY_CHUNKS = 16384
 
 
 def capacity_chunks(kv_blocks_total: int, block_size_tokens: int, chunk_chars: int,
