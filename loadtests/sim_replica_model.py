@@ -280,17 +280,17 @@ class Scheduler:
         return seq.num_cached_tokens if seq is not None else None
 
     def kv_usage(self) -> float:
-        """Fraction of the KV capacity the running sequences hold (prompt + output, whole blocks)."""
-        used_blocks = sum(math.ceil((s.num_prompt_tokens + s.num_generated) / BLOCK_SIZE_TOKENS)
-                          for s in self._running)
-        return min(1.0, used_blocks / max(1, self.cache.capacity_blocks))
+        """Fraction of the KV capacity in use, as vLLM's `vllm:kv_cache_usage_perc` counts it: 1 - free
+        blocks / capacity, with `num_kv_blocks_free` below (a block several running sequences share is
+        used once; cached blocks no running sequence holds are free)."""
+        return 1.0 - self.num_kv_blocks_free() / max(1, self.cache.capacity_blocks)
 
     def num_kv_blocks_free(self) -> int:
-        """KV blocks no running sequence holds, as a kvgate engine counts them (the replica-state stream's
-        figure; `kv_usage` above, for /metrics, stays as it was): cached prefixes are free (evictable), a
-        full prompt block that several running sequences share (same hash) is held once, and each holds
-        private blocks for the rest of its prompt and its output. Capacity 64 blocks, two running
-        sequences with the same 40-token prompt (2 full blocks) and 2 tokens out each -> 64 - 2 - 2 x 1 = 60."""
+        """KV blocks no running sequence holds, as vLLM's block pool and a kvgate engine count them:
+        cached prefixes are free (evictable), a full prompt block that several running sequences share
+        (same hash) is held once, and each holds private blocks for the rest of its prompt and its output.
+        Capacity 64 blocks, two running sequences with the same 40-token prompt (2 full blocks) and 2
+        tokens out each -> 64 - 2 - 2 x 1 = 60."""
         shared: set[int] = set()
         private = 0
         for s in self._running:

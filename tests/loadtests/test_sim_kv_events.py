@@ -114,6 +114,7 @@ def test_kv_blocks_free_holds_a_block_that_running_sequences_share_once() -> Non
     sched.add(SimSequence(3, "m", 40, (33, 44), max_tokens=3))
     sched.complete(sched.schedule())  # another prompt: its own 2 full blocks and a private tail block
     assert sched.num_kv_blocks_free() == 60 - 3
+    assert sched.kv_usage() == 1 - 57 / 64  # /metrics' vllm:kv_cache_usage_perc: the same count, as vLLM's
 
 
 # --- the sims behind a gateway ---------------------------------------------------------------------
