@@ -136,7 +136,8 @@ async def _load(url: str, connections: int, duration_s: float, warmup_s: float) 
     return {"connections": connections, "duration_s": duration_s, "num_requests": len(latencies_s),
             "num_sent_with_warmup": num_sent,
             "num_failed": num_failed, "requests_per_s": len(latencies_s) / duration_s,
-            "p50_ms": percentile(latencies_s, 0.50, math.nan) * 1e3, "p99_ms": percentile(latencies_s, 0.99, math.nan) * 1e3,
+            "p50_ms": percentile(latencies_s, 0.50, math.nan) * 1e3,
+            "p99_ms": percentile(latencies_s, 0.99, math.nan) * 1e3,
             "mean_ms": (statistics.fmean(latencies_s) if latencies_s else 0.0) * 1e3}
 
 

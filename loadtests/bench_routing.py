@@ -235,7 +235,8 @@ def summarize(results: list[dict], before: list[dict | None], after: list[dict |
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None, "ttft_p50_s": percentile(ttfts, 0.5),
             "ttft_p99_s": percentile(ttfts, 0.99), "duration_s": end - t0,
             "throughput_rps": len(ok) / (end - t0), "output_tokens_per_s": sum(r["tokens"] for r in ok) / (end - t0),
-            "router_decisions": decisions, "replica_loads": loads, "max_over_mean_load": max(loads) / mean_load if mean_load else None,
+            "router_decisions": decisions, "replica_loads": loads,
+            "max_over_mean_load": max(loads) / mean_load if mean_load else None,
             "replica_requests_by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())}}
 
 

@@ -61,7 +61,8 @@ class _Replica:
 @dataclass
 class _Gateway:
     """What one gateway knows: its own prefix indexes, and its own requests in flight (with their prefix
-    chains) and pending prefill per replica. Gateways share nothing; the replicas' own queue counts are seen by all (fresh here)."""
+    chains) and pending prefill per replica. Gateways share nothing; the replicas' own queue counts are
+    seen by all (fresh here)."""
 
     indexes: PrefixIndexes
     in_flight: dict[str, int] = field(default_factory=dict)
@@ -151,9 +152,8 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
     size: the gateway's indexes have their default size (prefix_index) and no KV-fit test runs."""
     replicas = {f"r{i:02d}": _Replica(f"r{i:02d}", Scheduler(spec)) for i in range(num_replicas)}
     kv_blocks_total = spec.kv_capacity_tokens // BLOCK_SIZE_TOKENS
-    index_blocks = 1 << 30 if isinstance(policy, SglangLike) else kv_blocks_total  # sglang's tree: no KV limit
-    if not report_kv_size:
-        index_blocks = 0
+    reported_blocks = kv_blocks_total if report_kv_size else 0  # what the replicas' load reports say (0: unknown)
+    index_blocks = 1 << 30 if isinstance(policy, SglangLike) else reported_blocks  # sglang's tree: no KV limit
     gateways = [_Gateway(PrefixIndexes(CHUNK_CHARS)) for _ in range(num_gateways)]
     for gateway in gateways:
         for rid in replicas:
@@ -174,8 +174,7 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
         return ReplicaState(
             replica_id=rid, url="", model=MODEL, healthy=True, draining=False, in_flight=gateway.in_flight[rid],
             num_waiting=rep.scheduler.num_waiting, num_running=rep.scheduler.num_running,
-            kv_blocks_free=int(kv_blocks_total * (1 - used)) if report_kv_size else 0,
-            kv_blocks_total=kv_blocks_total if report_kv_size else 0,
+            kv_blocks_free=int(reported_blocks * (1 - used)), kv_blocks_total=reported_blocks,
             adapters_loaded=frozenset(workloads.ADAPTERS), max_loaded_adapters=len(workloads.ADAPTERS),
             pending_prefill_tokens=gateway.pending_prefill_tokens[rid])
 
