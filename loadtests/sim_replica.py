@@ -380,7 +380,7 @@ async def _metrics(request: web.Request) -> web.Response:
     if config.report_kv_size:  # as vLLM does: the KV size, from which a gateway sizes its index of what it caches
         metric("vllm:cache_config_info", "gauge", 1.0,
                f'{{block_size="{BLOCK_SIZE_TOKENS}",num_gpu_blocks="{sched.cache.capacity_blocks}",'
-               f'enable_prefix_caching="True"}}')
+               f'enable_prefix_caching="{sched.spec.prefix_caching}"}}')
     metric("vllm:prefix_cache_queries_total", "counter", sched.counters.num_prompt_tokens_queried)
     metric("vllm:prefix_cache_hits_total", "counter", sched.counters.num_prompt_tokens_hit)
     metric("vllm:prompt_tokens_total", "counter", sched.counters.num_prompt_tokens_queried)
@@ -514,6 +514,7 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimReplicaC
     p.add_argument("--decode-tokens-per-s", type=float, default=d_sched.decode_tokens_per_s)
     p.add_argument("--max-batch", type=int, default=d_sched.max_batch)
     p.add_argument("--max-prefill-tokens-per-step", type=int, default=d_sched.max_prefill_tokens_per_step)
+    p.add_argument("--no-prefix-caching", action="store_true", help="keep nothing computed (every prompt misses)")
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--fail", choices=[m.value for m in FailMode], default="none")
     p.add_argument("--fail-after-n", type=int, default=d_fail.fail_after_n)
@@ -531,7 +532,7 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimReplicaC
     config = SimReplicaConfig(
         model=a.model, adapters=tuple(a.adapter), default_max_tokens=a.default_max_tokens,
         scheduler=SchedulerSpec(a.kv_capacity_tokens, a.prefill_tokens_per_s, a.decode_tokens_per_s, a.max_batch,
-                                a.max_prefill_tokens_per_step),
+                                a.max_prefill_tokens_per_step, not a.no_prefix_caching),
         failure=FailureSpec(FailMode(a.fail), a.fail_after_n, a.slow_first_byte_s, a.die_after_chunks),
         tokenizer_dir=a.tokenizer_dir, grpc_port=a.grpc_port)
     return a, config

@@ -206,6 +206,7 @@ class SchedulerSpec:
     decode_tokens_per_s: float = 50.0  # per running sequence: batching is free up to max_batch
     max_batch: int = 16
     max_prefill_tokens_per_step: int = 2_048  # the prefill chunk shared across the batch in one step
+    prefix_caching: bool = True  # False: keeps nothing it computed, as vLLM --no-enable-prefix-caching
 
 
 @dataclass(frozen=True)
@@ -349,7 +350,8 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += num
             if seq.num_computed_tokens == seq.num_prompt_tokens:
-                self.cache.insert(seq.hashes, seq.adapter)
+                if self.spec.prefix_caching:
+                    self.cache.insert(seq.hashes, seq.adapter)
                 events.append(self._emit(seq))
         for seq_id in plan.decode:
             seq = self._by_id.get(seq_id)

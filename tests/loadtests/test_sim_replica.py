@@ -137,6 +137,16 @@ async def test_third_distinct_prompt_evicts_the_least_recently_used(serve):
     assert a_again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+
+async def test_with_prefix_caching_off_nothing_is_kept_and_the_metrics_say_so(serve):
+    server = await serve(scheduler=SchedulerSpec(prefill_tokens_per_s=1e6, prefix_caching=False))
+    async with aiohttp.ClientSession() as s:
+        replies = [await post(s, server.url, LONG_A) for _ in range(2)]
+        async with s.get(f"{server.url}/metrics") as r:
+            metrics = await r.text()
+    assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies] == [0, 0]
+    assert 'enable_prefix_caching="False"' in metrics
+
 # --- load ----------------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -28,12 +28,14 @@ from kvgate.state.base import StateStore
 from kvgate.state.memory import MemoryStateStore
 from router.app import GatewaySettings
 from router.observations import OBSERVATIONS_COLLECTION
+from router.prefix_index import CACHE_EVIDENCE_MIN
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
 from tests.gateway_harness import running_gateway
 
 FAST_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=2000.0)
 LONG_PROMPT = "You are a careful assistant for the kvgate project. " * 40  # ~2,000 chars: 31 chunks of 64
+OTHER_LONG_PROMPT = "Answer in French, briefly, and cite the design document. " * 36
 
 POOL = """apiVersion: kvgate/v1
 kind: Pool
@@ -92,8 +94,10 @@ class Gateway:
 @contextlib.asynccontextmanager
 async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
                   settings: GatewaySettings | None = None, sim_spec: SchedulerSpec = FAST_SIM,
-                  other_urls: tuple[str, ...] = (), store: StateStore | None = None) -> AsyncIterator[Gateway]:
-    sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec))
+                  other_urls: tuple[str, ...] = (), store: StateStore | None = None,
+                  report_kv_size: bool = True) -> AsyncIterator[Gateway]:
+    sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec,
+                                                     report_kv_size=report_kv_size))
             for _ in range(num_replicas)]
     write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing)
     try:
@@ -167,6 +171,41 @@ async def test_a_repeated_long_prompt_returns_to_its_replica_and_hits_the_cache(
             cached.append(raw.parse().usage.prompt_tokens_details.cached_tokens)
         assert len(replicas) == 1
         assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+
+
+async def test_a_prompt_the_replica_evicted_stays_in_its_index_after_the_miss_that_computed_it_again(
+        tmp_path: Path) -> None:
+    # A replica that reports no KV size gets an index far bigger than its 40 blocks (640 tokens), so
+    # the index still believes in the first prompt after a second one evicted it there.
+    spec = replace(FAST_SIM, kv_capacity_tokens=640)
+    async with gateway(tmp_path, num_replicas=1, sim_spec=spec, report_kv_size=False) as gw:
+        (replica_id,) = [r.replica_id for r in gw.tracker.view("m").candidates("m")]
+        index = gw.tracker.prefixes.get(replica_id)
+
+        async def cached_tokens(content: str) -> int:
+            reply = await gw.client.chat.completions.create(**chat(content))
+            return reply.usage.prompt_tokens_details.cached_tokens
+
+        assert await cached_tokens(LONG_PROMPT) == 0
+        assert await cached_tokens(LONG_PROMPT) > 400  # it caches
+        await cached_tokens(OTHER_LONG_PROMPT)  # evicts the first there
+        entries = len(index)
+        assert await cached_tokens(LONG_PROMPT) < 400  # predicted whole, realised less...
+        assert index.stats().num_corrections_total == 1
+        assert len(index) == entries  # ...and kept: that miss put it back
+        assert await cached_tokens(LONG_PROMPT) > 400
+
+
+async def test_a_replica_with_prefix_caching_off_loses_its_chains_once_its_hits_never_realise(
+        tmp_path: Path) -> None:
+    async with gateway(tmp_path, num_replicas=1, sim_spec=replace(FAST_SIM, prefix_caching=False)) as gw:
+        (replica_id,) = [r.replica_id for r in gw.tracker.view("m").candidates("m")]
+        index = gw.tracker.prefixes.get(replica_id)
+        for _ in range(CACHE_EVIDENCE_MIN + 1):
+            reply = await gw.client.chat.completions.create(**chat(LONG_PROMPT))
+            assert reply.usage.prompt_tokens_details.cached_tokens == 0
+        assert not index.caches()
+        assert len(index) == 0  # the last predicted hit, realised 0, dropped the chain
 
 
 async def test_a_failing_replica_is_retried_elsewhere_and_never_twice(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.prefix_index import DEFAULT_CAPACITY_CHUNKS, PrefixIndex, PrefixIndexes, capacity_chunks
+from router.prefix_index import (CACHE_EVIDENCE_MIN, CACHE_EVIDENCE_WINDOW, DEFAULT_CAPACITY_CHUNKS, PrefixIndex,
+                                 PrefixIndexes, capacity_chunks)
 
 
 @pytest.mark.parametrize("blocks,block_size,chunk_chars,expected", [
@@ -59,20 +60,61 @@ def test_resize_down_evicts_the_oldest() -> None:
     assert index.capacity == 2 and index.match_length((3, 4)) == 2 and index.match_length((1, 2)) == 0
 
 
-@pytest.mark.parametrize("predicted,realised_tokens,remaining", [
+def _not_caching(index: PrefixIndex, chain: tuple[int, ...]) -> None:
+    """CACHE_EVIDENCE_MIN responses that were predicted a hit and realised nothing."""
+    for _ in range(CACHE_EVIDENCE_MIN):
+        index.record(chain)
+        index.correct(chain, len(chain), 0)
+    assert not index.caches()
+
+
+@pytest.mark.parametrize("predicted,realised_tokens,dropped", [
     # chunk_chars 64 = 16 estimated tokens per chunk; chain of 5 recorded
-    (4, 64, 5),  # 64 tokens = 4 chunks realised, as predicted: nothing dropped
-    (4, 60, 5),  # 60 tokens -> ceil(240 / 64) = 4 chunks: block rounding is not a miss
-    (4, 20, 2),  # ceil(80 / 64) = 2 chunks realised of 4: drop from chunk 2 on
-    (4, 0, 0),  # prefix caching off, or all evicted: drop the whole chain
-    (0, 0, 5),  # nothing predicted, nothing to correct
+    (4, 64, 0),  # 64 tokens = 4 chunks realised, as predicted
+    (4, 60, 0),  # 60 tokens -> ceil(240 / 64) = 4 chunks: block rounding is not a miss
+    (4, 0, 5),  # prefix caching off: the replica does not hold what it computed
+    (0, 0, 0),  # nothing predicted, nothing to correct
 ])
-def test_correct_drops_what_the_engine_did_not_realise(predicted: int, realised_tokens: int, remaining: int) -> None:
+def test_a_replica_that_does_not_cache_loses_what_it_missed(predicted: int, realised_tokens: int,
+                                                             dropped: int) -> None:
+    index = PrefixIndex(capacity_chunks=10, chunk_chars=64)
+    _not_caching(index, (9,))
+    chain = (1, 2, 3, 4, 5)
+    index.record(chain)
+    assert index.correct(chain, predicted, realised_tokens) == dropped
+    assert index.match_length(chain) == 5 - dropped
+
+
+@pytest.mark.parametrize("realised_tokens", [20, 0])
+def test_a_caching_replica_keeps_a_chain_that_missed_since_the_miss_computed_it_again(realised_tokens: int) -> None:
     index = PrefixIndex(capacity_chunks=10, chunk_chars=64)
     chain = (1, 2, 3, 4, 5)
     index.record(chain)
-    index.correct(chain, predicted, realised_tokens)
-    assert index.match_length(chain) == remaining
+    index.correct(chain, 5, 80)  # realised as predicted: it caches
+    index.record(chain)
+    assert index.correct(chain, 4, realised_tokens) == 0  # evicted, or another request was computing it
+    assert index.match_length(chain) == 5
+    assert index.stats().num_corrections_total == 1
+
+
+def test_caching_is_assumed_until_enough_predicted_hits_realise_nothing_and_learnt_back() -> None:
+    index = PrefixIndex(capacity_chunks=10, chunk_chars=64)
+    chain = (1, 2)
+    for _ in range(CACHE_EVIDENCE_MIN - 1):  # e.g. a burst on a new prompt, all prefilled together
+        index.record(chain)
+        assert index.correct(chain, 2, 0) == 0 and index.caches()
+    index.record(chain)
+    assert index.correct(chain, 2, 0) == 2 and not index.caches()
+    index.record(chain)
+    index.correct(chain, 2, 16)  # it caches again (prefix caching turned on)
+    assert index.caches()
+    index.correct(chain, 0, 0)  # a response with nothing predicted is no evidence either way
+    assert index.caches()
+    for _ in range(CACHE_EVIDENCE_WINDOW - 1):  # the hit stays in the window...
+        index.correct(chain, 2, 0)
+        assert index.caches()
+    index.correct(chain, 2, 0)  # ...until it leaves it
+    assert not index.caches()
 
 
 def test_correct_keeps_predicted_vs_realised_counters() -> None:
@@ -82,7 +124,7 @@ def test_correct_keeps_predicted_vs_realised_counters() -> None:
     index.correct((1, 2, 3), 3, 16)  # predicted 48, realised 16: a correction
     stats = index.stats()
     assert (stats.predicted_cached_tokens_total, stats.realised_cached_tokens_total) == (96, 64)
-    assert stats.num_corrections_total == 1 and stats.num_entries == 1
+    assert stats.num_corrections_total == 1 and stats.num_entries == 3
 
 
 def test_indexes_answer_per_replica_and_forget_a_replica() -> None:
@@ -111,8 +153,11 @@ def test_each_replica_index_counts_in_its_own_chunk_size() -> None:
     assert (small.capacity, small.chunk_chars) == (64, 64)
     assert (default.capacity, default.chunk_chars) == (16, 256)
     small.record((1, 2, 3, 4))
-    # 20 tokens x 4 chars = 80 chars: ceil(80 / 64) = 2 chunks realised of 4 predicted -> 2 dropped
-    assert indexes.correct("r64", (1, 2, 3, 4), 4, 20) == 2
+    # 20 tokens x 4 chars = 80 chars: ceil(80 / 64) = 2 chunks realised, where 256-char chunks round
+    # the same 20 tokens up to 1 of 1: a shortfall in one, none in the other
+    assert indexes.correct("r64", (1, 2, 3, 4), 4, 20) == 0 and small.stats().num_corrections_total == 1
+    default.record((5,))
+    assert indexes.correct("r256", (5,), 1, 20) == 0 and default.stats().num_corrections_total == 0
 
 
 def test_a_new_chunk_size_starts_the_replica_index_afresh() -> None:
