@@ -10,7 +10,9 @@ its prompt text as a common prefix: the hot system prompt, a later turn of a con
 whose first half was seen before. Its "previous" request is the most recent such one (in send order).
 Measured, from the gateway's x-kvgate-replica header: the share of repeating requests sent to a replica
 that an earlier request with the same prefix went to, through either gateway ("to a replica holding the
-prefix": the gateways agree on where a prefix lives; target with two gateways >= 95%); the stricter share
+prefix": the gateways agree on where a prefix lives; target with two gateways >= 95%), also weighted by
+the characters each one shares with its previous request (what going elsewhere puts at stake: the
+trace's short prompts whose 200-character opening repeats count for less than a long conversation); the stricter share
 on the same replica as their previous request (the load bound spreads a hot prefix over several holders
 by design, so this is low even with one gateway); and the replicas' prompt-token hit rate, two gateways
 vs one.
@@ -95,22 +97,51 @@ def earlier_with_prefix(reqs: list[workloads.Request]) -> list[list[int]]:
     return out
 
 
-def home_replica_share(results: list[dict], earlier: list[list[int]]) -> dict:
+def common_prefix_chars(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings (a binary search over slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def repeated_prefix_chars(reqs: list[workloads.Request], prev: list[int | None]) -> list[int]:
+    """For each request, the characters it shares as a common prefix with its previous request (0 when it
+    repeats nothing): what sending it away from a holder puts at stake."""
+    texts = [r.prompt_text() for r in reqs]
+    return [0 if j is None else common_prefix_chars(texts[i], texts[j]) for i, j in enumerate(prev)]
+
+
+def home_replica_share(results: list[dict], earlier: list[list[int]], weights: list[int] | None = None) -> dict:
     """Of the requests that repeat a prefix, the share sent to a replica that some earlier request with
     that prefix went to (through either gateway): the gateways agree on where the prefix lives. Unlike
     `same_replica_share` this does not count it against the router when the load bound spreads a hot
-    prefix over several replicas that all hold it."""
+    prefix over several replicas that all hold it. With `weights` (`repeated_prefix_chars`), also the
+    share weighted by each request's repeated prefix: a 200-character opening sent elsewhere counts for
+    less than a 20,000-character conversation."""
     by_kind: dict[str, list[int]] = {}
+    chars = [0, 0]  # repeated prefix characters sent to a home, in all
     for i, js in enumerate(earlier):
         homes = {results[j]["replica"] for j in js if results[j]["replica"] is not None}
         if not homes or results[i]["replica"] is None:
             continue
+        at_home = results[i]["replica"] in homes
         hit, total = by_kind.setdefault(results[i]["kind"], [0, 0])
-        by_kind[results[i]["kind"]] = [hit + (results[i]["replica"] in homes), total + 1]
+        by_kind[results[i]["kind"]] = [hit + at_home, total + 1]
+        if weights is not None:
+            chars = [chars[0] + at_home * weights[i], chars[1] + weights[i]]
     hit = sum(v[0] for v in by_kind.values())
     total = sum(v[1] for v in by_kind.values())
-    return {"repeated_prefix_requests": total, "to_a_home": hit, "share": hit / total if total else None,
-            "by_kind": {k: {"to_a_home": h, "total": t, "share": h / t} for k, (h, t) in by_kind.items()}}
+    out = {"repeated_prefix_requests": total, "to_a_home": hit, "share": hit / total if total else None,
+           "by_kind": {k: {"to_a_home": h, "total": t, "share": h / t} for k, (h, t) in by_kind.items()}}
+    if weights is not None:
+        out |= {"repeated_prefix_chars": chars[1], "chars_to_a_home": chars[0],
+                "chars_share": chars[0] / chars[1] if chars[1] else None}
+    return out
 
 
 async def replay(urls: list[str], procs: list, fleet, reqs: list[workloads.Request], seed: int,
@@ -166,11 +197,12 @@ def run(workload: str, reqs: list[workloads.Request], gateways: int, args: argpa
         fleet.stop()
     prev = previous_with_prefix(reqs)
     res["same_replica"] = same_replica_share(results, prev)
-    res["home_replica"] = home_replica_share(results, earlier_with_prefix(reqs))
+    res["home_replica"] = home_replica_share(results, earlier_with_prefix(reqs), repeated_prefix_chars(reqs, prev))
     res["gateways"] = gateways
     print(f"  {workload}, {gateways} gateway(s): same replica {res['same_replica']['same_replica']}/"
           f"{res['same_replica']['repeated_prefix_requests']}, to a replica holding the prefix "
-          f"{res['home_replica']['to_a_home']}/{res['home_replica']['repeated_prefix_requests']}, "
+          f"{res['home_replica']['to_a_home']}/{res['home_replica']['repeated_prefix_requests']} "
+          f"({res['home_replica']['chars_share']:.3f} by prefix characters), "
           f"hit {res['hit_rate']:.3f} ({res['hit_rate'] / best if best else 0:.3f} of best), failed "
           f"{res['num_failed']}, routing on {res['routes_on']}", flush=True)
     return res
@@ -222,9 +254,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_table(out: dict) -> None:
-    print("\n| workload | gateways | repeated-prefix requests | to a replica holding the prefix | same replica as "
-          "previous | by kind (same as previous) | hit rate | hit / best | p99 TTFT ms | failed |")
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    print("\n| workload | gateways | repeated-prefix requests | to a replica holding the prefix | the same, by "
+          "prefix characters | same replica as previous | by kind (same as previous) | hit rate | hit / best "
+          "| p99 TTFT ms | failed |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for cell in out["cells"]:
         best = cell["infinite_cache_hit_rate"]
         for g, r in cell["results"].items():
@@ -232,9 +265,10 @@ def print_table(out: dict) -> None:
             kinds = " / ".join(f"{k} {v['share']:.3f}" for k, v in sorted(s["by_kind"].items()))
             p99 = "-" if r["ttft_p99_s"] is None else f"{r['ttft_p99_s'] * 1000:.0f}"
             share = "-" if s["share"] is None else f"{s['share']:.3f}"
-            home = r.get("home_replica", {}).get("share")
-            home_s = "-" if home is None else f"{home:.3f}"
-            print(f"| {cell['workload']} | {g} | {s['repeated_prefix_requests']} | {home_s} | {share} | {kinds} "
+            home, home_chars = (r.get("home_replica", {}).get(k) for k in ("share", "chars_share"))
+            home_s, chars_s = ("-" if v is None else f"{v:.3f}" for v in (home, home_chars))
+            print(f"| {cell['workload']} | {g} | {s['repeated_prefix_requests']} | {home_s} | {chars_s} | {share} "
+                  f"| {kinds} "
                   f"| {r['hit_rate']:.3f} | {r['hit_rate'] / best if best else 0:.3f} | {p99} | {r['num_failed']} |")
 
 

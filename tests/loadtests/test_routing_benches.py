@@ -47,6 +47,25 @@ def test_home_replica_share_accepts_any_replica_an_earlier_request_with_the_pref
     assert (share["repeated_prefix_requests"], share["to_a_home"]) == (3, 2)
 
 
+def test_home_replica_share_weighted_by_the_repeated_prefix() -> None:
+    a = "x" * 100
+    reqs = [req(a), req(a + "y" * 20), req("z" * 30), req("z" * 30 + "w" * 10), req(a + "y" * 20 + "v")]
+    prev = bench_routing_gateways.previous_with_prefix(reqs)
+    assert prev == [None, 0, None, 2, 1]
+    weights = bench_routing_gateways.repeated_prefix_chars(reqs, prev)
+    texts = [r.prompt_text() for r in reqs]
+    assert weights[0] == weights[2] == 0 and 100 < weights[1] < len(texts[1]) and weights[3] < weights[1]
+    assert texts[1][:weights[1]] == texts[0][:weights[1]] and texts[1][weights[1]] != texts[0][weights[1]]
+    assert bench_routing_gateways.common_prefix_chars("abcd", "abxd") == 2
+    assert bench_routing_gateways.common_prefix_chars("ab", "abc") == 2
+    # 1 and 4 repeat the long prompt at its home; 3 repeats the short one elsewhere
+    results = [{"replica": r, "kind": "hot"} for r in ("r1", "r1", "r2", "r3", "r1")]
+    share = bench_routing_gateways.home_replica_share(results, bench_routing_gateways.earlier_with_prefix(reqs),
+                                                      weights)
+    assert (share["repeated_prefix_requests"], share["to_a_home"]) == (3, 2)
+    assert share["chars_share"] == (weights[1] + weights[4]) / (weights[1] + weights[3] + weights[4]) > 2 / 3
+
+
 def test_classify_splits_failures_by_what_the_client_saw() -> None:
     results = [{"ok": True, "streamed": True, "error_event": False},
                {"ok": False, "streamed": False, "error_event": False},
