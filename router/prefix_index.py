@@ -173,12 +173,15 @@ class PrefixIndexes:
         return index.match_length(hashes) if index is not None else 0
 
     def ensure(self, replica_id: str, kv_blocks_total: int, block_size_tokens: int,
-               chunk_chars: int | None = None, chars_per_token: float = CHARS_PER_TOKEN) -> PrefixIndex:
+               chunk_chars: int | None = None, chars_per_token: float = CHARS_PER_TOKEN,
+               caches: bool = True) -> PrefixIndex:
         """The replica's index, created or resized to its reported KV capacity, in chunks of
-        `chunk_chars` (default: the constructor's). Idempotent. A new chunk size (the model's
-        prefix_chunk_chars changed on reload) starts an empty index: hashes of other cuts never match."""
+        `chunk_chars` (default: the constructor's); capacity 0 where the replica says it `caches` nothing
+        (vLLM's enable_prefix_caching="False"), so it never predicts a hit there. Idempotent. A new chunk
+        size (the model's prefix_chunk_chars changed on reload) starts an empty index: hashes of other cuts
+        never match."""
         chunk_chars = chunk_chars or self._chunk_chars
-        capacity = capacity_chunks(kv_blocks_total, block_size_tokens, chunk_chars, chars_per_token)
+        capacity = capacity_chunks(kv_blocks_total, block_size_tokens, chunk_chars, chars_per_token) if caches else 0
         index = self._by_replica.get(replica_id)
         if index is None or index.chunk_chars != chunk_chars:
             index = self._by_replica[replica_id] = PrefixIndex(capacity, chunk_chars)

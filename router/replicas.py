@@ -357,10 +357,11 @@ class ReplicaTracker:
                 doc.spec.routing.prefix_chunk_chars)
 
     def _ensure_index(self, tracked: _Tracked) -> None:
-        """Create or resize the replica's prefix index to its KV capacity in its model's chunks."""
+        """Create or resize the replica's prefix index to its KV capacity in its model's chunks (none for a
+        server that says it keeps no prefix cache)."""
         self.prefixes.ensure(tracked.replica_id, tracked.load.kv_blocks_total,
                              tracked.load.block_size_tokens or tracked.block_size_tokens, tracked.prefix_chunk_chars,
-                             self.chars_per_token_of(tracked.model))
+                             self.chars_per_token_of(tracked.model), caches=tracked.load.prefix_caching is not False)
 
     def _notify(self) -> None:
         """Wake every wait_for_replica; they re-check and wait on a fresh event."""

@@ -54,6 +54,7 @@ class LoadReport:
     block_size_tokens: int | None = None  # None: not reported; the registry's figure stands
     adapters_loaded: frozenset[str] = frozenset()
     draining: bool = False
+    prefix_caching: bool | None = None  # vLLM's enable_prefix_caching label; None: not reported
     # Stream only: identify the engine process and order snapshots (see replica.proto).
     process_start_unix_ns: int = 0
     seq: int = 0
@@ -147,9 +148,11 @@ def parse_metrics(text: str) -> LoadReport:
     free = 0
     if total > 0:
         free = round(total * (1.0 - min(max(usage or 0.0, 0.0), 1.0)))
+    caching = next((s.label("enable_prefix_caching") for s in samples if s.name == "vllm:cache_config_info"), None)
     return LoadReport(num_waiting=int(waiting), num_running=int(running), kv_blocks_free=free,
                       kv_blocks_total=total, block_size_tokens=block_size or None,
-                      adapters_loaded=_latest_lora_adapters(samples))
+                      adapters_loaded=_latest_lora_adapters(samples),
+                      prefix_caching={"True": True, "False": False}.get(caching or ""))
 
 
 def _kv_event(event: replica_pb2.KvBlockEvent) -> KvEvent | None:

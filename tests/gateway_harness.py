@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -33,3 +34,11 @@ async def running_gateway(registry_dir: Path, settings: GatewaySettings | None =
         yield f"http://{host}:{port}", tracker
     finally:
         await runner.cleanup()
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Until `predicate()` holds, polled every 10 ms; fails the test after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)

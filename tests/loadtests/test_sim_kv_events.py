@@ -30,7 +30,7 @@ from router.prompt_tokens import prompt_token_ids
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
 from tests.engine.builtin_cache import smollm2_dir
-from tests.gateway_harness import running_gateway
+from tests.gateway_harness import eventually, running_gateway
 
 MODEL = "sim-kv"
 ADAPTER = "lora-kv"
@@ -51,13 +51,6 @@ async def sims(tokens: SimTokens) -> AsyncIterator[list[SimReplicaServer]]:
     yield servers
     for server in servers:
         await server.close()
-
-
-async def eventually(predicate, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 def apply(cached: set[int], state: replica_pb2.ReplicaState) -> None:

@@ -31,7 +31,7 @@ from router.observations import OBSERVATIONS_COLLECTION
 from router.prefix_index import CACHE_EVIDENCE_MIN
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
-from tests.gateway_harness import running_gateway
+from tests.gateway_harness import eventually, running_gateway
 
 FAST_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=2000.0)
 LONG_PROMPT = "You are a careful assistant for the kvgate project. " * 40  # ~2,000 chars: 31 chunks of 64
@@ -46,8 +46,8 @@ spec:
 """
 
 
-def write_registry(root: Path, urls: list[str], routing: str = "") -> None:
-    static = ", ".join(f"{{url: '{u}', backend: openai}}" for u in urls)
+def write_registry(root: Path, urls: list[str], routing: str = "", backend: str = "openai") -> None:
+    static = ", ".join(f"{{url: '{u}', backend: {backend}}}" for u in urls)
     (root / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
 kind: Model
 metadata: {{name: m}}
@@ -95,11 +95,10 @@ class Gateway:
 async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
                   settings: GatewaySettings | None = None, sim_spec: SchedulerSpec = FAST_SIM,
                   other_urls: tuple[str, ...] = (), store: StateStore | None = None,
-                  report_kv_size: bool = True) -> AsyncIterator[Gateway]:
-    sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec,
-                                                     report_kv_size=report_kv_size))
+                  backend: str = "openai") -> AsyncIterator[Gateway]:
+    sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec))
             for _ in range(num_replicas)]
-    write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing)
+    write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing, backend)
     try:
         async with running_gateway(tmp_path, settings, store, prefix_chunk_chars=64) as (url, tracker):
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10.0)
@@ -175,10 +174,11 @@ async def test_a_repeated_long_prompt_returns_to_its_replica_and_hits_the_cache(
 
 async def test_a_prompt_the_replica_evicted_stays_in_its_index_after_the_miss_that_computed_it_again(
         tmp_path: Path) -> None:
-    # A replica that reports no KV size gets an index far bigger than its 40 blocks (640 tokens), so
-    # the index still believes in the first prompt after a second one evicted it there.
+    # A plain OpenAI server (backend: openai, no load read) gets the default index, far bigger than this
+    # one's 40 blocks (640 tokens), so the index still believes in the first prompt after a second one
+    # evicted it there.
     spec = replace(FAST_SIM, kv_capacity_tokens=640)
-    async with gateway(tmp_path, num_replicas=1, sim_spec=spec, report_kv_size=False) as gw:
+    async with gateway(tmp_path, num_replicas=1, sim_spec=spec) as gw:
         (replica_id,) = [r.replica_id for r in gw.tracker.view("m").candidates("m")]
         index = gw.tracker.prefixes.get(replica_id)
 
@@ -198,6 +198,7 @@ async def test_a_prompt_the_replica_evicted_stays_in_its_index_after_the_miss_th
 
 async def test_a_replica_with_prefix_caching_off_loses_its_chains_once_its_hits_never_realise(
         tmp_path: Path) -> None:
+    # A plain OpenAI server (backend: openai): only its responses tell.
     async with gateway(tmp_path, num_replicas=1, sim_spec=replace(FAST_SIM, prefix_caching=False)) as gw:
         (replica_id,) = [r.replica_id for r in gw.tracker.view("m").candidates("m")]
         index = gw.tracker.prefixes.get(replica_id)
@@ -206,6 +207,19 @@ async def test_a_replica_with_prefix_caching_off_loses_its_chains_once_its_hits_
             assert reply.usage.prompt_tokens_details.cached_tokens == 0
         assert not index.caches()
         assert len(index) == 0  # the last predicted hit, realised 0, dropped the chain
+
+
+async def test_a_replica_that_says_prefix_caching_is_off_never_gets_a_predicted_hit(tmp_path: Path) -> None:
+    # vllm:cache_config_info{enable_prefix_caching="False"}, as vLLM --no-enable-prefix-caching exports it
+    spec = replace(FAST_SIM, prefix_caching=False)
+    async with gateway(tmp_path, num_replicas=1, sim_spec=spec, backend="vllm") as gw:
+        (replica_id,) = [r.replica_id for r in gw.tracker.view("m").candidates("m")]
+        index = gw.tracker.prefixes.get(replica_id)
+        await eventually(lambda: index.capacity == 0)  # from its first /metrics scrape
+        for _ in range(3):
+            await gw.client.chat.completions.create(**chat(LONG_PROMPT))
+        stats = gw.tracker.prefixes.get(replica_id).stats()
+        assert (stats.capacity_chunks, stats.num_entries, stats.predicted_cached_tokens_total) == (0, 0, 0)
 
 
 async def test_a_failing_replica_is_retried_elsewhere_and_never_twice(tmp_path: Path) -> None:

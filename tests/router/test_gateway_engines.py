@@ -22,7 +22,7 @@ import pytest
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
 from tests.engine.peft_files import write_peft_dir
-from tests.gateway_harness import running_gateway
+from tests.gateway_harness import eventually, running_gateway
 from tests.services import free_loopback_port
 from tests.engine_server.test_process import SERVED, Replica, start_replica, stop
 
@@ -102,13 +102,6 @@ spec: {{base_model: {SERVED}, source: /adapters/{ADAPTER}, rank: 4}}
 async def on_kv_blocks(gw: Gateway) -> None:
     """Until the gateway routes the model on its engines' KV blocks (tokenizer fetched, streams synced)."""
     await eventually(lambda: gw.tracker.kv_chain(SERVED) is not None)
-
-
-async def eventually(predicate, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 def engine_at(engines: list[Engine], url: str) -> Engine:

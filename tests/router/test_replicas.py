@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +21,7 @@ from registry.snapshot import Snapshot
 from router.prefix_index import DEFAULT_CAPACITY_CHUNKS, capacity_chunks
 from router.replicas import ReplicaTracker
 from router.sources import LoadReport, parse_metrics
+from tests.gateway_harness import eventually
 
 FAST = {"poll_interval_s": 0.05, "health_interval_s": 0.05}
 
@@ -33,13 +34,6 @@ def registry(tmp_path: Path, replicas: list[str], *, name: str = "m", backend: s
         f"apiVersion: kvgate/v1\nkind: Model\nmetadata: {{name: {name}}}\nspec:\n  source: builtin:tiny-llama\n"
         f"  engine: {{max_loaded_adapters: 3}}\n  routing:\n    static_replicas: [{static}]\n")
     return load_registry(tmp_path)
-
-
-async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -93,7 +87,11 @@ sglang:page_size{model_name="m"} 16
     (VLLM_V0, LoadReport(num_waiting=5, num_running=3, adapters_loaded=frozenset({"sql", "chat"}))),
     # two engines sum; 1,000 blocks at 0.5 usage -> 500 free, block size from cache_config_info
     (VLLM_V1, LoadReport(num_waiting=0, num_running=3, kv_blocks_free=500, kv_blocks_total=1000,
-                         block_size_tokens=32)),
+                         block_size_tokens=32, prefix_caching=True)),
+    # a server run with --no-enable-prefix-caching says so
+    (VLLM_V1.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"'),
+     LoadReport(num_waiting=0, num_running=3, kv_blocks_free=500, kv_blocks_total=1000, block_size_tokens=32,
+                prefix_caching=False)),
     (SGLANG, LoadReport(num_waiting=7, num_running=4)),
     # SGLang's pool: 161,721 tokens in pages of 16 -> 10,107 blocks, 0.9 used -> 1,011 free
     (SGLANG_POOL, LoadReport(num_waiting=7, num_running=4, kv_blocks_free=1011, kv_blocks_total=10107,
