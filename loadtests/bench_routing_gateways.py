@@ -98,15 +98,8 @@ def earlier_with_prefix(reqs: list[workloads.Request]) -> list[list[int]]:
 
 
 def common_prefix_chars(a: str, b: str) -> int:
-    """Length of the longest common prefix of two strings (a binary search over slice compares)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """Length of the longest common prefix of two strings."""
+    return len(os.path.commonprefix([a, b]))
 
 
 def repeated_prefix_chars(reqs: list[workloads.Request], prev: list[int | None]) -> list[int]:

@@ -123,14 +123,16 @@ def _latest_lora_adapters(samples: list[Sample]) -> frozenset[str]:
     return frozenset(name for name in running.split(",") if name)
 
 
+def _label(samples: list[Sample], name: str, key: str) -> str | None:
+    """Label `key` of the first sample named `name` (an info gauge such as vllm:cache_config_info)."""
+    return next((s.label(key) for s in samples if s.name == name), None)
+
+
 def _int_label(samples: list[Sample], name: str, key: str) -> int:
-    for s in samples:
-        if s.name == name:
-            try:
-                return int(float(s.label(key) or 0))
-            except ValueError:
-                return 0
-    return 0
+    try:
+        return int(float(_label(samples, name, key) or 0))
+    except ValueError:
+        return 0
 
 
 def parse_metrics(text: str) -> LoadReport:
@@ -148,7 +150,7 @@ def parse_metrics(text: str) -> LoadReport:
     free = 0
     if total > 0:
         free = round(total * (1.0 - min(max(usage or 0.0, 0.0), 1.0)))
-    caching = next((s.label("enable_prefix_caching") for s in samples if s.name == "vllm:cache_config_info"), None)
+    caching = _label(samples, "vllm:cache_config_info", "enable_prefix_caching")
     return LoadReport(num_waiting=int(waiting), num_running=int(running), kv_blocks_free=free,
                       kv_blocks_total=total, block_size_tokens=block_size or None,
                       adapters_loaded=_latest_lora_adapters(samples),
