@@ -1,8 +1,8 @@
 """The gateway's composition: `build_app(settings, tracker, registry, clock)` -> an aiohttp app.
 
-The app owns its HTTP client session, its metrics registry and its wait queues; it starts the replica
-tracker on startup and closes it on cleanup (`cleanup_ctx`), and follows registry reloads when the
-registry source can be subscribed to (a `registry.watch.RegistryWatcher`). Serve it with an
+The app owns its pool of upstream connections (`router.upstream`), its metrics registry and its wait
+queues; it starts the replica tracker on startup and closes it on cleanup (`cleanup_ctx`), and follows
+registry reloads when the registry source can be subscribed to (a `registry.watch.RegistryWatcher`). Serve it with an
 `AppRunner(app, handler_cancellation=True)` so a client that goes away cancels its upstream request
 (`router.main` does).
 """
@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import aiohttp
 from aiohttp import web
 
 from kvgate.clock import Clock
@@ -31,12 +30,9 @@ from router.metrics import RouterMetrics
 from router.observations import ObservationPublisher
 from router.proxy import Proxy, Tracker
 from router.queueing import WaitQueues
+from router.upstream import UpstreamPool
 
 __all__ = ["GatewaySettings", "SnapshotSource", "build_app"]
-
-# Upstream connections kept per gateway: enough for a few thousand concurrent streams.
-_MAX_UPSTREAM_CONNECTIONS = 4096
-
 
 class SnapshotSource(Protocol):
     """Where the gateway reads the registry in force (`RegistryWatcher` is one)."""
@@ -88,9 +84,8 @@ def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSou
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     tracker, registry = app[TRACKER_KEY], app[REGISTRY_KEY]
-    connector = aiohttp.TCPConnector(limit=_MAX_UPSTREAM_CONNECTIONS, limit_per_host=0)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    app[PROXY_KEY] = Proxy(tracker, session, app[METRICS_KEY], app[CLOCK_KEY], app[QUEUES_KEY])
+    upstream = UpstreamPool()
+    app[PROXY_KEY] = Proxy(tracker, upstream, app[METRICS_KEY], app[CLOCK_KEY], app[QUEUES_KEY])
     await tracker.start(registry.current)
     subscribe: Callable[..., Callable[[], None]] | None = getattr(registry, "subscribe", None)
     unsubscribe = subscribe(tracker.update_registry) if subscribe is not None else None
@@ -100,7 +95,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         if unsubscribe is not None:
             unsubscribe()
         await tracker.close()
-        await session.close()
+        await upstream.close()
 
 
 async def _dashboard_sampler(app: web.Application) -> AsyncIterator[None]:

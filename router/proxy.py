@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
 from aiohttp import web
 
 from kvgate.clock import Clock
@@ -33,6 +32,7 @@ from router.metrics import RouterMetrics
 from router.policies import Reason, RouteDecision, RoutingKnobs, choose
 from router.prefix_index import PrefixIndexes
 from router.queueing import WaitQueues
+from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.view import ReplicaView
 
 if TYPE_CHECKING:
@@ -105,10 +105,10 @@ def prompt_tokens_of(payload: Any) -> int | None:
 class Proxy:
     """Routes and forwards requests; owns the recent-decision ring and per-replica outcome counts."""
 
-    def __init__(self, tracker: Tracker, session: aiohttp.ClientSession, metrics: RouterMetrics,
+    def __init__(self, tracker: Tracker, upstream: UpstreamPool, metrics: RouterMetrics,
                  clock: Clock, queues: WaitQueues) -> None:
         self.tracker = tracker
-        self.session = session
+        self.upstream = upstream
         self.metrics = metrics
         self.clock = clock
         self.queues = queues
@@ -187,17 +187,15 @@ class Proxy:
     async def _attempt(self, request: web.Request, preq: ProxyRequest, replica_id: str,
                        decision: RouteDecision, lease: AttemptLease) -> web.StreamResponse:
         routing = preq.routing
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=routing.connect_timeout_s)
         started = self.clock.now()
-        headers = {"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")}
         try:
-            async with asyncio.timeout(routing.first_byte_timeout_s):  # no extra task, unlike wait_for
-                upstream = await self.session.post(self.tracker.url(replica_id) + preq.path, data=preq.body,
-                                                   headers=headers, timeout=timeout)
-        except asyncio.TimeoutError as exc:  # aiohttp's connect timeout is one too
+            upstream = await self.upstream.post(
+                self.tracker.url(replica_id), preq.path, preq.body, accept=request.headers.get("Accept", "*/*"),
+                connect_timeout_s=routing.connect_timeout_s, timeout_s=routing.first_byte_timeout_s)
+        except TimeoutError as exc:
             raise AttemptFailed("timeout", f"replica {replica_id}: no answer in time ({type(exc).__name__})") from exc
-        except aiohttp.ClientError as exc:
-            raise AttemptFailed("connect_error", f"replica {replica_id}: {type(exc).__name__}: {exc}") from exc
+        except UpstreamError as exc:
+            raise AttemptFailed("connect_error", f"replica {replica_id}: {exc}") from exc
         finished = False
         try:
             if upstream.status >= 500:
@@ -213,28 +211,24 @@ class Proxy:
             finished = True
             return response
         finally:
-            if finished and upstream.content.at_eof():
+            if finished and upstream.at_eof:
                 upstream.release()  # a clean end: the connection goes back to the pool
             else:
                 upstream.close()  # cancelled, broken or abandoned: drop it, which aborts the upstream request
 
-    async def _read_body(self, upstream: aiohttp.ClientResponse, idle_s: float, replica_id: str,
+    async def _read_body(self, upstream: UpstreamResponse, idle_s: float, replica_id: str,
                          swallow: bool = False) -> bytes:
         parts = []
         try:
-            while True:
-                async with asyncio.timeout(idle_s):
-                    chunk = await upstream.content.readany()
-                if not chunk:
-                    break
+            while chunk := await upstream.read(idle_s):
                 parts.append(chunk)
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, UpstreamError) as exc:
             if not swallow:
-                outcome = "timeout" if isinstance(exc, asyncio.TimeoutError) else "broken_body"
+                outcome = "timeout" if isinstance(exc, TimeoutError) else "broken_body"
                 raise AttemptFailed(outcome, f"replica {replica_id}: body broke: {type(exc).__name__}") from exc
         return b"".join(parts)
 
-    async def _buffered(self, preq: ProxyRequest, upstream: aiohttp.ClientResponse, replica_id: str,
+    async def _buffered(self, preq: ProxyRequest, upstream: UpstreamResponse, replica_id: str,
                         decision: RouteDecision) -> web.Response:
         """A non-streamed answer (or a 4xx): read it all (still retryable), then pass it through."""
         body = await self._read_body(upstream, preq.routing.stream_idle_timeout_s, replica_id)
@@ -253,17 +247,16 @@ class Proxy:
         return web.Response(status=upstream.status, body=body, headers={
             "Content-Type": upstream.headers.get("Content-Type", "application/json"), REPLICA_HEADER: replica_id})
 
-    async def _stream(self, request: web.Request, preq: ProxyRequest, upstream: aiohttp.ClientResponse,
+    async def _stream(self, request: web.Request, preq: ProxyRequest, upstream: UpstreamResponse,
                       replica_id: str, decision: RouteDecision, first_byte_s: float,
                       lease: AttemptLease) -> web.StreamResponse:
         """Pass SSE through event by event, awaiting each write (backpressure: a slow client slows the
         upstream read, never a growing buffer)."""
         try:
-            async with asyncio.timeout(max(first_byte_s, 0.0)):
-                first = await upstream.content.readany()
-        except asyncio.TimeoutError as exc:
+            first = await upstream.read(first_byte_s)
+        except TimeoutError as exc:
             raise AttemptFailed("timeout", f"replica {replica_id}: no first event in time") from exc
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream broke before its first event") from exc
         if not first:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream ended before its first event")
@@ -287,8 +280,7 @@ class Proxy:
                         self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
                 if relay.done:
                     break
-                async with asyncio.timeout(preq.routing.stream_idle_timeout_s):
-                    chunk = await upstream.content.readany()
+                chunk = await upstream.read(preq.routing.stream_idle_timeout_s)
                 if not chunk:
                     break
         except ConnectionResetError:  # the client went away: the caller's close() aborts the upstream
@@ -297,8 +289,8 @@ class Proxy:
         except asyncio.CancelledError:  # the same, seen as handler cancellation
             self._count(model, replica_id, "client_gone")
             raise
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            timed_out = isinstance(exc, asyncio.TimeoutError)
+        except (TimeoutError, UpstreamError) as exc:
+            timed_out = isinstance(exc, TimeoutError)
             self.tracker.report_failure(replica_id)
             self._count(model, replica_id, "stream_idle_timeout" if timed_out else "broken_stream")
             message = (f"the replica sent nothing for {preq.routing.stream_idle_timeout_s:g} s" if timed_out
@@ -316,9 +308,8 @@ class Proxy:
         await response.write_eof()
         # What follows [DONE] is only the chunked terminator; reading it lets the connection return
         # to the pool instead of being dropped. Bounded, as the client already has everything.
-        with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
-            async with asyncio.timeout(_DRAIN_AFTER_DONE_S):
-                await upstream.content.read()
+        with contextlib.suppress(TimeoutError, UpstreamError):
+            await upstream.read_all(_DRAIN_AFTER_DONE_S)
         return response
 
     @staticmethod

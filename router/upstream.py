@@ -1,0 +1,362 @@
+"""The proxy's HTTP/1.1 client to replicas: one POST per attempt over kept-alive connections, the answer's
+body read as it arrives.
+
+Why not aiohttp's client: the proxy needs one kind of call, and aiohttp's general client (request and
+response objects, URL objects, cookie jar, connector bookkeeping, a timeout context per read) cost 22% of
+the gateway's CPU per streamed request in `loadtests/bench_gateway_overhead.py`'s profile, about as much as
+routing, parsing and relaying together. This client writes the request head as one string, parses the answer
+with llhttp (`httptools`, the parser uvicorn uses), and arms each read's timeout as one timer on the loop.
+
+Contract:
+- `UpstreamPool.post` connects (or takes an idle connection to the same scheme, host and port), sends the
+  request and returns once the status line and headers are in. It raises `UpstreamError` when the
+  connection fails or closes before the headers, and `TimeoutError` when they take longer than `timeout_s`.
+- `UpstreamResponse.read(timeout_s)` returns the body bytes that have arrived (chunked framing removed),
+  waiting up to `timeout_s` for some; b"" once the body is complete. A body that breaks raises `UpstreamError`.
+- Every response ends with `release()` (a complete body: the connection goes back to the pool when the
+  server keeps it alive) or `close()` (anything else: the connection closes, which is how a replica learns
+  that the request was abandoned). Both are idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+# Body bytes buffered per connection before reading from the replica pauses until the proxy catches up:
+# a slow client slows the replica's stream instead of growing the gateway's memory.
+_READ_BUFFER_BYTES = 64 * 1024
+# Idle kept-alive connections kept per replica; more are closed on release. A few thousand concurrent
+# streams over a handful of replicas fit.
+_MAX_IDLE_PER_ORIGIN = 1024
+
+
+class UpstreamError(Exception):
+    """The connection to a replica failed, closed early or carried something that is not HTTP/1.1."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a replica's base URL sends requests, parsed once per URL."""
+
+    origin: tuple[str, str, int]  # (scheme, host, port): the pool's key
+    path_prefix: str  # a base URL's own path ("http://h/api" -> "/api"), "" for most
+    host_header: str
+
+
+class UpstreamPool:
+    """Keep-alive connections to replicas, for the proxy's POSTs. One per gateway; close() at shutdown."""
+
+    def __init__(self, max_idle_per_origin: int = _MAX_IDLE_PER_ORIGIN) -> None:
+        self._max_idle = max_idle_per_origin
+        self._idle: dict[tuple[str, str, int], collections.deque[_Connection]] = collections.defaultdict(
+            collections.deque)
+        self._targets: dict[str, _Target] = {}
+        self._live: set[_Connection] = set()
+        self._ssl: ssl.SSLContext | None = None
+
+    async def post(self, base_url: str, path: str, body: bytes, *, accept: str = "*/*",
+                   connect_timeout_s: float, timeout_s: float) -> UpstreamResponse:
+        """POST `body` (JSON) to `base_url + path`; the response once its headers are in. Raises
+        UpstreamError or TimeoutError (connect: after min(connect_timeout_s, timeout_s); headers: timeout_s)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        target = self._target(base_url)
+        if "\r" in accept or "\n" in accept:
+            accept = "*/*"
+        head = (f"POST {target.path_prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n"
+                f"Content-Type: application/json\r\nAccept: {accept}\r\nContent-Length: {len(body)}\r\n\r\n"
+                ).encode("latin-1")
+        connection = self._take_idle(target.origin)
+        if connection is not None:
+            try:
+                return await self._exchange(connection, head, body, deadline - loop.time())
+            except UpstreamError:
+                # The replica closed this idle connection as we reused it (uvicorn, under vLLM, closes
+                # connections idle for 5 s): it never saw the request, so a fresh connection takes it.
+                pass
+        connection = await self._connect(target.origin, min(connect_timeout_s, deadline - loop.time()))
+        return await self._exchange(connection, head, body, deadline - loop.time())
+
+    async def _exchange(self, connection: _Connection, head: bytes, body: bytes, timeout_s: float
+                        ) -> UpstreamResponse:
+        response = UpstreamResponse(self, connection)
+        try:
+            connection.send(head, body)
+            await connection.wait_head(timeout_s)
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    async def close(self) -> None:
+        """Close every connection, idle or in use."""
+        for connection in list(self._live):
+            connection.close()
+        self._idle.clear()
+
+    def _target(self, base_url: str) -> _Target:
+        target = self._targets.get(base_url)
+        if target is None:
+            parts = urlsplit(base_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise UpstreamError(f"not an http(s) URL: {base_url!r}")
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            target = _Target(origin=(parts.scheme, parts.hostname, port), path_prefix=parts.path.rstrip("/"),
+                             host_header=parts.netloc.rpartition("@")[2])
+            self._targets[base_url] = target
+        return target
+
+    def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
+        idle = self._idle.get(origin)
+        while idle:
+            connection = idle.pop()  # the most recently used: the least likely to have been closed by the server
+            if connection.reusable():
+                connection.idle_in = None
+                return connection
+            connection.close()
+        return None
+
+    async def _connect(self, origin: tuple[str, str, int], timeout_s: float) -> _Connection:
+        scheme, host, port = origin
+        loop = asyncio.get_running_loop()
+        tls = None
+        if scheme == "https":
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            tls = self._ssl
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, connection = await loop.create_connection(lambda: _Connection(self, origin), host, port,
+                                                                ssl=tls)
+        except OSError as exc:  # refused, unreachable, reset, TLS failures (ssl.SSLError is one)
+            raise UpstreamError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}") from exc
+        return connection
+
+    def _release(self, connection: _Connection) -> None:
+        """A connection whose response is complete: idle for the next request, or closed."""
+        origin = connection.origin
+        idle = self._idle[origin]
+        if connection.reusable() and len(idle) < self._max_idle:
+            connection.idle_in = idle
+            idle.append(connection)
+        else:
+            connection.close()
+
+
+class UpstreamResponse:
+    """One answer from a replica: `status`, `headers` (lower-case names), and the body through `read`."""
+
+    def __init__(self, pool: UpstreamPool, connection: _Connection) -> None:
+        self._pool = pool
+        self._connection: _Connection | None = connection
+
+    @property
+    def status(self) -> int:
+        return self._open().status
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self._open().headers
+
+    @property
+    def content_type(self) -> str:
+        """The media type alone, lower case ("text/event-stream"), "" when the replica sent none."""
+        return self._open().headers.get("content-type", "").partition(";")[0].strip().lower()
+
+    @property
+    def at_eof(self) -> bool:
+        """The whole body has arrived and been read."""
+        connection = self._connection
+        return connection is not None and connection.complete and not connection.body
+
+    async def read(self, timeout_s: float) -> bytes:
+        """Body bytes: what has arrived, or, when nothing has, the next to arrive within `timeout_s`
+        (TimeoutError after). b"" once the body is complete; UpstreamError when it broke."""
+        return await self._open().read(timeout_s)
+
+    async def read_all(self, timeout_s: float) -> bytes:
+        """The rest of the body, `timeout_s` allowed between arrivals."""
+        parts = []
+        while chunk := await self.read(timeout_s):
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with a complete body: the connection may serve another request. Otherwise the same as close()."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        if connection.complete and not connection.body:
+            self._pool._release(connection)
+        else:
+            connection.close()
+
+    def close(self) -> None:
+        """Done, whatever the state of the body: the connection closes (the replica sees its client go)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
+    def _open(self) -> _Connection:
+        if self._connection is None:
+            raise UpstreamError("the response was already released")
+        return self._connection
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP (or TLS) connection and its llhttp parser; holds at most one response at a time."""
+
+    def __init__(self, pool: UpstreamPool, origin: tuple[str, str, int]) -> None:
+        self._pool = pool
+        self.origin = origin
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self.idle_in: collections.deque[_Connection] | None = None  # the pool's idle list holding it
+        self.error: UpstreamError | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head_done = False
+        self.complete = False
+        self.keep_alive = False
+        self._delimited = False  # the body has a length or chunked framing, so a close mid-way is a break
+        self.body: list[bytes] = []
+        self._num_body_bytes = 0
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        self._pool._live.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.complete or self.error is not None:  # nothing is owed on an idle connection: unusable now
+            self._fail(UpstreamError("the replica sent bytes outside any response"))
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"the replica's answer is not valid HTTP/1.1: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._pool._live.discard(self)
+        if self.idle_in is not None:
+            try:
+                self.idle_in.remove(self)
+            except ValueError:
+                pass
+            self.idle_in = None
+        if self.head_done and not self.complete and not self._delimited:
+            self.complete = True  # a body that runs until the connection closes has just ended
+        elif not self.complete:
+            reason = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+            where = "in the middle of the body" if self.head_done else "before answering"
+            self._fail(UpstreamError(f"the replica closed the connection {where}{reason}"), close=False)
+        self._transport = None
+        self._wake()
+
+    # -- llhttp callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()
+        headers = self.headers
+        self._delimited = ("content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
+                           or self.status in (204, 304) or self.status < 200)
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self._num_body_bytes += len(body)
+        if self._num_body_bytes > _READ_BUFFER_BYTES and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # -- used by the pool and the response
+
+    def reusable(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing() and self.error is None \
+            and self.keep_alive
+
+    def send(self, head: bytes, body: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            raise UpstreamError("the connection closed before the request was sent")
+        self._reset()
+        self._transport.write(head + body)
+
+    async def wait_head(self, timeout_s: float) -> None:
+        while not self.head_done:
+            if self.error is not None:
+                raise self.error
+            await self._wait(timeout_s)
+
+    async def read(self, timeout_s: float) -> bytes:
+        if not self.body and not self.complete and self.error is None:
+            await self._wait(timeout_s)
+        body = self.body
+        if body:
+            data = body[0] if len(body) == 1 else b"".join(body)
+            body.clear()
+            self._num_body_bytes = 0
+            if self._paused and self._transport is not None:
+                self._paused = False
+                self._transport.resume_reading()
+            return data
+        if self.error is not None and not self.complete:
+            raise self.error
+        return b""
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    async def _wait(self, timeout_s: float) -> None:
+        """Until the connection has news (headers, body, the end, an error); TimeoutError after `timeout_s`."""
+        if timeout_s <= 0:
+            raise TimeoutError
+        waiter = self._loop.create_future()
+        self._waiter = waiter
+        timer = self._loop.call_later(timeout_s, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: UpstreamError, close: bool = True) -> None:
+        if self.error is None:
+            self.error = error
+        if close:
+            self.close()
+        self._wake()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())

@@ -1,0 +1,276 @@
+"""The proxy's upstream HTTP/1.1 client (`router.upstream`) against real sockets.
+
+Each test starts a raw asyncio server that answers with exactly the bytes the case needs (framing, early
+closes, stalls), so what is checked is the client's reading of the wire, not another HTTP library's. Every
+test runs on asyncio's loop and on uvloop, which the gateway runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+import uvloop
+
+from router.upstream import UpstreamError, UpstreamPool
+from tests.services import free_loopback_port
+
+pytestmark = pytest.mark.timeout(30)
+
+LONG_S = 5.0  # a timeout the test must not reach
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def on_both_loops(test: Callable[[], Awaitable[None]]) -> Callable[[str], None]:
+    """Runs an async test once on asyncio's loop and once on uvloop's (their transports differ)."""
+    def run(loop: str) -> None:
+        (uvloop.run if loop == "uvloop" else asyncio.run)(test())
+    run.__name__, run.__doc__ = test.__name__, test.__doc__
+    return pytest.mark.parametrize("loop", ["asyncio", "uvloop"])(run)
+
+
+@dataclass
+class Server:
+    url: str
+    num_connections: int = 0
+    requests: list[bytes] = field(default_factory=list)  # each request's head, as received
+    bodies: list[bytes] = field(default_factory=list)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # a client closed a connection
+
+
+@contextlib.asynccontextmanager
+async def serving(answer: Handler) -> AsyncIterator[Server]:
+    """A server on a free port; `answer(reader, writer)` runs once per request, after its head and body
+    are read into the Server record. It returns to read the next request on the same connection."""
+    port = free_loopback_port()
+    server = Server(url=f"http://127.0.0.1:{port}")
+
+    async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        server.num_connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:")))
+                server.requests.append(head)
+                server.bodies.append(await reader.readexactly(length))
+                await answer(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            server.closed.set()
+        finally:
+            writer.close()
+
+    listener = await asyncio.start_server(on_connection, "127.0.0.1", port)
+    try:
+        yield server
+    finally:
+        listener.close()
+
+
+def answering(*parts: bytes, pause_s: float = 0.0, then_close: bool = False) -> Handler:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for i, part in enumerate(parts):
+            if i and pause_s:
+                await asyncio.sleep(pause_s)
+            writer.write(part)
+            await writer.drain()
+        if then_close:
+            writer.close()
+            raise ConnectionResetError  # stop serving this connection
+    return answer
+
+
+def json_answer(body: bytes, status: str = "200 OK") -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+async def post(pool: UpstreamPool, url: str, body: bytes = b'{"model": "m"}', timeout_s: float = LONG_S):
+    return await pool.post(url, "/v1/chat/completions", body, accept="text/event-stream",
+                           connect_timeout_s=LONG_S, timeout_s=timeout_s)
+
+
+@on_both_loops
+async def test_a_sized_answer_is_read_whole_and_its_connection_serves_the_next_request() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(json_answer(b'{"ok": 1}'))) as server:
+        for _ in range(3):
+            response = await post(pool, server.url)
+            assert (response.status, response.content_type) == (200, "application/json")
+            assert await response.read_all(LONG_S) == b'{"ok": 1}'
+            assert response.at_eof
+            response.release()
+        assert server.num_connections == 1
+        assert server.bodies == [b'{"model": "m"}'] * 3
+    await pool.close()
+
+
+@on_both_loops
+async def test_the_request_carries_the_base_urls_path_host_and_the_clients_accept() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(json_answer(b"{}"))) as server:
+        response = await pool.post(server.url + "/prefix", "/v1/completions", b"{}", accept="text/event-stream",
+                                   connect_timeout_s=LONG_S, timeout_s=LONG_S)
+        response.release()
+        head = server.requests[0].decode()
+        assert head.startswith("POST /prefix/v1/completions HTTP/1.1\r\n")
+        assert f"Host: {server.url.removeprefix('http://')}\r\n" in head
+        assert "Accept: text/event-stream\r\n" in head and "Content-Type: application/json\r\n" in head
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_chunked_stream_is_read_as_it_arrives_without_its_framing() -> None:
+    pool = UpstreamPool()
+    events = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
+    parts = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    parts += [f"{len(event):x}\r\n".encode() + event + b"\r\n" for event in events] + [b"0\r\n\r\n"]
+    async with serving(answering(*parts, pause_s=0.05)) as server:
+        response = await post(pool, server.url)
+        assert response.content_type == "text/event-stream"
+        received = []
+        while chunk := await response.read(LONG_S):
+            received.append(chunk)
+        assert received == events  # one read per event: each was sent 50 ms after the last
+        response.release()
+        response = await post(pool, server.url)  # the same connection again
+        assert await response.read_all(LONG_S) == b"".join(events)
+        response.release()
+        assert server.num_connections == 1
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_body_that_runs_to_the_close_ends_there_and_its_connection_is_not_reused() -> None:
+    pool = UpstreamPool()
+    answer = answering(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", b"all of it", then_close=True)
+    async with serving(answer) as server:
+        for _ in range(2):
+            response = await post(pool, server.url)
+            assert await response.read_all(LONG_S) == b"all of it"
+            response.release()
+        assert server.num_connections == 2
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_body_cut_short_by_the_close_is_an_error_not_an_end() -> None:
+    pool = UpstreamPool()
+    answer = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"only part", then_close=True)
+    async with serving(answer) as server:
+        response = await post(pool, server.url)
+        with pytest.raises(UpstreamError, match="in the middle of the body"):
+            await response.read_all(LONG_S)
+        assert not response.at_eof
+        response.close()
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_connection_closed_before_the_answer_is_an_error() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(then_close=True)) as server:
+        with pytest.raises(UpstreamError, match="before answering"):
+            await post(pool, server.url)
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_refused_connection_is_an_error() -> None:
+    pool = UpstreamPool()
+    with pytest.raises(UpstreamError, match="cannot connect"):
+        await post(pool, f"http://127.0.0.1:{free_loopback_port()}")
+    await pool.close()
+
+
+@on_both_loops
+async def test_an_answer_that_is_not_http_is_an_error() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")) as server:
+        with pytest.raises(UpstreamError, match="not valid HTTP"):
+            await post(pool, server.url)
+    await pool.close()
+
+
+@on_both_loops
+async def test_headers_that_come_late_time_out() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(b"", json_answer(b"{}"), pause_s=LONG_S)) as server:
+        with pytest.raises(TimeoutError):
+            await post(pool, server.url, timeout_s=0.1)
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_body_that_goes_silent_times_out() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", b"late!", pause_s=LONG_S)) as server:
+        response = await post(pool, server.url)
+        with pytest.raises(TimeoutError):
+            await response.read(0.1)
+        response.close()
+    await pool.close()
+
+
+@on_both_loops
+async def test_closing_a_response_mid_body_closes_the_connection_the_replica_sees() -> None:
+    pool = UpstreamPool()
+    answer = answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+
+    async def answer_then_wait(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer(reader, writer)
+        await reader.read()  # returns at the client's close
+        raise ConnectionResetError
+
+    async with serving(answer_then_wait) as server:
+        response = await post(pool, server.url)
+        assert await response.read(LONG_S) == b"first"
+        response.close()
+        await asyncio.wait_for(server.closed.wait(), LONG_S)
+    await pool.close()
+
+
+@on_both_loops
+async def test_an_idle_connection_the_replica_closed_is_replaced_without_an_error() -> None:
+    pool = UpstreamPool()
+    num_answered = 0
+
+    async def answer_once_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal num_answered
+        if num_answered == 1:  # the second request reaches the kept-alive connection: drop it unanswered,
+            num_answered += 1  # as a server does that closes idle connections just as one is reused
+            raise ConnectionResetError
+        num_answered += 1
+        writer.write(json_answer(b"{}"))
+        await writer.drain()
+
+    async with serving(answer_once_per_connection) as server:
+        for _ in range(2):
+            response = await post(pool, server.url)
+            assert await response.read_all(LONG_S) == b"{}"
+            response.release()
+        assert server.num_connections == 2
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_reader_that_falls_behind_stops_the_replicas_stream_instead_of_buffering_it() -> None:
+    pool = UpstreamPool()
+    size = 32 * 1024 * 1024  # far more than loopback's socket buffers hold
+    writers: list[asyncio.StreamWriter] = []
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n".encode() + b"x" * size)
+        await writer.drain()
+
+    async with serving(big) as server:
+        response = await post(pool, server.url)
+        await asyncio.sleep(0.5)  # read nothing: the client must stop reading the socket
+        assert writers[0].transport.get_write_buffer_size() > size // 2
+        assert len(await response.read_all(LONG_S)) == size
+        response.release()
+    await pool.close()
