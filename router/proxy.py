@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -261,17 +262,20 @@ class Proxy:
         if not first:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream ended before its first event")
         model = preq.route.model
-        response = web.StreamResponse(status=upstream.status, headers={
+        response = _EventStream(status=upstream.status, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", REPLICA_HEADER: replica_id})
-        relay = _SseRelay()
+        relay = SseRelay()
         try:
             await response.prepare(request)
             ttft_observed = False
             chunk = first
             while True:
                 out = relay.feed(chunk)
-                if out:
+                if relay.done:
+                    await response.write_eof(out)  # the last events and the chunked terminator in one write
+                elif out:
                     await response.write(out)
+                if out:
                     if relay.first_token and not ttft_observed:
                         # The prompt's prefill is over at the first token, not at the first event: a
                         # server may open the stream with a role-only chunk before it has prefilled.
@@ -305,7 +309,6 @@ class Proxy:
         self.tracker.report_success(replica_id)
         self._count(model, replica_id, "success")
         self._learn(preq, replica_id, decision, relay.cached_tokens, relay.prompt_tokens)
-        await response.write_eof()
         # What follows [DONE] is only the chunked terminator; reading it lets the connection return
         # to the pool instead of being dropped. Bounded, as the client already has everything.
         with contextlib.suppress(TimeoutError, UpstreamError):
@@ -344,7 +347,14 @@ class Proxy:
         self.metrics.prefix_realised_tokens.labels(model).inc(cached_tokens)
 
 
-class _SseRelay:
+class _EventStream(web.StreamResponse):
+    """A streamed response whose headers wait for its first events, so that both leave in one write (the
+    flag is aiohttp's, read since 3.11; an older aiohttp sends the headers at prepare, as before)."""
+
+    _send_headers_immediately = False
+
+
+class SseRelay:
     """Cuts an SSE byte stream at event boundaries ("\\n\\n"), so only whole events reach the client
     (an error event after a break then parses), and notes the first token, `[DONE]` and the usage
     chunk's prompt and cached tokens."""
@@ -375,7 +385,7 @@ class _SseRelay:
             if data == b"[DONE]":
                 self.done = self.first_token = True
             elif not self.first_token:
-                self.first_token = _carries_output(data)
+                self.first_token = carries_output(data)
             if b'"usage"' in data and b"prompt_tokens" in data:  # only a usage chunk: skip parsing the rest
                 try:
                     payload = json.loads(data)
@@ -385,23 +395,14 @@ class _SseRelay:
                 self.prompt_tokens = prompt_tokens_of(payload) if self.prompt_tokens is None else self.prompt_tokens
 
 
-def _carries_output(data: bytes) -> bool:
-    """Whether one SSE event's data holds output: a choice with text, a tool call or a finish reason,
-    or a usage chunk. A role-only opening chunk (`{"delta": {"role": "assistant", "content": ""}}`)
-    does not. Parsed only until the first such event of a stream."""
-    try:
-        payload = json.loads(data)
-    except ValueError:
-        return False
-    if not isinstance(payload, dict):
-        return False
-    if payload.get("usage"):
-        return True
-    for choice in payload.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        if (choice.get("text") or choice.get("finish_reason") or delta.get("content")
-                or delta.get("tool_calls") or delta.get("reasoning_content")):
-            return True
-    return False
+# A field that holds output, with a value that is not empty: text ("content", "text", "reasoning_content"), a
+# finish reason, a tool call, a usage object. Inside a JSON string quotes are escaped, so a key can only match
+# where it is one. The role-only opening chunk ('"delta": {"role": "assistant", "content": ""}') does not.
+_OUTPUT_FIELD = re.compile(rb'"(?:content|text|reasoning_content|finish_reason)"\s*:\s*"[^"]'
+                           rb'|"tool_calls"\s*:\s*\[\s*\{|"usage"\s*:\s*\{\s*"')
+
+
+def carries_output(data: bytes) -> bool:
+    """Whether one SSE event's data holds output: a choice with text, a tool call or a finish reason, or a
+    usage chunk. Read by pattern, not parsed: it runs on every event until the stream's first token."""
+    return _OUTPUT_FIELD.search(data) is not None
