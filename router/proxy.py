@@ -226,7 +226,7 @@ class Proxy:
         except (TimeoutError, UpstreamError) as exc:
             if not swallow:
                 outcome = "timeout" if isinstance(exc, TimeoutError) else "broken_body"
-                raise AttemptFailed(outcome, f"replica {replica_id}: body broke: {type(exc).__name__}") from exc
+                raise AttemptFailed(outcome, f"replica {replica_id}: body broke: {exc or type(exc).__name__}") from exc
         return b"".join(parts)
 
     async def _buffered(self, preq: ProxyRequest, upstream: UpstreamResponse, replica_id: str,
@@ -298,7 +298,7 @@ class Proxy:
             self.tracker.report_failure(replica_id)
             self._count(model, replica_id, "stream_idle_timeout" if timed_out else "broken_stream")
             message = (f"the replica sent nothing for {preq.routing.stream_idle_timeout_s:g} s" if timed_out
-                       else f"the replica's stream broke: {type(exc).__name__}")
+                       else f"the replica's stream broke: {exc}")
             await self._end_with_error(response, message, "stream_idle_timeout" if timed_out else "stream_broken")
             return response
         if not relay.done:
