@@ -192,13 +192,21 @@ def engine_adapters() -> list[tuple[str, str]]:
     return [(name, directory) for name, (_, directory) in zip(workloads.ADAPTERS, dirs)]
 
 
+def checkout_env(**extra: str) -> dict[str, str]:
+    """The environment for a `kvgate` process started from .venv/bin: this checkout first on PYTHONPATH. The
+    venv's console script imports the checkout the venv was installed from (an editable install), so without
+    it a benchmark run from a second worktree would time that checkout's router and engine, not its own."""
+    paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **extra}
+
+
 def start_engine_fleet(n: int, kv_cache_bytes: int, max_model_len: int = 1024, log_dir: Path = WORK,
                        timeout_s: float = 90.0) -> Fleet:
     """n `kvgate engine` processes on tiny-llama served as MODEL, healthy when this returns."""
     adapters = engine_adapters()
     ports = free_ports(2 * n)
     http, grpc = ports[:n], ports[n:]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "KVGATE_CACHE_DIR": str(CACHE_DIR)}
+    env = checkout_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", KVGATE_CACHE_DIR=str(CACHE_DIR))
     kvgate = REPO / ".venv" / "bin" / "kvgate"
     procs = []
     for i in range(n):
@@ -329,7 +337,8 @@ def start_router(name: str, fleet: Fleet | list[str], tmp: Path, log: Path,
     else:
         cmd = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                "--prometheus-port", str(metrics_port), "--worker-urls", *urls]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=checkout_env())
     return proc, f"http://127.0.0.1:{port}"
 
 
