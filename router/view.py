@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -42,16 +42,16 @@ class ReplicaState:
     # This gateway's estimate of prompt tokens routed here and not yet prefilled (no first token yet),
     # after the replica's predicted cache hit: the prefill queued ahead of a new request.
     pending_prefill_tokens: int = 0
+    # Requests queued or running here: max(in_flight, num_waiting + num_running), set from those fields.
+    # A max, not a sum: the gateway's own in-flight requests are also in the engine's counts once it has
+    # seen them, so a sum counts them twice. `in_flight` is fresh (it rises the moment we route, so a
+    # burst of 100 spreads), the engine's counts include other gateways' requests; the max takes the
+    # larger, more complete of the two. 3 in flight here, engine says 2 waiting + 4 running -> 6.
+    # A field, not a property: cache_aware reads it several times per replica per request.
+    load: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def load(self) -> int:
-        """Requests queued or running here: max(in_flight, num_waiting + num_running).
-
-        A max, not a sum: the gateway's own in-flight requests are also in the engine's counts once it
-        has seen them, so a sum counts them twice. `in_flight` is fresh (it rises the moment we route, so
-        a burst of 100 spreads), the engine's counts include other gateways' requests; the max takes the
-        larger, more complete of the two. 3 in flight here, engine says 2 waiting + 4 running -> 6."""
-        return max(self.in_flight, self.num_waiting + self.num_running)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "load", max(self.in_flight, self.num_waiting + self.num_running))
 
     def adapter_fit(self, adapter: str | None) -> AdapterFit:
         if adapter is None or adapter in self.adapters_loaded:
