@@ -12,6 +12,7 @@ from pathlib import Path
 
 from loadtests import bench_routing, bench_routing_faults, bench_routing_gateways, workloads
 from loadtests.routing_fleet import parse_engine_counters
+from router.policies import RoutingKnobs
 
 
 def req(text: str, model: str = "m", kind: str = "hot") -> workloads.Request:
@@ -157,6 +158,19 @@ def test_the_routing_replay_is_deterministic_and_cache_aware_beats_least_load_on
     oracle = routing_replay.replay(reqs, 4, spec, cache_aware, policy="oracle")
     sglang = routing_replay.replay(reqs, 4, spec, cache_aware, policy=routing_replay.SglangLike())
     assert oracle.hit_rate > least.hit_rate and sglang.hit_rate > least.hit_rate
+
+
+async def test_the_decision_bench_sides_choose_alike_so_only_their_cost_differs() -> None:
+    from loadtests import bench_routing_decision as bench
+    from registry.schema import Routing
+
+    routing = Routing()
+    routes = bench.make_routes(300, routing.prefix_chunk_chars, routing.affinity_depth_chars)
+    knobs = RoutingKnobs.from_routing(routing)
+    _, kept = await bench.replay(8, routes, knobs, bench.kept_view)
+    _, rebuilt = await bench.replay(8, routes, knobs, bench.rebuilt_view)
+    assert kept == rebuilt  # the kept states are never stale: every decision matches the rebuilt view's
+    assert len(set(kept)) == 8  # and the replay spreads over the fleet, so states change between decisions
 
 
 def test_the_ttft_floor_is_each_prompts_uncached_part_at_prefill_speed_and_no_replay_beats_it() -> None:
