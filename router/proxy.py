@@ -203,7 +203,7 @@ class Proxy:
                 body = await self._read_body(upstream, routing.stream_idle_timeout_s, replica_id, swallow=True)
                 raise AttemptFailed("upstream_5xx", f"replica {replica_id} answered {upstream.status}",
                                     status=upstream.status, body=body,
-                                    content_type=upstream.headers.get("Content-Type", "application/json"))
+                                    content_type=upstream.headers.get("content-type", "application/json"))
             if upstream.content_type == "text/event-stream" and upstream.status < 300:
                 remaining_s = routing.first_byte_timeout_s - (self.clock.now() - started)
                 response = await self._stream(request, preq, upstream, replica_id, decision, remaining_s, lease)
@@ -246,7 +246,7 @@ class Proxy:
             self._count(model, replica_id, f"upstream_{upstream.status // 100}xx")
         self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
         return web.Response(status=upstream.status, body=body, headers={
-            "Content-Type": upstream.headers.get("Content-Type", "application/json"), REPLICA_HEADER: replica_id})
+            "Content-Type": upstream.headers.get("content-type", "application/json"), REPLICA_HEADER: replica_id})
 
     async def _stream(self, request: web.Request, preq: ProxyRequest, upstream: UpstreamResponse,
                       replica_id: str, decision: RouteDecision, first_byte_s: float,

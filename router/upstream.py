@@ -8,9 +8,12 @@ routing, parsing and relaying together. This client writes the request head as o
 with llhttp (`httptools`, the parser uvicorn uses), and arms each read's timeout as one timer on the loop.
 
 Contract:
-- `UpstreamPool.post` connects (or takes an idle connection to the same scheme, host and port), sends the
-  request and returns once the status line and headers are in. It raises `UpstreamError` when the
-  connection fails or closes before the headers, and `TimeoutError` when they take longer than `timeout_s`.
+- `UpstreamPool.post` connects (or takes a connection to the same scheme, host and port that has been idle
+  under 4 s), sends the request and returns once the final status line and headers are in (1xx interim
+  answers are skipped). It raises `UpstreamError` when the connection fails or closes before the headers, and
+  `TimeoutError` when they take longer than `timeout_s`. A reused connection that closes within 100 ms,
+  before any byte of an answer, is the server's idle close: the request goes once more, on a fresh
+  connection. Credentials in the base URL (`http://user:password@host`) go as Basic auth.
 - `UpstreamResponse.read(timeout_s)` returns the body bytes that have arrived (chunked framing removed),
   waiting up to `timeout_s` for some; b"" once the body is complete. A body that breaks raises `UpstreamError`.
 - Every response ends with `release()` (a complete body: the connection goes back to the pool when the
@@ -21,11 +24,12 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import ssl
 from dataclasses import dataclass
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -35,10 +39,21 @@ _READ_BUFFER_BYTES = 64 * 1024
 # Idle kept-alive connections kept per replica; more are closed on release. A few thousand concurrent
 # streams over a handful of replicas fit.
 _MAX_IDLE_PER_ORIGIN = 1024
+# An idle connection is not reused after this long: uvicorn (under vLLM and SGLang) closes connections idle
+# for 5 s, and reusing one just as the server closes it loses the request.
+_MAX_IDLE_S = 4.0
+# A reused connection that closes this soon after the request went out, before any byte of an answer, was
+# closed by the server as it sat idle: the request gets one fresh connection to the same replica. Later, the
+# replica may have started on it, and the proxy's retry (elsewhere) decides.
+_STALE_CLOSE_WINDOW_S = 0.1
 
 
 class UpstreamError(Exception):
     """The connection to a replica failed, closed early or carried something that is not HTTP/1.1."""
+
+
+class _ClosedUnanswered(UpstreamError):
+    """The replica closed the connection before any byte of an answer."""
 
 
 @dataclass(frozen=True)
@@ -47,14 +62,15 @@ class _Target:
 
     origin: tuple[str, str, int]  # (scheme, host, port): the pool's key
     path_prefix: str  # a base URL's own path ("http://h/api" -> "/api"), "" for most
-    host_header: str
+    fixed_headers: str  # Host, and Authorization when the URL carries user:password
 
 
 class UpstreamPool:
     """Keep-alive connections to replicas, for the proxy's POSTs. One per gateway; close() at shutdown."""
 
-    def __init__(self, max_idle_per_origin: int = _MAX_IDLE_PER_ORIGIN) -> None:
+    def __init__(self, max_idle_per_origin: int = _MAX_IDLE_PER_ORIGIN, max_idle_s: float = _MAX_IDLE_S) -> None:
         self._max_idle = max_idle_per_origin
+        self._max_idle_s = max_idle_s
         self._idle: dict[tuple[str, str, int], collections.deque[_Connection]] = collections.defaultdict(
             collections.deque)
         self._targets: dict[str, _Target] = {}
@@ -68,28 +84,28 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         target = self._target(base_url)
-        if "\r" in accept or "\n" in accept:
+        if not (accept.isascii() and accept.isprintable()):  # the client's header: never CR/LF, never a 500
             accept = "*/*"
-        head = (f"POST {target.path_prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n"
+        head = (f"POST {target.path_prefix}{path} HTTP/1.1\r\n{target.fixed_headers}"
                 f"Content-Type: application/json\r\nAccept: {accept}\r\nContent-Length: {len(body)}\r\n\r\n"
                 ).encode("latin-1")
-        connection = self._take_idle(target.origin)
+        connection = self._take_idle(target.origin, loop.time())
         if connection is not None:
+            sent_at = loop.time()
             try:
-                return await self._exchange(connection, head, body, deadline - loop.time())
-            except UpstreamError:
-                # The replica closed this idle connection as we reused it (uvicorn, under vLLM, closes
-                # connections idle for 5 s): it never saw the request, so a fresh connection takes it.
-                pass
+                return await self._exchange(connection, head, body, deadline)
+            except _ClosedUnanswered:
+                if loop.time() - sent_at > _STALE_CLOSE_WINDOW_S:
+                    raise
         connection = await self._connect(target.origin, min(connect_timeout_s, deadline - loop.time()))
-        return await self._exchange(connection, head, body, deadline - loop.time())
+        return await self._exchange(connection, head, body, deadline)
 
-    async def _exchange(self, connection: _Connection, head: bytes, body: bytes, timeout_s: float
+    async def _exchange(self, connection: _Connection, head: bytes, body: bytes, deadline: float
                         ) -> UpstreamResponse:
         response = UpstreamResponse(self, connection)
         try:
             connection.send(head, body)
-            await connection.wait_head(timeout_s)
+            await connection.wait_head(deadline)
         except BaseException:
             response.close()
             raise
@@ -104,21 +120,16 @@ class UpstreamPool:
     def _target(self, base_url: str) -> _Target:
         target = self._targets.get(base_url)
         if target is None:
-            parts = urlsplit(base_url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise UpstreamError(f"not an http(s) URL: {base_url!r}")
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-            target = _Target(origin=(parts.scheme, parts.hostname, port), path_prefix=parts.path.rstrip("/"),
-                             host_header=parts.netloc.rpartition("@")[2])
+            target = _parse_target(base_url)
             self._targets[base_url] = target
         return target
 
-    def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
+    def _take_idle(self, origin: tuple[str, str, int], now: float) -> _Connection | None:
         idle = self._idle.get(origin)
         while idle:
             connection = idle.pop()  # the most recently used: the least likely to have been closed by the server
-            if connection.reusable():
-                connection.idle_in = None
+            connection.idle_in = None
+            if connection.reusable() and now - connection.idle_since <= self._max_idle_s:
                 return connection
             connection.close()
         return None
@@ -145,9 +156,28 @@ class UpstreamPool:
         idle = self._idle[origin]
         if connection.reusable() and len(idle) < self._max_idle:
             connection.idle_in = idle
+            connection.idle_since = asyncio.get_running_loop().time()
             idle.append(connection)
         else:
             connection.close()
+
+
+def _parse_target(base_url: str) -> _Target:
+    try:
+        parts = urlsplit(base_url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host_header = parts.netloc.rpartition("@")[2]
+        host_header.encode("ascii")
+    except (ValueError, UnicodeError) as exc:
+        raise UpstreamError(f"not a usable replica URL: {base_url!r}: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UpstreamError(f"not an http(s) URL: {base_url!r}")
+    headers = f"Host: {host_header}\r\n"
+    if parts.username is not None:  # http://user:password@host, as aiohttp's client sent it
+        credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        headers += f"Authorization: Basic {base64.b64encode(credentials).decode()}\r\n"
+    return _Target(origin=(parts.scheme, parts.hostname, port), path_prefix=parts.path.rstrip("/"),
+                   fixed_headers=headers)
 
 
 class UpstreamResponse:
@@ -163,6 +193,7 @@ class UpstreamResponse:
 
     @property
     def headers(self) -> dict[str, str]:
+        """The final head's headers, names in lower case ("content-type")."""
         return self._open().headers
 
     @property
@@ -222,14 +253,17 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self.idle_in: collections.deque[_Connection] | None = None  # the pool's idle list holding it
+        self.idle_since = 0.0  # loop time it went idle
         self.error: UpstreamError | None = None
         self._reset()
 
     def _reset(self) -> None:
         self.status = 0
         self.headers: dict[str, str] = {}
-        self.head_done = False
+        self.head_done = False  # the final head (not a 1xx) is in
         self.complete = False
+        self._interim = False  # inside a 1xx answer (100 Continue, 103 Early Hints): the real one follows
+        self._answered = False  # some byte of an answer arrived
         self.keep_alive = False
         self._delimited = False  # the body has a length or chunked framing, so a close mid-way is a break
         self.body: list[bytes] = []
@@ -245,10 +279,11 @@ class _Connection(asyncio.Protocol):
         if self.complete or self.error is not None:  # nothing is owed on an idle connection: unusable now
             self._fail(UpstreamError("the replica sent bytes outside any response"))
             return
+        self._answered = True
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"the replica's answer is not valid HTTP/1.1: {exc}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._fail(UpstreamError(f"the replica's answer is not valid HTTP/1.1: {type(exc).__name__}: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._pool._live.discard(self)
@@ -258,22 +293,38 @@ class _Connection(asyncio.Protocol):
             except ValueError:
                 pass
             self.idle_in = None
-        if self.head_done and not self.complete and not self._delimited:
+        if self.head_done and not self.complete and not self._delimited and exc is None and self.error is None:
             self.complete = True  # a body that runs until the connection closes has just ended
         elif not self.complete:
             reason = f": {type(exc).__name__}: {exc}" if exc is not None else ""
             where = "in the middle of the body" if self.head_done else "before answering"
-            self._fail(UpstreamError(f"the replica closed the connection {where}{reason}"), close=False)
+            error = UpstreamError if self._answered else _ClosedUnanswered
+            self._fail(error(f"the replica closed the connection {where}{reason}"), close=False)
         self._transport = None
         self._wake()
 
     # -- llhttp callbacks
 
+    def on_message_begin(self) -> None:
+        if self.head_done:  # pipelining is never asked for: one request, one answer (after any 1xx)
+            self._fail(UpstreamError("the replica sent a second answer to one request"))
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        if not self.head_done:  # trailers (after a chunked body) never replace the head's headers
+            self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        if self.error is not None:
+            return
+        status = self._parser.get_status_code()
+        if status == 101:
+            self._fail(UpstreamError("the replica switched protocols, which nothing asked for"))
+            return
+        if 100 <= status < 200:  # an interim answer: the final one follows on the same connection
+            self._interim = True
+            self.headers = {}
+            return
+        self.status = status
         self.keep_alive = self._parser.should_keep_alive()
         headers = self.headers
         self._delimited = ("content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
@@ -282,6 +333,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.error is not None:
+            return
         self.body.append(body)
         self._num_body_bytes += len(body)
         if self._num_body_bytes > _READ_BUFFER_BYTES and not self._paused and self._transport is not None:
@@ -290,8 +343,12 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        self.complete = True
-        self._wake()
+        if self._interim:
+            self._interim = False
+            return
+        if self.error is None:
+            self.complete = True
+            self._wake()
 
     # -- used by the pool and the response
 
@@ -301,15 +358,16 @@ class _Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes) -> None:
         if self._transport is None or self._transport.is_closing():
-            raise UpstreamError("the connection closed before the request was sent")
+            raise _ClosedUnanswered("the connection closed before the request was sent")
         self._reset()
         self._transport.write(head + body)
 
-    async def wait_head(self, timeout_s: float) -> None:
-        while not self.head_done:
+    async def wait_head(self, deadline: float) -> None:
+        """Until the final head is in; TimeoutError at `deadline` (loop time)."""
+        while not self.head_done or self.error is not None:
             if self.error is not None:
                 raise self.error
-            await self._wait(timeout_s)
+            await self._wait(deadline - self._loop.time())
 
     async def read(self, timeout_s: float) -> bytes:
         if not self.body and not self.complete and self.error is None:

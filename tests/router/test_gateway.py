@@ -247,6 +247,35 @@ async def test_when_every_replica_fails_the_upstream_error_passes_through(tmp_pa
         assert sum([(await gw.stats(s))["num_failures_injected"] for s in gw.sims]) == 2
 
 
+async def test_a_replicas_answer_keeps_its_own_content_type(tmp_path: Path) -> None:
+    async def plain_400(request: web.Request) -> web.Response:
+        return web.Response(status=400, text="prompt too long", content_type="text/plain")
+
+    async def html_503(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="<h1>overloaded</h1>", content_type="text/html")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", plain_400)
+    app.router.add_post("/v1/completions", html_503)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(f"http://{host}:{port}",)) as gw:
+            status, headers, text = await gw.post("/v1/chat/completions", json.dumps(chat("hi")).encode())
+            assert (status, headers["Content-Type"], text) == (400, "text/plain; charset=utf-8", "prompt too long")
+            body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 4}).encode()
+            status, headers, text = await gw.post("/v1/completions", body)  # a 5xx, passed on after the retries
+            assert (status, headers["Content-Type"], text) == (503, "text/html; charset=utf-8", "<h1>overloaded</h1>")
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_stream_that_dies_mid_way_ends_with_an_error_event_then_done(tmp_path: Path) -> None:
     async with gateway(tmp_path, num_replicas=1) as gw:
         await gw.fail(gw.sims[0], mode="die_mid_stream", die_after_chunks=2)

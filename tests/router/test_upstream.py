@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -253,6 +255,140 @@ async def test_an_idle_connection_the_replica_closed_is_replaced_without_an_erro
             assert await response.read_all(LONG_S) == b"{}"
             response.release()
         assert server.num_connections == 2
+    await pool.close()
+
+
+@on_both_loops
+async def test_interim_answers_are_skipped_and_the_final_one_is_read_whole() -> None:
+    pool = UpstreamPool()
+    final = json_answer(b'{"answer": 1}')
+    head, body = final.split(b"\r\n\r\n")
+    answer = answering(b"HTTP/1.1 100 Continue\r\n\r\n" + b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n",
+                       head + b"\r\n\r\n", body, pause_s=0.05)
+    async with serving(answer) as server:
+        for _ in range(2):  # and the connection, reused, carries the next request's own answer
+            response = await post(pool, server.url)
+            assert (response.status, response.content_type) == (200, "application/json")
+            assert "link" not in response.headers
+            assert await response.read_all(LONG_S) == b'{"answer": 1}'
+            response.release()
+        assert server.num_connections == 1
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_second_answer_to_one_request_is_an_error_not_more_body() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(json_answer(b"first") + json_answer(b"second"))) as server:
+        with pytest.raises(UpstreamError, match="second answer"):  # in one segment: seen with the head
+            response = await post(pool, server.url)
+            await response.read_all(LONG_S)
+    await pool.close()
+
+
+@on_both_loops
+async def test_switching_protocols_unasked_is_an_error() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n")
+                       ) as server:
+        with pytest.raises(UpstreamError, match="switched protocols"):
+            await post(pool, server.url)
+    await pool.close()
+
+
+@on_both_loops
+async def test_trailers_do_not_replace_the_heads_headers() -> None:
+    pool = UpstreamPool()
+    answer = answering(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                       b"Trailer: Content-Type\r\n\r\n2\r\n{}\r\n0\r\nContent-Type: text/evil\r\n\r\n")
+    async with serving(answer) as server:
+        response = await post(pool, server.url)
+        assert await response.read_all(LONG_S) == b"{}"
+        assert response.content_type == "application/json"
+        response.release()
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_body_running_to_the_close_that_ends_in_a_reset_is_broken() -> None:
+    pool = UpstreamPool()
+
+    async def reset_mid_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npartial")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        writer.transport.abort()
+        raise ConnectionResetError
+
+    async with serving(reset_mid_body) as server:
+        response = await post(pool, server.url)
+        with pytest.raises(UpstreamError, match="middle of the body"):
+            await response.read_all(LONG_S)
+        response.close()
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_reused_connection_dropped_after_the_replica_had_the_request_is_not_resent() -> None:
+    pool = UpstreamPool()
+    num_answered = 0
+
+    async def answer_then_drop_slowly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal num_answered
+        num_answered += 1
+        if num_answered == 2:  # it had the request for 300 ms: it may have started on it
+            await asyncio.sleep(0.3)
+            raise ConnectionResetError
+        writer.write(json_answer(b"{}"))
+        await writer.drain()
+
+    async with serving(answer_then_drop_slowly) as server:
+        response = await post(pool, server.url)
+        await response.read_all(LONG_S)
+        response.release()
+        with pytest.raises(UpstreamError, match="before answering"):
+            await post(pool, server.url)
+        assert len(server.bodies) == 2  # sent once each, never again
+    await pool.close()
+
+
+@on_both_loops
+async def test_a_connection_idle_past_max_idle_s_is_not_reused() -> None:
+    pool = UpstreamPool(max_idle_s=0.1)
+    async with serving(answering(json_answer(b"{}"))) as server:
+        for pause_s in (0.0, 0.3):
+            await asyncio.sleep(pause_s)
+            response = await post(pool, server.url)
+            await response.read_all(LONG_S)
+            response.release()
+        assert server.num_connections == 2
+    await pool.close()
+
+
+@on_both_loops
+async def test_an_accept_header_that_is_not_printable_ascii_becomes_any() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(json_answer(b"{}"))) as server:
+        for accept in ("text/\u20ac", "text/\udce9"):  # a euro sign; a byte aiohttp decoded by surrogateescape
+            response = await pool.post(server.url, "/v1/completions", b"{}", accept=accept,
+                                       connect_timeout_s=LONG_S, timeout_s=LONG_S)
+            response.close()
+        assert all(b"Accept: */*\r\n" in head for head in server.requests)
+    await pool.close()
+
+
+@on_both_loops
+async def test_credentials_in_the_base_url_go_as_basic_auth() -> None:
+    pool = UpstreamPool()
+    async with serving(answering(json_answer(b"{}"))) as server:
+        url = server.url.replace("http://", "http://kv%40gate:s3cret@")
+        response = await post(pool, url)
+        response.release()
+        head = server.requests[0].decode()
+        assert "Authorization: Basic a3ZAZ2F0ZTpzM2NyZXQ=\r\n" in head  # base64 of "kv@gate:s3cret"
+        assert f"Host: {server.url.removeprefix('http://')}\r\n" in head
     await pool.close()
 
 
