@@ -127,6 +127,7 @@ async def one_request(session, url: str, req: workloads.Request, t0: float, time
     error = None
     streamed = error_event = False
     replica = None
+    usage = None
     body = req.body() if not extra_body else req.body() | extra_body
     try:
         async with session.post(url + "/v1/chat/completions", json=body,
@@ -145,6 +146,7 @@ async def one_request(session, url: str, req: workloads.Request, t0: float, time
                         done = True
                         break
                     chunk = json.loads(data)
+                    usage = chunk.get("usage") or usage
                     if "error" in chunk:
                         error_event = True
                         error = f"SSE error event: {str(chunk['error'])[:60]}"
@@ -158,9 +160,11 @@ async def one_request(session, url: str, req: workloads.Request, t0: float, time
                     error = "stream ended without [DONE]"
     except Exception as e:  # timeouts and dropped connections are failures, not crashes
         error = f"{type(e).__name__}: {e}"
+    details = (usage or {}).get("prompt_tokens_details") or {}
     return {"ttft": ttft, "tokens": tokens, "ok": done and error is None, "error": error,
             "end": time.perf_counter(), "kind": req.kind, "sent": sent - t0, "streamed": streamed,
-            "error_event": error_event, "replica": replica}
+            "error_event": error_event, "replica": replica, "prompt_tokens": (usage or {}).get("prompt_tokens"),
+            "cached_tokens": details.get("cached_tokens")}
 
 
 async def router_decisions(session, url: str) -> dict[str, float]:
@@ -229,6 +233,14 @@ def summarize(results: list[dict], before: list[dict | None], after: list[dict |
         if r["replica"] is not None:
             kind = by_kind.setdefault(r["kind"], {})
             kind[r["replica"]] = kind.get(r["replica"], 0) + 1
+    usage_by_kind: dict[str, dict[str, float]] = {}  # from each response's usage, where it reports cached_tokens
+    for r in results:
+        if r.get("prompt_tokens") is not None and r.get("cached_tokens") is not None:
+            kind = usage_by_kind.setdefault(r["kind"], {"prompt_tokens": 0, "cached_tokens": 0})
+            kind["prompt_tokens"] += r["prompt_tokens"]
+            kind["cached_tokens"] += r["cached_tokens"]
+    for kind in usage_by_kind.values():
+        kind["hit_rate"] = kind["cached_tokens"] / kind["prompt_tokens"] if kind["prompt_tokens"] else 0.0
     return {"num_requests": num_requests, "num_ok": len(ok), "num_failed": num_requests - len(ok), "errors": errors,
             "hit_rate": hit / queried if queried else 0.0, "prompt_tokens_queried": queried,
             "prompt_tokens_hit": hit,
@@ -237,7 +249,8 @@ def summarize(results: list[dict], before: list[dict | None], after: list[dict |
             "throughput_rps": len(ok) / (end - t0), "output_tokens_per_s": sum(r["tokens"] for r in ok) / (end - t0),
             "router_decisions": decisions, "replica_loads": loads,
             "max_over_mean_load": max(loads) / mean_load if mean_load else None,
-            "replica_requests_by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())}}
+            "replica_requests_by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())},
+            "usage_hit_rate_by_kind": dict(sorted(usage_by_kind.items()))}
 
 
 # ------------------------------------------------------------------------------------------ the runs
@@ -305,7 +318,8 @@ def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list
         extra_body = {"ignore_eos": True, "temperature": 0}
         chunk_chars = 32  # ~27 tiny-llama tokens, under two engine KV blocks
         cell = {"workload": workload, "replicas": n, "mode": "engines", "workload_summary": info,
-                "infinite_cache_hit_rate": best, "replica_kv_capacity_tokens": kv_tokens,
+                "infinite_cache_hit_rate": best, "best_hit_rate_by_kind": sizes["best_hit_rate_by_kind"],
+                "replica_kv_capacity_tokens": kv_tokens,
                 "replica_kv_cache_bytes": sizes["kv_cache_bytes"], "prefix_chunk_chars": chunk_chars,
                 "results": {}, "skipped": {}}
         print(f"\n== {workload}, {n} kvgate engines: {info['num_requests']} requests over {info['span_s']:.1f} s, "
@@ -359,6 +373,11 @@ def run_cell(workload: str, reqs: list[workloads.Request], n: int, routers: list
             cell["results"][name] = res
             print(f"  {name}: hit {res['hit_rate']:.3f}, p99 TTFT {res['ttft_p99_s']}, failed {res['num_failed']}"
                   f"{', decisions ' + str(res['router_decisions']) if res['router_decisions'] else ''}", flush=True)
+            best_by_kind = cell.get("best_hit_rate_by_kind", {})
+            if res["usage_hit_rate_by_kind"]:
+                print("    hit by kind (responses' cached_tokens; best): " + ", ".join(
+                    f"{kind} {v['hit_rate']:.3f}" + (f" ({best_by_kind[kind]:.3f})" if kind in best_by_kind else "")
+                    for kind, v in res["usage_hit_rate_by_kind"].items()), flush=True)
     return cell
 
 

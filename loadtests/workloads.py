@@ -176,10 +176,11 @@ def token_replay(requests: list[Request], encode: Callable[[Request], list[int]]
     `encode` gives a request's prompt token ids (chat template applied). Like a paged prefix cache, only
     leading full blocks hit, never the prompt's last token. Returns the infinite-cache single-replica hit
     rate (`best_hit_rate`), `prompt_tokens`, `unique_tokens` (distinct blocks x block size),
-    `prompt_tokens_max` and `chars_per_token` (prompt characters / prompt tokens).
+    `prompt_tokens_max`, `chars_per_token` (prompt characters / prompt tokens) and `best_hit_rate_by_kind`.
     """
     seen: set[int] = set()
     queried = hit = chars = longest = 0
+    by_kind: dict[str, list[int]] = {}  # kind -> [queried, hit]
     for r in requests:
         ids = encode(r)
         hashes = token_block_hashes(ids, r.model, block_tokens)
@@ -190,12 +191,16 @@ def token_replay(requests: list[Request], encode: Callable[[Request], list[int]]
             n += 1
         queried += len(ids)
         hit += n * block_tokens
+        kind = by_kind.setdefault(r.kind, [0, 0])
+        kind[0] += len(ids)
+        kind[1] += n * block_tokens
         chars += len(r.prompt_text())
         longest = max(longest, len(ids))
         seen.update(hashes)
     return {"best_hit_rate": hit / queried if queried else 0.0, "prompt_tokens": queried,
             "unique_tokens": len(seen) * block_tokens, "prompt_tokens_max": longest,
-            "chars_per_token": chars / queried if queried else 0.0}
+            "chars_per_token": chars / queried if queried else 0.0,
+            "best_hit_rate_by_kind": {k: h / q if q else 0.0 for k, (q, h) in sorted(by_kind.items())}}
 
 
 def summary(requests: list[Request]) -> dict[str, float]:

@@ -86,6 +86,22 @@ def test_engine_workload_scaling_and_token_replay() -> None:
                                                                                       ["content"]], block_tokens=16)
     assert replay["prompt_tokens"] == 81 and replay["best_hit_rate"] == 32 / 81
     assert replay["unique_tokens"] == 32 and replay["prompt_tokens_max"] == 41
+    assert replay["best_hit_rate_by_kind"] == {"hot": 32 / 81}
+    replay = workloads.token_replay([req("a" * 40), req("a" * 40 + "b", kind="lora")],
+                                    lambda r: [ord(c) for c in r.messages[0]["content"]], block_tokens=16)
+    assert replay["best_hit_rate_by_kind"] == {"hot": 0.0, "lora": 32 / 41}
+
+
+def test_the_hit_rate_by_kind_comes_from_the_responses_usage() -> None:
+    def result(kind: str, prompt: int | None, cached: int | None) -> dict:
+        return {"ok": True, "ttft": 0.1, "tokens": 4, "end": 1.0, "kind": kind, "replica": None, "error": None,
+                "prompt_tokens": prompt, "cached_tokens": cached}
+
+    results = [result("hot", 100, 80), result("hot", 100, 100), result("lora", 50, 0), result("lora", 10, None)]
+    summary = bench_routing.summarize(results, [], [], {}, 0.0, len(results))
+    assert summary["usage_hit_rate_by_kind"] == {
+        "hot": {"prompt_tokens": 200, "cached_tokens": 180, "hit_rate": 0.9},
+        "lora": {"prompt_tokens": 50, "cached_tokens": 0, "hit_rate": 0.0}}  # one without cached_tokens: left out
 
 
 def test_engine_counters_are_parsed_from_prometheus_text() -> None:
