@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -134,6 +134,28 @@ async def test_streamed_chat_and_completions_pass_through_the_sdk(tmp_path: Path
         assert len([c async for c in text]) == 3
 
 
+@contextlib.asynccontextmanager
+async def hand_written_replica(**posts: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                               ) -> AsyncIterator[str]:
+    """A replica of handlers written in the test (`chat_completions=...`, `completions=...`), with a /health
+    that passes; yields its URL."""
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    for name, handler in posts.items():
+        app.router.add_post("/v1/" + name.replace("chat_", "chat/"), handler)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
 async def test_the_body_reaches_the_replica_byte_for_byte(tmp_path: Path) -> None:
     captured: list[bytes] = []
 
@@ -141,22 +163,10 @@ async def test_the_body_reaches_the_replica_byte_for_byte(tmp_path: Path) -> Non
         captured.append(await request.read())
         return web.json_response({"id": "x", "object": "chat.completion", "choices": []})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", capture)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
     raw = json.dumps(chat("exact bytes", vendor_field={"kept": True}), indent=3).encode()
-    try:
-        async with gateway(tmp_path, num_replicas=0, other_urls=(f"http://{host}:{port}",)) as gw:
+    async with hand_written_replica(chat_completions=capture) as url:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
             status, _, _ = await gw.post("/v1/chat/completions", raw, {"Content-Type": "application/json"})
-    finally:
-        await runner.cleanup()
     assert status == 200
     assert captured == [raw]
 
@@ -254,26 +264,13 @@ async def test_a_replicas_answer_keeps_its_own_content_type(tmp_path: Path) -> N
     async def html_503(request: web.Request) -> web.Response:
         return web.Response(status=503, text="<h1>overloaded</h1>", content_type="text/html")
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", plain_400)
-    app.router.add_post("/v1/completions", html_503)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    try:
-        async with gateway(tmp_path, num_replicas=0, other_urls=(f"http://{host}:{port}",)) as gw:
+    async with hand_written_replica(chat_completions=plain_400, completions=html_503) as url:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
             status, headers, text = await gw.post("/v1/chat/completions", json.dumps(chat("hi")).encode())
             assert (status, headers["Content-Type"], text) == (400, "text/plain; charset=utf-8", "prompt too long")
             body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 4}).encode()
             status, headers, text = await gw.post("/v1/completions", body)  # a 5xx, passed on after the retries
             assert (status, headers["Content-Type"], text) == (503, "text/html; charset=utf-8", "<h1>overloaded</h1>")
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_stream_that_dies_mid_way_ends_with_an_error_event_then_done(tmp_path: Path) -> None:
@@ -456,19 +453,9 @@ async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_t
         await response.write(f"data: {json.dumps(token)}\n\ndata: [DONE]\n\n".encode())
         return response
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", completions)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    backend = "http://127.0.0.1:%d" % runner.addresses[0][1]
-    try:
-        async with gateway(tmp_path, num_replicas=0, other_urls=(backend,)) as gw:
+    async with hand_written_replica(chat_completions=completions) as backend, \
+            gateway(tmp_path, num_replicas=0, other_urls=(backend,)) as gw:
+        try:
             def pending() -> int:
                 return sum(r.pending_prefill_tokens for r in gw.tracker.view("m").candidates("m"))
 
@@ -484,6 +471,5 @@ async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_t
                 assert b"[DONE]" in await r.read()
             assert pending() == 0
             assert gw.tracker.in_flight_chains.num_hashes(replica_id) == 0
-    finally:
-        release.set()
-        await runner.cleanup()
+        finally:
+            release.set()  # before the replica shuts down, which waits for its handler
