@@ -160,11 +160,11 @@ async def one_request(session, url: str, req: workloads.Request, t0: float, time
                     error = "stream ended without [DONE]"
     except Exception as e:  # timeouts and dropped connections are failures, not crashes
         error = f"{type(e).__name__}: {e}"
-    details = (usage or {}).get("prompt_tokens_details") or {}
+    usage = usage or {}
     return {"ttft": ttft, "tokens": tokens, "ok": done and error is None, "error": error,
             "end": time.perf_counter(), "kind": req.kind, "sent": sent - t0, "streamed": streamed,
-            "error_event": error_event, "replica": replica, "prompt_tokens": (usage or {}).get("prompt_tokens"),
-            "cached_tokens": details.get("cached_tokens")}
+            "error_event": error_event, "replica": replica, "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
 
 
 async def router_decisions(session, url: str) -> dict[str, float]:

@@ -62,7 +62,8 @@ def kept_view(tracker: ReplicaTracker, model: str) -> ReplicaView:
 def rebuilt_view(tracker: ReplicaTracker, model: str) -> ReplicaView:
     """The view as the gateway built it before: every state anew, then sorted."""
     records = [r for r in tracker._replicas.values() if r.model == model]  # noqa: SLF001 - the baseline
-    return ReplicaView.of((r._build_state() for r in records), tracker.prefixes, tracker.in_flight_chains)  # noqa: SLF001
+    states = (r._build_state() for r in records)  # noqa: SLF001
+    return ReplicaView.of(states, tracker.prefixes, tracker.in_flight_chains)
 
 
 async def replay(num_replicas: int, routes: list[RouteRequest], knobs: RoutingKnobs,

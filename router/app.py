@@ -2,9 +2,9 @@
 
 The app owns its pool of upstream connections (`router.upstream`), its metrics registry and its wait
 queues; it starts the replica tracker on startup and closes it on cleanup (`cleanup_ctx`), and follows
-registry reloads when the registry source can be subscribed to (a `registry.watch.RegistryWatcher`). Serve it with an
-`AppRunner(app, handler_cancellation=True)` so a client that goes away cancels its upstream request
-(`router.main` does).
+registry reloads when the registry source can be subscribed to (a `registry.watch.RegistryWatcher`). Serve
+it with an `AppRunner(app, handler_cancellation=True)` so a client that goes away cancels its upstream
+request (`router.main` does).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from router.queueing import WaitQueues
 from router.upstream import UpstreamPool
 
 __all__ = ["GatewaySettings", "SnapshotSource", "build_app"]
+
 
 class SnapshotSource(Protocol):
     """Where the gateway reads the registry in force (`RegistryWatcher` is one)."""

@@ -275,13 +275,12 @@ class Proxy:
                     await response.write_eof(out)  # the last events and the chunked terminator in one write
                 elif out:
                     await response.write(out)
-                if out:
-                    if relay.first_token and not ttft_observed:
-                        # The prompt's prefill is over at the first token, not at the first event: a
-                        # server may open the stream with a role-only chunk before it has prefilled.
-                        ttft_observed = True
-                        lease.prefilled()
-                        self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
+                if relay.first_token and not ttft_observed:
+                    # The prompt's prefill is over at the first token, not at the first event: a server
+                    # may open the stream with a role-only chunk before it has prefilled.
+                    ttft_observed = True
+                    lease.prefilled()
+                    self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
                 if relay.done:
                     break
                 chunk = await upstream.read(preq.routing.stream_idle_timeout_s)
@@ -318,8 +317,7 @@ class Proxy:
     @staticmethod
     async def _end_with_error(response: web.StreamResponse, message: str, code: str) -> None:
         try:
-            await response.write(sse_error_event(message, code))
-            await response.write_eof()
+            await response.write_eof(sse_error_event(message, code))
         except ConnectionResetError:
             pass  # the client left as well
 

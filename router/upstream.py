@@ -221,13 +221,11 @@ class UpstreamResponse:
 
     def release(self) -> None:
         """Done with a complete body: the connection may serve another request. Otherwise the same as close()."""
-        connection, self._connection = self._connection, None
-        if connection is None:
+        if not self.at_eof:
+            self.close()
             return
-        if connection.complete and not connection.body:
-            self._pool._release(connection)
-        else:
-            connection.close()
+        connection, self._connection = self._connection, None
+        self._pool._release(connection)
 
     def close(self) -> None:
         """Done, whatever the state of the body: the connection closes (the replica sees its client go)."""
@@ -328,7 +326,7 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = self._parser.should_keep_alive()
         headers = self.headers
         self._delimited = ("content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
-                           or self.status in (204, 304) or self.status < 200)
+                           or self.status in (204, 304))
         self.head_done = True
         self._wake()
 
@@ -364,9 +362,11 @@ class _Connection(asyncio.Protocol):
 
     async def wait_head(self, deadline: float) -> None:
         """Until the final head is in; TimeoutError at `deadline` (loop time)."""
-        while not self.head_done or self.error is not None:
+        while True:
             if self.error is not None:
                 raise self.error
+            if self.head_done:
+                return
             await self._wait(deadline - self._loop.time())
 
     async def read(self, timeout_s: float) -> bytes:

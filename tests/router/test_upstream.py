@@ -72,6 +72,15 @@ async def serving(answer: Handler) -> AsyncIterator[Server]:
         listener.close()
 
 
+@contextlib.asynccontextmanager
+async def pooled(**knobs: float) -> AsyncIterator[UpstreamPool]:
+    pool = UpstreamPool(**knobs)
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
 def answering(*parts: bytes, pause_s: float = 0.0, then_close: bool = False) -> Handler:
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for i, part in enumerate(parts):
@@ -97,316 +106,296 @@ async def post(pool: UpstreamPool, url: str, body: bytes = b'{"model": "m"}', ti
 
 @on_both_loops
 async def test_a_sized_answer_is_read_whole_and_its_connection_serves_the_next_request() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(json_answer(b'{"ok": 1}'))) as server:
-        for _ in range(3):
-            response = await post(pool, server.url)
-            assert (response.status, response.content_type) == (200, "application/json")
-            assert await response.read_all(LONG_S) == b'{"ok": 1}'
-            assert response.at_eof
-            response.release()
-        assert server.num_connections == 1
-        assert server.bodies == [b'{"model": "m"}'] * 3
-    await pool.close()
+    async with pooled() as pool:
+        async with serving(answering(json_answer(b'{"ok": 1}'))) as server:
+            for _ in range(3):
+                response = await post(pool, server.url)
+                assert (response.status, response.content_type) == (200, "application/json")
+                assert await response.read_all(LONG_S) == b'{"ok": 1}'
+                assert response.at_eof
+                response.release()
+            assert server.num_connections == 1
+            assert server.bodies == [b'{"model": "m"}'] * 3
 
 
 @on_both_loops
 async def test_the_request_carries_the_base_urls_path_host_and_the_clients_accept() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(json_answer(b"{}"))) as server:
-        response = await pool.post(server.url + "/prefix", "/v1/completions", b"{}", accept="text/event-stream",
-                                   connect_timeout_s=LONG_S, timeout_s=LONG_S)
-        response.release()
-        head = server.requests[0].decode()
-        assert head.startswith("POST /prefix/v1/completions HTTP/1.1\r\n")
-        assert f"Host: {server.url.removeprefix('http://')}\r\n" in head
-        assert "Accept: text/event-stream\r\n" in head and "Content-Type: application/json\r\n" in head
-    await pool.close()
+    async with pooled() as pool:
+        async with serving(answering(json_answer(b"{}"))) as server:
+            response = await pool.post(server.url + "/prefix", "/v1/completions", b"{}", accept="text/event-stream",
+                                       connect_timeout_s=LONG_S, timeout_s=LONG_S)
+            response.release()
+            head = server.requests[0].decode()
+            assert head.startswith("POST /prefix/v1/completions HTTP/1.1\r\n")
+            assert f"Host: {server.url.removeprefix('http://')}\r\n" in head
+            assert "Accept: text/event-stream\r\n" in head and "Content-Type: application/json\r\n" in head
 
 
 @on_both_loops
 async def test_a_chunked_stream_is_read_as_it_arrives_without_its_framing() -> None:
-    pool = UpstreamPool()
-    events = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
-    parts = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"]
-    parts += [f"{len(event):x}\r\n".encode() + event + b"\r\n" for event in events] + [b"0\r\n\r\n"]
-    async with serving(answering(*parts, pause_s=0.05)) as server:
-        response = await post(pool, server.url)
-        assert response.content_type == "text/event-stream"
-        received = []
-        while chunk := await response.read(LONG_S):
-            received.append(chunk)
-        assert received == events  # one read per event: each was sent 50 ms after the last
-        response.release()
-        response = await post(pool, server.url)  # the same connection again
-        assert await response.read_all(LONG_S) == b"".join(events)
-        response.release()
-        assert server.num_connections == 1
-    await pool.close()
+    async with pooled() as pool:
+        events = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
+        parts = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n"]
+        parts += [f"{len(event):x}\r\n".encode() + event + b"\r\n" for event in events] + [b"0\r\n\r\n"]
+        async with serving(answering(*parts, pause_s=0.05)) as server:
+            response = await post(pool, server.url)
+            assert response.content_type == "text/event-stream"
+            received = []
+            while chunk := await response.read(LONG_S):
+                received.append(chunk)
+            assert received == events  # one read per event: each was sent 50 ms after the last
+            response.release()
+            response = await post(pool, server.url)  # the same connection again
+            assert await response.read_all(LONG_S) == b"".join(events)
+            response.release()
+            assert server.num_connections == 1
 
 
 @on_both_loops
 async def test_a_body_that_runs_to_the_close_ends_there_and_its_connection_is_not_reused() -> None:
-    pool = UpstreamPool()
-    answer = answering(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", b"all of it", then_close=True)
-    async with serving(answer) as server:
-        for _ in range(2):
-            response = await post(pool, server.url)
-            assert await response.read_all(LONG_S) == b"all of it"
-            response.release()
-        assert server.num_connections == 2
-    await pool.close()
+    async with pooled() as pool:
+        answer = answering(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", b"all of it", then_close=True)
+        async with serving(answer) as server:
+            for _ in range(2):
+                response = await post(pool, server.url)
+                assert await response.read_all(LONG_S) == b"all of it"
+                response.release()
+            assert server.num_connections == 2
 
 
 @on_both_loops
 async def test_a_body_cut_short_by_the_close_is_an_error_not_an_end() -> None:
-    pool = UpstreamPool()
-    answer = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"only part", then_close=True)
-    async with serving(answer) as server:
-        response = await post(pool, server.url)
-        with pytest.raises(UpstreamError, match="in the middle of the body"):
-            await response.read_all(LONG_S)
-        assert not response.at_eof
-        response.close()
-    await pool.close()
+    async with pooled() as pool:
+        answer = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"only part", then_close=True)
+        async with serving(answer) as server:
+            response = await post(pool, server.url)
+            with pytest.raises(UpstreamError, match="in the middle of the body"):
+                await response.read_all(LONG_S)
+            assert not response.at_eof
+            response.close()
 
 
 @on_both_loops
 async def test_a_connection_closed_before_the_answer_is_an_error() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(then_close=True)) as server:
-        with pytest.raises(UpstreamError, match="before answering"):
-            await post(pool, server.url)
-    await pool.close()
+    async with pooled() as pool:
+        async with serving(answering(then_close=True)) as server:
+            with pytest.raises(UpstreamError, match="before answering"):
+                await post(pool, server.url)
 
 
 @on_both_loops
 async def test_a_refused_connection_is_an_error() -> None:
-    pool = UpstreamPool()
-    with pytest.raises(UpstreamError, match="cannot connect"):
-        await post(pool, f"http://127.0.0.1:{free_loopback_port()}")
-    await pool.close()
+    async with pooled() as pool:
+        with pytest.raises(UpstreamError, match="cannot connect"):
+            await post(pool, f"http://127.0.0.1:{free_loopback_port()}")
 
 
 @on_both_loops
 async def test_an_answer_that_is_not_http_is_an_error() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")) as server:
-        with pytest.raises(UpstreamError, match="not valid HTTP"):
-            await post(pool, server.url)
-    await pool.close()
+    async with pooled() as pool:
+        async with serving(answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")) as server:
+            with pytest.raises(UpstreamError, match="not valid HTTP"):
+                await post(pool, server.url)
 
 
 @on_both_loops
 async def test_headers_that_come_late_time_out() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(b"", json_answer(b"{}"), pause_s=LONG_S)) as server:
-        with pytest.raises(TimeoutError):
-            await post(pool, server.url, timeout_s=0.1)
-    await pool.close()
+    async with pooled() as pool:
+        async with serving(answering(b"", json_answer(b"{}"), pause_s=LONG_S)) as server:
+            with pytest.raises(TimeoutError):
+                await post(pool, server.url, timeout_s=0.1)
 
 
 @on_both_loops
 async def test_a_body_that_goes_silent_times_out() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", b"late!", pause_s=LONG_S)) as server:
-        response = await post(pool, server.url)
-        with pytest.raises(TimeoutError):
-            await response.read(0.1)
-        response.close()
-    await pool.close()
+    async with pooled() as pool:
+        late = answering(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", b"late!", pause_s=LONG_S)
+        async with serving(late) as server:
+            response = await post(pool, server.url)
+            with pytest.raises(TimeoutError):
+                await response.read(0.1)
+            response.close()
 
 
 @on_both_loops
 async def test_closing_a_response_mid_body_closes_the_connection_the_replica_sees() -> None:
-    pool = UpstreamPool()
-    answer = answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+    async with pooled() as pool:
+        answer = answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
 
-    async def answer_then_wait(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await answer(reader, writer)
-        await reader.read()  # returns at the client's close
-        raise ConnectionResetError
+        async def answer_then_wait(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await answer(reader, writer)
+            await reader.read()  # returns at the client's close
+            raise ConnectionResetError
 
-    async with serving(answer_then_wait) as server:
-        response = await post(pool, server.url)
-        assert await response.read(LONG_S) == b"first"
-        response.close()
-        await asyncio.wait_for(server.closed.wait(), LONG_S)
-    await pool.close()
+        async with serving(answer_then_wait) as server:
+            response = await post(pool, server.url)
+            assert await response.read(LONG_S) == b"first"
+            response.close()
+            await asyncio.wait_for(server.closed.wait(), LONG_S)
 
 
 @on_both_loops
 async def test_an_idle_connection_the_replica_closed_is_replaced_without_an_error() -> None:
-    pool = UpstreamPool()
-    num_answered = 0
+    async with pooled() as pool:
+        num_answered = 0
 
-    async def answer_once_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal num_answered
-        if num_answered == 1:  # the second request reaches the kept-alive connection: drop it unanswered,
-            num_answered += 1  # as a server does that closes idle connections just as one is reused
-            raise ConnectionResetError
-        num_answered += 1
-        writer.write(json_answer(b"{}"))
-        await writer.drain()
+        async def answer_once_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal num_answered
+            if num_answered == 1:  # the second request reaches the kept-alive connection: drop it unanswered,
+                num_answered += 1  # as a server does that closes idle connections just as one is reused
+                raise ConnectionResetError
+            num_answered += 1
+            writer.write(json_answer(b"{}"))
+            await writer.drain()
 
-    async with serving(answer_once_per_connection) as server:
-        for _ in range(2):
-            response = await post(pool, server.url)
-            assert await response.read_all(LONG_S) == b"{}"
-            response.release()
-        assert server.num_connections == 2
-    await pool.close()
+        async with serving(answer_once_per_connection) as server:
+            for _ in range(2):
+                response = await post(pool, server.url)
+                assert await response.read_all(LONG_S) == b"{}"
+                response.release()
+            assert server.num_connections == 2
 
 
 @on_both_loops
 async def test_interim_answers_are_skipped_and_the_final_one_is_read_whole() -> None:
-    pool = UpstreamPool()
-    final = json_answer(b'{"answer": 1}')
-    head, body = final.split(b"\r\n\r\n")
-    answer = answering(b"HTTP/1.1 100 Continue\r\n\r\n" + b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n",
-                       head + b"\r\n\r\n", body, pause_s=0.05)
-    async with serving(answer) as server:
-        for _ in range(2):  # and the connection, reused, carries the next request's own answer
-            response = await post(pool, server.url)
-            assert (response.status, response.content_type) == (200, "application/json")
-            assert "link" not in response.headers
-            assert await response.read_all(LONG_S) == b'{"answer": 1}'
-            response.release()
-        assert server.num_connections == 1
-    await pool.close()
+    async with pooled() as pool:
+        final = json_answer(b'{"answer": 1}')
+        head, body = final.split(b"\r\n\r\n")
+        answer = answering(b"HTTP/1.1 100 Continue\r\n\r\n" + b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n",
+                           head + b"\r\n\r\n", body, pause_s=0.05)
+        async with serving(answer) as server:
+            for _ in range(2):  # and the connection, reused, carries the next request's own answer
+                response = await post(pool, server.url)
+                assert (response.status, response.content_type) == (200, "application/json")
+                assert "link" not in response.headers
+                assert await response.read_all(LONG_S) == b'{"answer": 1}'
+                response.release()
+            assert server.num_connections == 1
 
 
 @on_both_loops
 async def test_a_second_answer_to_one_request_is_an_error_not_more_body() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(json_answer(b"first") + json_answer(b"second"))) as server:
-        with pytest.raises(UpstreamError, match="second answer"):  # in one segment: seen with the head
-            response = await post(pool, server.url)
-            await response.read_all(LONG_S)
-    await pool.close()
+    async with pooled() as pool:
+        async with serving(answering(json_answer(b"first") + json_answer(b"second"))) as server:
+            with pytest.raises(UpstreamError, match="second answer"):  # in one segment: seen with the head
+                response = await post(pool, server.url)
+                await response.read_all(LONG_S)
 
 
 @on_both_loops
 async def test_switching_protocols_unasked_is_an_error() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n")
-                       ) as server:
-        with pytest.raises(UpstreamError, match="switched protocols"):
-            await post(pool, server.url)
-    await pool.close()
+    async with pooled() as pool:
+        async with serving(answering(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n")
+                           ) as server:
+            with pytest.raises(UpstreamError, match="switched protocols"):
+                await post(pool, server.url)
 
 
 @on_both_loops
 async def test_trailers_do_not_replace_the_heads_headers() -> None:
-    pool = UpstreamPool()
-    answer = answering(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
-                       b"Trailer: Content-Type\r\n\r\n2\r\n{}\r\n0\r\nContent-Type: text/evil\r\n\r\n")
-    async with serving(answer) as server:
-        response = await post(pool, server.url)
-        assert await response.read_all(LONG_S) == b"{}"
-        assert response.content_type == "application/json"
-        response.release()
-    await pool.close()
+    async with pooled() as pool:
+        answer = answering(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                           b"Trailer: Content-Type\r\n\r\n2\r\n{}\r\n0\r\nContent-Type: text/evil\r\n\r\n")
+        async with serving(answer) as server:
+            response = await post(pool, server.url)
+            assert await response.read_all(LONG_S) == b"{}"
+            assert response.content_type == "application/json"
+            response.release()
 
 
 @on_both_loops
 async def test_a_body_running_to_the_close_that_ends_in_a_reset_is_broken() -> None:
-    pool = UpstreamPool()
+    async with pooled() as pool:
 
-    async def reset_mid_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npartial")
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        sock = writer.get_extra_info("socket")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
-        writer.transport.abort()
-        raise ConnectionResetError
+        async def reset_mid_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npartial")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            writer.transport.abort()
+            raise ConnectionResetError
 
-    async with serving(reset_mid_body) as server:
-        response = await post(pool, server.url)
-        with pytest.raises(UpstreamError, match="middle of the body"):
-            await response.read_all(LONG_S)
-        response.close()
-    await pool.close()
+        async with serving(reset_mid_body) as server:
+            response = await post(pool, server.url)
+            with pytest.raises(UpstreamError, match="middle of the body"):
+                await response.read_all(LONG_S)
+            response.close()
 
 
 @on_both_loops
 async def test_a_reused_connection_dropped_after_the_replica_had_the_request_is_not_resent() -> None:
-    pool = UpstreamPool()
-    num_answered = 0
+    async with pooled() as pool:
+        num_answered = 0
 
-    async def answer_then_drop_slowly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal num_answered
-        num_answered += 1
-        if num_answered == 2:  # it had the request for 300 ms: it may have started on it
-            await asyncio.sleep(0.3)
-            raise ConnectionResetError
-        writer.write(json_answer(b"{}"))
-        await writer.drain()
+        async def answer_then_drop_slowly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal num_answered
+            num_answered += 1
+            if num_answered == 2:  # it had the request for 300 ms: it may have started on it
+                await asyncio.sleep(0.3)
+                raise ConnectionResetError
+            writer.write(json_answer(b"{}"))
+            await writer.drain()
 
-    async with serving(answer_then_drop_slowly) as server:
-        response = await post(pool, server.url)
-        await response.read_all(LONG_S)
-        response.release()
-        with pytest.raises(UpstreamError, match="before answering"):
-            await post(pool, server.url)
-        assert len(server.bodies) == 2  # sent once each, never again
-    await pool.close()
+        async with serving(answer_then_drop_slowly) as server:
+            response = await post(pool, server.url)
+            await response.read_all(LONG_S)
+            response.release()
+            with pytest.raises(UpstreamError, match="before answering"):
+                await post(pool, server.url)
+            assert len(server.bodies) == 2  # sent once each, never again
 
 
 @on_both_loops
 async def test_a_connection_idle_past_max_idle_s_is_not_reused() -> None:
-    pool = UpstreamPool(max_idle_s=0.1)
-    async with serving(answering(json_answer(b"{}"))) as server:
-        for pause_s in (0.0, 0.3):
-            await asyncio.sleep(pause_s)
-            response = await post(pool, server.url)
-            await response.read_all(LONG_S)
-            response.release()
-        assert server.num_connections == 2
-    await pool.close()
+    async with pooled(max_idle_s=0.1) as pool:
+        async with serving(answering(json_answer(b"{}"))) as server:
+            for pause_s in (0.0, 0.3):
+                await asyncio.sleep(pause_s)
+                response = await post(pool, server.url)
+                await response.read_all(LONG_S)
+                response.release()
+            assert server.num_connections == 2
 
 
 @on_both_loops
 async def test_an_accept_header_that_is_not_printable_ascii_becomes_any() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(json_answer(b"{}"))) as server:
-        for accept in ("text/\u20ac", "text/\udce9"):  # a euro sign; a byte aiohttp decoded by surrogateescape
-            response = await pool.post(server.url, "/v1/completions", b"{}", accept=accept,
-                                       connect_timeout_s=LONG_S, timeout_s=LONG_S)
-            response.close()
-        assert all(b"Accept: */*\r\n" in head for head in server.requests)
-    await pool.close()
+    async with pooled() as pool:
+        async with serving(answering(json_answer(b"{}"))) as server:
+            for accept in ("text/\u20ac", "text/\udce9"):  # a euro sign; a byte aiohttp decoded by surrogateescape
+                response = await pool.post(server.url, "/v1/completions", b"{}", accept=accept,
+                                           connect_timeout_s=LONG_S, timeout_s=LONG_S)
+                response.close()
+            assert all(b"Accept: */*\r\n" in head for head in server.requests)
 
 
 @on_both_loops
 async def test_credentials_in_the_base_url_go_as_basic_auth() -> None:
-    pool = UpstreamPool()
-    async with serving(answering(json_answer(b"{}"))) as server:
-        url = server.url.replace("http://", "http://kv%40gate:s3cret@")
-        response = await post(pool, url)
-        response.release()
-        head = server.requests[0].decode()
-        assert "Authorization: Basic a3ZAZ2F0ZTpzM2NyZXQ=\r\n" in head  # base64 of "kv@gate:s3cret"
-        assert f"Host: {server.url.removeprefix('http://')}\r\n" in head
-    await pool.close()
+    async with pooled() as pool:
+        async with serving(answering(json_answer(b"{}"))) as server:
+            url = server.url.replace("http://", "http://kv%40gate:s3cret@")
+            response = await post(pool, url)
+            response.release()
+            head = server.requests[0].decode()
+            assert "Authorization: Basic a3ZAZ2F0ZTpzM2NyZXQ=\r\n" in head  # base64 of "kv@gate:s3cret"
+            assert f"Host: {server.url.removeprefix('http://')}\r\n" in head
 
 
 @on_both_loops
 async def test_a_reader_that_falls_behind_stops_the_replicas_stream_instead_of_buffering_it() -> None:
-    pool = UpstreamPool()
-    size = 32 * 1024 * 1024  # far more than loopback's socket buffers hold
-    writers: list[asyncio.StreamWriter] = []
+    async with pooled() as pool:
+        size = 32 * 1024 * 1024  # far more than loopback's socket buffers hold
+        writers: list[asyncio.StreamWriter] = []
 
-    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n".encode() + b"x" * size)
-        await writer.drain()
+        async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.append(writer)
+            writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n".encode() + b"x" * size)
+            await writer.drain()
 
-    async with serving(big) as server:
-        response = await post(pool, server.url)
-        await asyncio.sleep(0.5)  # read nothing: the client must stop reading the socket
-        assert writers[0].transport.get_write_buffer_size() > size // 2
-        assert len(await response.read_all(LONG_S)) == size
-        response.release()
-    await pool.close()
+        async with serving(big) as server:
+            response = await post(pool, server.url)
+            await asyncio.sleep(0.5)  # read nothing: the client must stop reading the socket
+            assert writers[0].transport.get_write_buffer_size() > size // 2
+            assert len(await response.read_all(LONG_S)) == size
+            response.release()
