@@ -215,6 +215,7 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
         log.debug("warm-up failed", exc_info=True)
         print(f"kvgate engine: the warm-up generation failed: {exc!r}", file=sys.stderr)
         return 1
+    lifecycle.ready = False  # /health says ready only once every port it was asked for is served
     state_service = None
     try:
         try:
@@ -230,6 +231,7 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
                 print(f"kvgate engine: cannot serve the state stream on port {args.grpc_port}: {exc}",
                       file=sys.stderr)
                 return 1
+        lifecycle.ready = True
         log.info("kvgate engine ready: model %s on http://%s:%d", settings.served_model_name, args.host, port)
         await signals.stop.wait()
         lifecycle.begin_drain()
