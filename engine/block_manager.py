@@ -17,6 +17,10 @@ Prefix caching rules (the exact contract; tests/engine/test_block_manager.py hol
   tokens, a 33-token prompt 32, and a fully cached 32-token prompt only 16 (as vLLM v1): serving 31
   would mean writing position 31's KV into the second cached block, which other sequences may share,
   and there is no copy-on-write.
+* Blocks being computed: a sequence that attaches its prefix claims the hashes of its known full blocks
+  past the hit, until it commits them or is freed. `prefix_computing_elsewhere` tells the scheduler
+  that the next block a sequence needs is claimed by another, running one, so it can wait a step and
+  hit that block instead of computing it a second time (SGLang defers such requests within a batch).
 * Freeing: ref counts drop; a block at zero keeps its hash (and stays findable) if it is cached,
   and joins the free list. A later hit revives it without recomputation. A sequence's blocks are
   released tail first, so a sequence's last block is evicted before its parents, whose hashes more
@@ -86,6 +90,10 @@ class BlockManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         # Hash chain of each sequence's committed (or cache-hit) full blocks, by seq_id.
         self._seq_hashes: dict[int, list[int]] = {}
+        # Hashes of each sequence's known full blocks past its chain, next first: hashed once at admission,
+        # taken by commit_full_blocks. And which sequence claimed each such hash (the first to be admitted).
+        self._seq_ahead: dict[int, deque[int]] = {}
+        self._computing: dict[int, int] = {}
         self._events: list[KVEvent] = []
         self.queried_tokens_total = 0  # prompt tokens looked up on sequences' first schedule
         self.hit_tokens_total = 0  # of which served from the prefix cache
@@ -105,6 +113,11 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         """Blocks whose hash is registered, in use or free."""
         return len(self._cached)
+
+    @property
+    def num_claimed_blocks(self) -> int:
+        """Full blocks that admitted sequences will compute and have not yet (see `prefix_computing_elsewhere`)."""
+        return len(self._computing)
 
     @property
     def usage(self) -> float:
@@ -150,14 +163,24 @@ class BlockManager:
         Raises ValueError if the sequence already holds blocks."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds {len(seq.block_table)} blocks")
-        hits = self._lookup(seq)
+        hits, ahead = self._lookup(seq)
         for _, block in hits:
             if self._ref_counts[block] == 0:
                 del self._free_cached[block]
             self._ref_counts[block] += 1
             seq.block_table.append(block)
         self._seq_hashes[seq.seq_id] = [block_hash for block_hash, _ in hits]
+        self._seq_ahead[seq.seq_id] = deque(ahead)
+        for block_hash in ahead:
+            if block_hash not in self._cached:
+                self._computing.setdefault(block_hash, seq.seq_id)
         return len(hits) * self.block_size
+
+    def prefix_computing_elsewhere(self, seq: Sequence) -> bool:
+        """Whether the first block `seq` missed in `allocate_prefix` is claimed by another sequence, which
+        has not computed it yet. The scheduler frees such a sequence and retries it next step."""
+        ahead = self._seq_ahead.get(seq.seq_id)
+        return bool(ahead) and self._computing.get(ahead[0], seq.seq_id) != seq.seq_id
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether the free pool can extend `seq` to cover num_computed_tokens + num_new_tokens."""
@@ -185,6 +208,8 @@ class BlockManager:
                 self._free_cached[block] = None
         seq.block_table.clear()
         self._seq_hashes.pop(seq.seq_id, None)
+        for block_hash in self._seq_ahead.pop(seq.seq_id, ()):
+            self._unclaim(block_hash, seq.seq_id)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register in the prefix cache each block of `seq` that is full and whose KV is computed
@@ -196,11 +221,16 @@ class BlockManager:
         if num_full <= len(chain):
             return
         tokens = seq.all_token_ids
+        ahead = self._seq_ahead.get(seq.seq_id)
         stored: list[int] = []  # indices of blocks that joined the cache
         for index in range(len(chain), num_full):
-            parent = chain[-1] if chain else ROOT_BLOCK_HASH
-            start = index * self.block_size
-            block_hash = hash_block(parent, tokens[start:start + self.block_size], seq.adapter)
+            if ahead:
+                block_hash = ahead.popleft()
+                self._unclaim(block_hash, seq.seq_id)
+            else:
+                parent = chain[-1] if chain else ROOT_BLOCK_HASH
+                start = index * self.block_size
+                block_hash = hash_block(parent, tokens[start:start + self.block_size], seq.adapter)
             chain.append(block_hash)
             if block_hash in self._cached:
                 continue  # the same content is cached in another block already
@@ -222,21 +252,29 @@ class BlockManager:
 
     # ----- internals
 
-    def _lookup(self, seq: Sequence) -> list[tuple[int, int]]:
-        """(hash, block id) of the leading cached full blocks, at most (num_tokens - 1) // block_size."""
+    def _lookup(self, seq: Sequence) -> tuple[list[tuple[int, int]], list[int]]:
+        """(hash, block id) of the leading cached full blocks, at most (num_tokens - 1) // block_size, and
+        the hashes of the known full blocks after them."""
         if not self.enable_prefix_caching:
-            return []
+            return [], []
         tokens = seq.all_token_ids
         hits: list[tuple[int, int]] = []
+        ahead: list[int] = []
+        servable = (len(tokens) - 1) // self.block_size
         parent = ROOT_BLOCK_HASH
-        for index in range((len(tokens) - 1) // self.block_size):
+        for index in range(len(tokens) // self.block_size):
             start = index * self.block_size
             parent = hash_block(parent, tokens[start:start + self.block_size], seq.adapter)
-            block = self._cached.get(parent)
+            block = None if ahead or index >= servable else self._cached.get(parent)
             if block is None:
-                break
-            hits.append((parent, block))
-        return hits
+                ahead.append(parent)
+            else:
+                hits.append((parent, block))
+        return hits, ahead
+
+    def _unclaim(self, block_hash: int, seq_id: int) -> None:
+        if self._computing.get(block_hash) == seq_id:
+            del self._computing[block_hash]
 
     def _num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         num_positions = seq.num_computed_tokens + num_new_tokens

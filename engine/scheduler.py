@@ -16,6 +16,9 @@ Policy of one `schedule()` (modelled on vLLM v1, with decodes first as in Sarath
    A sequence whose LoRA adapter can get no slot this step (every slot pinned by running sequences of
    other adapters) is passed over, and so is every later LoRA sequence, so that adapters are served in
    arrival order and none starves; base-model sequences behind it are still admitted.
+   A sequence whose next uncached block another running sequence has yet to compute (a burst of
+   requests that share a system prompt) is passed over too, and keeps its place: a step later it hits
+   the blocks the other one computed instead of computing the same prefix a second time.
 
 LoRA slots: with an `AdapterGate` (engine/lora/manager.py), a sequence pins its adapter's slot from
 admission until it is preempted or finishes, and the gate counts every request per adapter.
@@ -217,7 +220,8 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: dict[int, ScheduledSeq], budget: int) -> None:
         """Step 2 of the policy: FIFO, stopping at the first sequence that does not fit; LoRA sequences
-        without a slot this step are passed over (and keep their place)."""
+        without a slot this step, and sequences whose prefix another is computing, are passed over (and
+        keep their place)."""
         passed_over: list[Sequence] = []
         try:
             self._admit_in_order(scheduled, budget, passed_over)
@@ -226,14 +230,20 @@ class Scheduler:
 
     def _admit_in_order(self, scheduled: dict[int, ScheduledSeq], budget: int, passed_over: list[Sequence]) -> None:
         blocks = self.block_manager
+        lora_held = False
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0]
             # Once one LoRA sequence waits for a slot, later ones wait too (arrival order across adapters).
             if seq.adapter is not None and self.adapters is not None and (
-                    passed_over or not self.adapters.can_run(seq.adapter)):
+                    lora_held or not self.adapters.can_run(seq.adapter)):
+                lora_held = True
                 passed_over.append(self._waiting.popleft())
                 continue
             num_cached = blocks.allocate_prefix(seq)
+            if blocks.prefix_computing_elsewhere(seq):
+                blocks.free(seq)
+                passed_over.append(self._waiting.popleft())
+                continue
             seq.num_computed_tokens = num_cached
             num_new = self._chunk_len(seq, budget)
             if not blocks.can_allocate(seq, num_new):

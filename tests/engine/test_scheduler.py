@@ -154,6 +154,65 @@ def test_a_shared_prompt_prefix_is_served_from_the_cache_on_admission() -> None:
     assert second.output_token_ids == reference_tokens([*range(10), 77, 78], 4)
 
 
+def test_a_prompt_whose_prefix_is_being_computed_waits_a_step_and_hits_it() -> None:
+    sched, bm, runner = make()
+    system = list(range(12))  # 3 full blocks
+    first, second = seq_of(1, [*system, 50, 51]), seq_of(2, [*system, 60, 61])
+    other = seq_of(3, range(200, 206))
+    for seq in (first, second, other):
+        sched.add(seq)
+    # second's first block is first's to compute: it waits, keeping its place; other is admitted behind it.
+    assert chunks(step(sched, runner)[0]) == [(1, 0, 14, True), (3, 0, 6, True)]
+    assert sched.num_waiting == 1 and bm.num_claimed_blocks == 0  # first committed all its claims
+    assert chunks(step(sched, runner)[0]) == [(1, 14, 1, True), (3, 6, 1, True), (2, 12, 2, True)]
+    assert second.num_cached_tokens == 12 and bm.hit_tokens_total == 12
+    run_to_end(sched, runner)
+    assert second.output_token_ids == reference_tokens(second.prompt_token_ids, 4)
+
+
+def test_a_waiting_prompt_follows_a_chunked_prefill_of_its_prefix_block_by_block() -> None:
+    sched, bm, runner = make(long_prefill_chunk=4)
+    first, second = seq_of(1, [*range(12), 50]), seq_of(2, [*range(12), 60])
+    sched.add(first)
+    sched.add(second)
+    assert chunks(step(sched, runner)[0]) == [(1, 0, 4, False)]
+    assert bm.num_claimed_blocks == 2  # blocks 1 and 2 of the shared prompt are still to come
+    assert chunks(step(sched, runner)[0]) == [(1, 4, 4, False)]
+    assert chunks(step(sched, runner)[0]) == [(1, 8, 4, False)]
+    assert chunks(step(sched, runner)[0]) == [(1, 12, 1, True), (2, 12, 1, True)]
+    assert second.num_cached_tokens == 12
+
+
+def test_a_prompt_waiting_on_a_prefix_computes_it_itself_once_the_other_is_aborted() -> None:
+    sched, bm, runner = make(long_prefill_chunk=4)
+    first, second = seq_of(1, [*range(12), 50]), seq_of(2, [*range(12), 60])
+    sched.add(first)
+    sched.add(second)
+    step(sched, runner)
+    sched.abort(1)
+    assert bm.num_claimed_blocks == 0
+    assert chunks(step(sched, runner)[0]) == [(2, 4, 4, False)]  # block 0 is cached; the rest is its own
+    run_to_end(sched, runner)
+    assert second.output_token_ids == reference_tokens(second.prompt_token_ids, 4)
+
+
+def test_a_prompt_waiting_on_a_prefix_does_not_hold_back_later_adapters() -> None:
+    class EverySlotFree:
+        def on_add(self, adapter: str) -> None: pass
+        def can_run(self, adapter: str) -> bool: return True
+        def on_run(self, adapter: str) -> None: pass
+        def on_stop(self, adapter: str) -> None: pass
+        def on_finish(self, adapter: str) -> None: pass
+
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), bm,
+                      EverySlotFree())
+    sched.add(seq_of(1, [*range(8), 1]))
+    sched.add(seq_of(2, [*range(8), 2]))
+    sched.add(Sequence(3, tuple(range(300, 305)), SamplingParams(max_tokens=2), adapter="sql"))
+    assert [w.seq_id for w in sched.schedule().seqs] == [1, 3]
+
+
 # ----- preemption
 
 
@@ -347,6 +406,7 @@ def check_invariants(sched: Scheduler, bm: BlockManager, seqs: list[Sequence]) -
     assert all(s.block_table == [] for s in seqs if s.status is FINISHED)
     hashes = [h for h in map(bm.block_hash, range(bm.num_total_blocks)) if h is not None]
     assert len(hashes) == len(set(hashes)) == bm.num_cached_blocks
+    assert bm.num_claimed_blocks <= sum(math.ceil(s.num_tokens / BS) for s in running)
 
 
 @pytest.mark.parametrize("seed,long_prefill_chunk", [(0, None), (1, 5), (2, None), (3, 3)])
@@ -372,7 +432,7 @@ def test_randomized_run_keeps_invariants_and_matches_the_reference(seed, long_pr
         assert s.output_token_ids == reference_tokens(s.prompt_token_ids, len(s.output_token_ids))
         if s.finish_reason is FinishReason.LENGTH:
             assert len(s.output_token_ids) == s.params.max_tokens or s.num_tokens == 40
-    assert bm.num_free_blocks == bm.num_total_blocks
+    assert bm.num_free_blocks == bm.num_total_blocks and bm.num_claimed_blocks == 0
     assert sum(s.num_preemptions for s in seqs) > 0 and bm.hit_tokens_total > 0  # both paths ran
 
 
