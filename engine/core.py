@@ -84,6 +84,7 @@ class EngineStats:
     adapters_loaded: tuple[str, ...] = ()  # registered adapters whose weights hold a slot now, sorted
     num_adapter_loads_total: int = 0  # adapter weights loaded into a slot (first loads and reloads)
     num_adapter_evictions_total: int = 0  # idle adapters evicted (least recently used) for another
+    num_prefix_waits_total: int = 0  # admissions put off a step: another request was computing their prefix
 
 
 @dataclass
@@ -208,6 +209,7 @@ class EngineCore:
             block_size_tokens=blocks.block_size, prefix_queried_tokens_total=blocks.queried_tokens_total,
             prefix_hit_tokens_total=blocks.hit_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_prefix_waits_total=self.scheduler.num_prefix_waits_total,
             num_generated_tokens_total=self._num_generated_tokens_total,
             num_prompt_tokens_total=self._num_prompt_tokens_total,
             num_requests_finished_total=self._num_requests_finished_total,

@@ -105,6 +105,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
         self._released: list[int] = []  # finished since the last schedule()
         self.num_preemptions_total = 0  # a counter for metrics: preemptions mean the KV pool is too small
+        self.num_prefix_waits_total = 0  # admissions put off a step for a prefix another sequence computes
 
     # ----- requests in and out
 
@@ -242,6 +243,7 @@ class Scheduler:
             num_cached = blocks.allocate_prefix(seq)
             if blocks.prefix_computing_elsewhere(seq):
                 blocks.free(seq)
+                self.num_prefix_waits_total += 1
                 passed_over.append(self._waiting.popleft())
                 continue
             seq.num_computed_tokens = num_cached

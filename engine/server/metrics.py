@@ -87,6 +87,9 @@ class _EngineStatsCollector(Collector):
                                   value=s.prefix_hit_tokens_total)
         yield CounterMetricFamily("kvgate_engine_preemptions", "Requests preempted for lack of KV blocks.",
                                   value=s.num_preemptions_total)
+        yield CounterMetricFamily("kvgate_engine_prefix_waits", "Admissions put off a step because another "
+                                  "request was computing the KV blocks of the same prefix.",
+                                  value=s.num_prefix_waits_total)
         yield CounterMetricFamily("kvgate_engine_generated_tokens", "Tokens generated.",
                                   value=s.num_generated_tokens_total)
         yield CounterMetricFamily("kvgate_engine_prompt_tokens", "Prompt tokens admitted.",

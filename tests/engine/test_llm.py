@@ -73,6 +73,18 @@ def test_a_prefix_cache_hit_gives_the_same_tokens_as_a_miss_and_is_counted(sharp
     assert llm.core.block_manager.hit_tokens_total - hits_before == 64
 
 
+def test_prompts_sharing_a_prefix_at_once_compute_it_once_and_match_the_tokens_of_a_cold_run(
+        sharp_model: Path) -> None:
+    shared = prompts(1, seed=3, low=100, high=101)[0]  # 6 full blocks of 16, and 4 tokens
+    batch = [shared + [7 + i, 8 + i] for i in range(4)]
+    cold = make_llm(sharp_model, enable_prefix_caching=False).generate(batch, GREEDY)
+    llm = make_llm(sharp_model)
+    together = llm.generate(batch, GREEDY)  # all four are waiting when the first step is scheduled
+    assert token_ids(together) == token_ids(cold)
+    assert [o.num_cached_tokens for o in together] == [0, 96, 96, 96]
+    assert llm.core.scheduler.num_prefix_waits_total == 3
+
+
 def test_a_tiny_kv_budget_forces_preemption_and_eviction_but_not_different_tokens(sharp_model: Path) -> None:
     batch = prompts(8, seed=2)
     roomy = make_llm(sharp_model).generate(batch, GREEDY)

@@ -202,7 +202,7 @@ async def test_metrics_expose_engine_state_and_latencies_from_the_injected_clock
     assert value["kvgate_engine_time_to_first_token_seconds_sum"] == 1.0
     assert value["kvgate_engine_time_per_output_token_seconds_sum"] == 1.0
     assert value['kvgate_engine_requests_finished_total{finish_reason="length"}'] == 1
-    for name in ("prefix_hit_tokens_total", "prefix_queried_tokens_total", "preemptions_total",
+    for name in ("prefix_hit_tokens_total", "prefix_queried_tokens_total", "preemptions_total", "prefix_waits_total",
                  "generated_tokens_total", "requests_aborted_total", "requests_waiting", "adapter_loads_total",
                  "adapter_evictions_total", "adapters_loaded"):
         assert f"kvgate_engine_{name}" in value
