@@ -90,9 +90,7 @@ class BlockManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         # Hash chain of each sequence's committed (or cache-hit) full blocks, by seq_id.
         self._seq_hashes: dict[int, list[int]] = {}
-        # Hashes of each sequence's known full blocks past its chain, next first: hashed once at admission,
-        # taken by commit_full_blocks. And which sequence claimed each such hash (the first to be admitted).
-        self._seq_ahead: dict[int, deque[int]] = {}
+        # Full blocks an admitted sequence will compute and has not yet: hash -> the claiming seq_id.
         self._computing: dict[int, int] = {}
         self._events: list[KVEvent] = []
         self.queried_tokens_total = 0  # prompt tokens looked up on sequences' first schedule
@@ -163,24 +161,26 @@ class BlockManager:
         Raises ValueError if the sequence already holds blocks."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds {len(seq.block_table)} blocks")
-        hits, ahead = self._lookup(seq)
+        hits = self._lookup(seq)
         for _, block in hits:
             if self._ref_counts[block] == 0:
                 del self._free_cached[block]
             self._ref_counts[block] += 1
             seq.block_table.append(block)
         self._seq_hashes[seq.seq_id] = [block_hash for block_hash, _ in hits]
-        self._seq_ahead[seq.seq_id] = deque(ahead)
-        for block_hash in ahead:
+        for block_hash in seq.block_hashes[len(hits):]:
             if block_hash not in self._cached:
                 self._computing.setdefault(block_hash, seq.seq_id)
         return len(hits) * self.block_size
 
     def prefix_computing_elsewhere(self, seq: Sequence) -> bool:
-        """Whether the first block `seq` missed in `allocate_prefix` is claimed by another sequence, which
-        has not computed it yet. The scheduler frees such a sequence and retries it next step."""
-        ahead = self._seq_ahead.get(seq.seq_id)
-        return bool(ahead) and self._computing.get(ahead[0], seq.seq_id) != seq.seq_id
+        """Whether the first full block of `seq` (which holds no blocks) that the cache misses is claimed by
+        a sequence that has not computed it yet. The scheduler retries such a sequence next step."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return False
+        hashes = self._full_block_hashes(seq)
+        num_hits = len(self._lookup(seq))
+        return num_hits < len(hashes) and hashes[num_hits] in self._computing
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether the free pool can extend `seq` to cover num_computed_tokens + num_new_tokens."""
@@ -207,8 +207,7 @@ class BlockManager:
             else:
                 self._free_cached[block] = None
         seq.block_table.clear()
-        self._seq_hashes.pop(seq.seq_id, None)
-        for block_hash in self._seq_ahead.pop(seq.seq_id, ()):
+        for block_hash in seq.block_hashes[len(self._seq_hashes.pop(seq.seq_id, ())):]:
             self._unclaim(block_hash, seq.seq_id)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
@@ -220,17 +219,11 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if num_full <= len(chain):
             return
-        tokens = seq.all_token_ids
-        ahead = self._seq_ahead.get(seq.seq_id)
+        hashes = self._full_block_hashes(seq)
         stored: list[int] = []  # indices of blocks that joined the cache
         for index in range(len(chain), num_full):
-            if ahead:
-                block_hash = ahead.popleft()
-                self._unclaim(block_hash, seq.seq_id)
-            else:
-                parent = chain[-1] if chain else ROOT_BLOCK_HASH
-                start = index * self.block_size
-                block_hash = hash_block(parent, tokens[start:start + self.block_size], seq.adapter)
+            block_hash = hashes[index]
+            self._unclaim(block_hash, seq.seq_id)
             chain.append(block_hash)
             if block_hash in self._cached:
                 continue  # the same content is cached in another block already
@@ -252,25 +245,30 @@ class BlockManager:
 
     # ----- internals
 
-    def _lookup(self, seq: Sequence) -> tuple[list[tuple[int, int]], list[int]]:
-        """(hash, block id) of the leading cached full blocks, at most (num_tokens - 1) // block_size, and
-        the hashes of the known full blocks after them."""
+    def _lookup(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(hash, block id) of the leading cached full blocks, at most (num_tokens - 1) // block_size."""
         if not self.enable_prefix_caching:
-            return [], []
-        tokens = seq.all_token_ids
+            return []
         hits: list[tuple[int, int]] = []
-        ahead: list[int] = []
-        servable = (len(tokens) - 1) // self.block_size
-        parent = ROOT_BLOCK_HASH
-        for index in range(len(tokens) // self.block_size):
-            start = index * self.block_size
-            parent = hash_block(parent, tokens[start:start + self.block_size], seq.adapter)
-            block = None if ahead or index >= servable else self._cached.get(parent)
+        for block_hash in self._full_block_hashes(seq)[:(seq.num_tokens - 1) // self.block_size]:
+            block = self._cached.get(block_hash)
             if block is None:
-                ahead.append(parent)
-            else:
-                hits.append((parent, block))
-        return hits, ahead
+                break
+            hits.append((block_hash, block))
+        return hits
+
+    def _full_block_hashes(self, seq: Sequence) -> list[int]:
+        """seq.block_hashes, first extended to every full block of its known tokens."""
+        hashes = seq.block_hashes
+        num_full = seq.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            tokens = seq.all_token_ids
+            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            for index in range(len(hashes), num_full):
+                start = index * self.block_size
+                parent = hash_block(parent, tokens[start:start + self.block_size], seq.adapter)
+                hashes.append(parent)
+        return hashes
 
     def _unclaim(self, block_hash: int, seq_id: int) -> None:
         if self._computing.get(block_hash) == seq_id:

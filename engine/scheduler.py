@@ -240,12 +240,11 @@ class Scheduler:
                 lora_held = True
                 passed_over.append(self._waiting.popleft())
                 continue
-            num_cached = blocks.allocate_prefix(seq)
             if blocks.prefix_computing_elsewhere(seq):
-                blocks.free(seq)
                 self.num_prefix_waits_total += 1
                 passed_over.append(self._waiting.popleft())
                 continue
+            num_cached = blocks.allocate_prefix(seq)
             seq.num_computed_tokens = num_cached
             num_new = self._chunk_len(seq, budget)
             if not blocks.can_allocate(seq, num_new):

@@ -86,6 +86,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # physical block ids, in position order
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Chained prefix-cache hashes of the full blocks of all_token_ids hashed so far: the block manager
+    # extends it as tokens are known, so each block is hashed once however often the sequence is looked up.
+    block_hashes: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
