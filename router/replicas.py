@@ -38,7 +38,7 @@ from router.block_index import BlockIndex, BlockIndexes
 from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
 from router.prompt_tokens import PromptTokenizer
-from router.sources import LoadReport, fetch_tokenizer, parse_metrics, watch_stream
+from router.sources import LoadReport, fetch_tokenizer, parse_metrics, replica_url, watch_stream
 from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView
 
 log = logging.getLogger(__name__)
@@ -543,7 +543,7 @@ class ReplicaTracker:
     async def _scrape_loop(self, tracked: _Tracked) -> None:
         while True:
             try:
-                async with self._http_session().get(f"{tracked.url}/metrics", timeout=self._timeout()) as response:
+                async with self._http_session().get(replica_url(tracked.url, "/metrics"), timeout=self._timeout()) as response:
                     text = await response.text() if response.status == 200 else None
                 if text is not None:
                     self._apply_load(tracked.replica_id, parse_metrics(text))
@@ -556,7 +556,7 @@ class ReplicaTracker:
     async def _health_loop(self, tracked: _Tracked) -> None:
         while True:
             try:
-                async with self._http_session().get(f"{tracked.url}/health", timeout=self._timeout()) as response:
+                async with self._http_session().get(replica_url(tracked.url, "/health"), timeout=self._timeout()) as response:
                     ok = response.status == 200
             except asyncio.CancelledError:
                 raise

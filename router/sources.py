@@ -76,6 +76,13 @@ class Sample:
         return next((v for k, v in self.labels if k == key), None)
 
 
+def replica_url(base_url: str, path: str) -> str:
+    """`path` under a replica's base URL, before the URL's query string, which every request keeps:
+    ("http://h/api?v=1", "/metrics") -> "http://h/api/metrics?v=1"."""
+    base, mark, query = base_url.partition("?")
+    return f"{base.rstrip('/')}{path}{mark}{query}"
+
+
 def parse_samples(text: str) -> list[Sample]:
     """Every sample line of a Prometheus text exposition; comments and unparsable lines are skipped."""
     samples = []

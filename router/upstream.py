@@ -62,6 +62,7 @@ class _Target:
 
     origin: tuple[str, str, int]  # (scheme, host, port): the pool's key
     path_prefix: str  # a base URL's own path ("http://h/api" -> "/api"), "" for most
+    query: str  # a base URL's query string with its "?" ("http://h/api?v=1" -> "?v=1"), kept after the path
     fixed_headers: str  # Host, and Authorization when the URL carries user:password
 
 
@@ -86,7 +87,7 @@ class UpstreamPool:
         target = self._target(base_url)
         if not (accept.isascii() and accept.isprintable()):  # the client's header: never CR/LF, never a 500
             accept = "*/*"
-        head = (f"POST {target.path_prefix}{path} HTTP/1.1\r\n{target.fixed_headers}"
+        head = (f"POST {target.path_prefix}{path}{target.query} HTTP/1.1\r\n{target.fixed_headers}"
                 f"Content-Type: application/json\r\nAccept: {accept}\r\nContent-Length: {len(body)}\r\n\r\n"
                 ).encode("latin-1")
         connection = self._take_idle(target.origin, loop.time())
@@ -177,7 +178,7 @@ def _parse_target(base_url: str) -> _Target:
         credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
         headers += f"Authorization: Basic {base64.b64encode(credentials).decode()}\r\n"
     return _Target(origin=(parts.scheme, parts.hostname, port), path_prefix=parts.path.rstrip("/"),
-                   fixed_headers=headers)
+                   query=f"?{parts.query}" if parts.query else "", fixed_headers=headers)
 
 
 class UpstreamResponse:

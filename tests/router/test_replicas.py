@@ -20,7 +20,7 @@ from registry.loader import load_registry
 from registry.snapshot import Snapshot
 from router.prefix_index import DEFAULT_CAPACITY_CHUNKS, capacity_chunks
 from router.replicas import ReplicaTracker
-from router.sources import LoadReport, parse_metrics
+from router.sources import LoadReport, parse_metrics, replica_url
 from tests.gateway_harness import eventually
 
 FAST = {"poll_interval_s": 0.05, "health_interval_s": 0.05}
@@ -80,6 +80,15 @@ sglang:token_usage{model_name="m"} 0.9
 SGLANG_POOL = SGLANG + """sglang:max_total_num_tokens{model_name="m"} 161721.0
 sglang:page_size{model_name="m"} 16
 """
+
+
+@pytest.mark.parametrize("base,expected", [
+    ("http://10.0.0.5:8000", "http://10.0.0.5:8000/metrics"),
+    ("http://h/api/", "http://h/api/metrics"),
+    ("https://h/openai?api-version=2024-06-01", "https://h/openai/metrics?api-version=2024-06-01"),
+])
+def test_a_replica_path_goes_before_the_base_urls_query_string(base: str, expected: str) -> None:
+    assert replica_url(base, "/metrics") == expected
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -132,6 +132,15 @@ async def test_the_request_carries_the_base_urls_path_host_and_the_clients_accep
 
 
 @on_both_loops
+async def test_the_base_urls_query_string_follows_the_path() -> None:
+    async with pooled() as pool:
+        async with serving(answering(json_answer(b"{}"))) as server:
+            response = await post(pool, server.url + "/openai?api-version=2024-06-01")
+            response.release()
+            assert server.requests[0].startswith(b"POST /openai/v1/chat/completions?api-version=2024-06-01 HTTP/1.1\r\n")
+
+
+@on_both_loops
 async def test_a_chunked_stream_is_read_as_it_arrives_without_its_framing() -> None:
     async with pooled() as pool:
         events = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
