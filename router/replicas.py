@@ -543,7 +543,8 @@ class ReplicaTracker:
     async def _scrape_loop(self, tracked: _Tracked) -> None:
         while True:
             try:
-                async with self._http_session().get(replica_url(tracked.url, "/metrics"), timeout=self._timeout()) as response:
+                url = replica_url(tracked.url, "/metrics")
+                async with self._http_session().get(url, timeout=self._timeout()) as response:
                     text = await response.text() if response.status == 200 else None
                 if text is not None:
                     self._apply_load(tracked.replica_id, parse_metrics(text))
@@ -556,7 +557,8 @@ class ReplicaTracker:
     async def _health_loop(self, tracked: _Tracked) -> None:
         while True:
             try:
-                async with self._http_session().get(replica_url(tracked.url, "/health"), timeout=self._timeout()) as response:
+                url = replica_url(tracked.url, "/health")
+                async with self._http_session().get(url, timeout=self._timeout()) as response:
                     ok = response.status == 200
             except asyncio.CancelledError:
                 raise
