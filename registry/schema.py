@@ -175,7 +175,9 @@ class Routing(_Strict):
         default=2, ge=1,
         description="cache_aware: a prefix that at least this many of the gateway's requests in flight at a "
                     "replica share is hot there, and the load bound holds for it: more requests for it go to "
-                    "other replicas, which then hold it too (a burst on one system prompt spreads).")
+                    "other replicas, which then hold it too (a burst on one system prompt spreads). kvgate engines "
+                    "compute a prompt that requests admitted together share once, so a fleet of them may set 8 "
+                    "(measured in docs/benchmarks.md); servers that compute it per request do better at 2.")
     over_bound_cost_tokens: float = Field(
         default=2000.0, ge=0,
         description="cache_aware: for a request whose own cached prefix a replica over the load bound holds "
