@@ -104,6 +104,15 @@ async def post(pool: UpstreamPool, url: str, body: bytes = b'{"model": "m"}', ti
                            connect_timeout_s=LONG_S, timeout_s=timeout_s)
 
 
+async def post_and_read(pool: UpstreamPool, url: str) -> bytes:
+    """One request's whole answer body; the response is released (its connection back to the pool if whole)."""
+    response = await post(pool, url)
+    try:
+        return await response.read_all(LONG_S)
+    finally:
+        response.release()
+
+
 @on_both_loops
 async def test_a_sized_answer_is_read_whole_and_its_connection_serves_the_next_request() -> None:
     async with pooled() as pool:
@@ -167,10 +176,7 @@ async def test_a_body_that_runs_to_the_close_ends_there_and_its_connection_is_no
     async with pooled() as pool:
         answer = answering(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", b"all of it", then_close=True)
         async with serving(answer) as server:
-            for _ in range(2):
-                response = await post(pool, server.url)
-                assert await response.read_all(LONG_S) == b"all of it"
-                response.release()
+            assert [await post_and_read(pool, server.url) for _ in range(2)] == [b"all of it"] * 2
             assert server.num_connections == 2
 
 
@@ -260,10 +266,7 @@ async def test_an_idle_connection_the_replica_closed_is_replaced_without_an_erro
             await writer.drain()
 
         async with serving(answer_once_per_connection) as server:
-            for _ in range(2):
-                response = await post(pool, server.url)
-                assert await response.read_all(LONG_S) == b"{}"
-                response.release()
+            assert [await post_and_read(pool, server.url) for _ in range(2)] == [b"{}"] * 2
             assert server.num_connections == 2
 
 
@@ -349,9 +352,7 @@ async def test_a_reused_connection_dropped_after_the_replica_had_the_request_is_
             await writer.drain()
 
         async with serving(answer_then_drop_slowly) as server:
-            response = await post(pool, server.url)
-            await response.read_all(LONG_S)
-            response.release()
+            await post_and_read(pool, server.url)
             with pytest.raises(UpstreamError, match="before answering"):
                 await post(pool, server.url)
             assert len(server.bodies) == 2  # sent once each, never again
@@ -363,9 +364,7 @@ async def test_a_connection_idle_past_max_idle_s_is_not_reused() -> None:
         async with serving(answering(json_answer(b"{}"))) as server:
             for pause_s in (0.0, 0.3):
                 await asyncio.sleep(pause_s)
-                response = await post(pool, server.url)
-                await response.read_all(LONG_S)
-                response.release()
+                await post_and_read(pool, server.url)
             assert server.num_connections == 2
 
 
