@@ -88,8 +88,9 @@ class BlockManager:
         # recently freed first (an OrderedDict used as an ordered set).
         self._free_plain: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        # Hash chain of each sequence's committed (or cache-hit) full blocks, by seq_id.
-        self._seq_hashes: dict[int, list[int]] = {}
+        # How many leading full blocks of each sequence are committed (or were cache hits), by seq_id; their
+        # hashes are the first entries of seq.block_hashes.
+        self._seq_num_chained: dict[int, int] = {}
         # Full blocks an admitted sequence will compute and has not yet: hash -> the claiming seq_id.
         self._computing: dict[int, int] = {}
         self._events: list[KVEvent] = []
@@ -167,7 +168,7 @@ class BlockManager:
                 del self._free_cached[block]
             self._ref_counts[block] += 1
             seq.block_table.append(block)
-        self._seq_hashes[seq.seq_id] = [block_hash for block_hash, _ in hits]
+        self._seq_num_chained[seq.seq_id] = len(hits)
         for block_hash in seq.block_hashes[len(hits):]:
             if block_hash not in self._cached:
                 self._computing.setdefault(block_hash, seq.seq_id)
@@ -176,8 +177,8 @@ class BlockManager:
     def prefix_computing_elsewhere(self, seq: Sequence) -> bool:
         """Whether the first full block of `seq` (which holds no blocks) that the cache misses is claimed by
         a sequence that has not computed it yet. The scheduler retries such a sequence next step."""
-        if not self.enable_prefix_caching or seq.block_table:
-            return False
+        if not self._computing or seq.block_table:
+            return False  # nothing is being computed (or prefix caching is off: nothing is ever claimed)
         hashes = self._full_block_hashes(seq)
         num_hits = len(self._lookup(seq))
         return num_hits < len(hashes) and hashes[num_hits] in self._computing
@@ -207,7 +208,7 @@ class BlockManager:
             else:
                 self._free_cached[block] = None
         seq.block_table.clear()
-        for block_hash in seq.block_hashes[len(self._seq_hashes.pop(seq.seq_id, ())):]:
+        for block_hash in seq.block_hashes[self._seq_num_chained.pop(seq.seq_id, 0):]:
             self._unclaim(block_hash, seq.seq_id)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
@@ -215,16 +216,16 @@ class BlockManager:
         (per seq.num_computed_tokens). Call after every step for every sequence that advanced."""
         if not self.enable_prefix_caching:
             return
-        chain = self._seq_hashes.setdefault(seq.seq_id, [])
+        num_chained = self._seq_num_chained.get(seq.seq_id, 0)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if num_full <= len(chain):
+        if num_full <= num_chained:
             return
-        hashes = self._full_block_hashes(seq)
+        chain = self._full_block_hashes(seq)
+        self._seq_num_chained[seq.seq_id] = num_full
         stored: list[int] = []  # indices of blocks that joined the cache
-        for index in range(len(chain), num_full):
-            block_hash = hashes[index]
+        for index in range(num_chained, num_full):
+            block_hash = chain[index]
             self._unclaim(block_hash, seq.seq_id)
-            chain.append(block_hash)
             if block_hash in self._cached:
                 continue  # the same content is cached in another block already
             block = seq.block_table[index]
