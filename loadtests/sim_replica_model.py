@@ -9,27 +9,34 @@ Cost model (vLLM-like chunked prefill, continuous batching):
   seeded with the model (or adapter) name, so the same text under another adapter never hits;
 - at most `max_batch` sequences run; the rest wait (FCFS) -> `num_waiting`;
 - a sequence's cached tokens are looked up when it first gets prefill budget in a step (as vLLM's
-  scheduler looks up computed blocks when it schedules a request), not when it joins the batch: a request
-  behind another with the same prefix finds the blocks that one computed in an earlier step; the leading
-  blocks found in the cache, never the whole prompt (the last token is always computed, as in vLLM);
+  scheduler looks up computed blocks when it schedules a request), not when it joins the batch: the
+  leading blocks found in the cache, never the whole prompt (the last token is always computed, as in
+  vLLM);
+- a prompt's full blocks join the cache when the step that computes them is planned, not when they are
+  computed, as vLLM v1 does (`KVCacheManager.allocate_slots` caches the blocks of the tokens it schedules;
+  a layer writes the whole batch's keys and values before its attention reads them). So a request
+  scheduled behind another with the same prefix, in the same step or a later one, hits what that one
+  scheduled ahead of it instead of computing it a second time. FCFS budget makes that the whole prefix:
+  a request gets prefill budget only once those ahead of it have scheduled all of their prompts;
 - each step spends up to `max_prefill_tokens_per_step` uncached prompt tokens, shared FCFS across the
   running batch, and gives one token to every running sequence that has finished its prefill;
   step time = prefill tokens / prefill_tokens_per_s + (1 / decode_tokens_per_s if anything decodes).
   Worked numbers with the defaults (8,000 prefill tok/s, 50 decode tok/s): a 2,000-token prompt with
   1,600 cached costs 400 / 8,000 = 50 ms to its first token on an idle replica, then 20 ms per token;
   cold, it costs 250 ms;
-- the step that completes a prefill yields the first output token and inserts the prompt's full blocks
-  into the cache, evicting least recently used blocks beyond `kv_capacity_tokens / 16`.
+- the step that completes a prefill yields the first output token and touches the prompt's full blocks
+  in the cache; joining or touched, blocks beyond `kv_capacity_tokens / 16` evict the least recently used.
 
 KV-events mode (`sim_replica.py --tokenizer-dir`, see `sim_state.py`): the shell counts and hashes a
 prompt as a kvgate engine does (its real token ids, `kvgate.kv_blocks.hash_blocks` with the adapter)
 and passes them in; the cost model is the same. A cache made with `record_events` also records what a
 kvgate engine's BlockManager reports for the same changes: a `BlockStored` per run of consecutive blocks
 that joined the cache (chain order, naming the block before the run as parent), a `BlockRemoved` for the
-blocks evicted. Where the sim differs from the engine (in both modes): it caches whole prompts when their
-prefill completes (the engine commits each block as it is computed, generated tokens too), it may evict
-blocks a running sequence uses (the engine never does), and its LRU evicts a prompt's leading blocks
-before its tail (the engine frees a sequence tail first). Events always describe the sim's own cache.
+blocks evicted. Where the sim differs from the engine (in both modes): it caches a prompt's blocks when it
+plans their computation (the engine commits each block once computed, generated tokens too, and puts off a
+request whose next block another is computing until then), it may evict blocks a running sequence uses (the
+engine never does), and its LRU evicts a prompt's leading blocks before its tail (the engine frees a
+sequence tail first). Events always describe the sim's own cache.
 """
 
 from __future__ import annotations
@@ -334,6 +341,8 @@ class Scheduler:
                 num = min(remaining, budget)
                 prefill.append((seq.seq_id, num))
                 budget -= num
+                if self.spec.prefix_caching:  # cached when scheduled, as vLLM v1 does (module docstring)
+                    self.cache.insert(seq.hashes[:(seq.num_computed_tokens + num) // BLOCK_SIZE_TOKENS], seq.adapter)
         if not prefill and not decode:
             return None
         duration_s = sum(n for _, n in prefill) / self.spec.prefill_tokens_per_s
