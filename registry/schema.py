@@ -172,12 +172,13 @@ class Routing(_Strict):
                     "batches that few at once, and moving the request costs its prefill); new text and a hot "
                     "prefix see the bound itself.")
     hot_prefix_requests: int = Field(
-        default=2, ge=1,
+        default=4, ge=1,
         description="cache_aware: a prefix that at least this many of the gateway's requests in flight at a "
                     "replica share is hot there, and the load bound holds for it: more requests for it go to "
-                    "other replicas, which then hold it too (a burst on one system prompt spreads). kvgate engines "
-                    "compute a prompt that requests admitted together share once, so a fleet of them may set 8 "
-                    "(measured in docs/benchmarks.md); servers that compute it per request do better at 2.")
+                    "other replicas, which then hold it too (a burst on one system prompt spreads). Lower "
+                    "spreads a burst sooner, higher computes its prompt on fewer replicas; 4 is best measured "
+                    "on simulated vLLM replicas at 4 and 16 (docs/benchmarks.md), and a fleet of kvgate "
+                    "engines, which compute a prompt that requests admitted together share once, may set 8.")
     over_bound_cost_tokens: float = Field(
         default=2000.0, ge=0,
         description="cache_aware: for a request whose own cached prefix a replica over the load bound holds "

@@ -5,7 +5,7 @@ which is what lets gateways that share nothing agree (rendezvous hashing is keye
 and ties are never broken by list position: sglang-router sent 12 of 12 distinct sequential prompts to
 its first worker). What a view holds differs per gateway only in its own in-flight counts: the load,
 pending prefill and the in-flight chains that make a prefix hot (with G gateways a burst is seen as hot
-once about 2G of its requests are in flight).
+once about G x hot_prefix_requests of its requests are in flight at a replica).
 
 The load bound (consistent hashing with bounded loads, Mirrokni et al. 2016), used by
 `consistent_hash` and `cache_aware`: with n candidates whose loads sum to `total`, a replica has room
@@ -92,7 +92,7 @@ class RoutingKnobs:
     min_load_cap: int = 8
     min_match_fraction: float = 0.0
     miss_cost_weight: float = 16.0
-    hot_prefix_requests: int = 2
+    hot_prefix_requests: int = 4
     over_bound_cost_tokens: float = 2000.0
 
     @classmethod

@@ -34,8 +34,9 @@ def request(prompt: str, seq: int = 0, adapter: str | None = None) -> RouteReque
 
 
 def knobs(policy: RoutingPolicy, epsilon: float = 0.25, min_load_cap: int = 1) -> RoutingKnobs:
-    """Epsilon 0.25 and no floor under the cap: the worked numbers below exercise the bound itself."""
-    return RoutingKnobs(policy=policy, load_epsilon=epsilon, min_load_cap=min_load_cap)
+    """Epsilon 0.25 and no floor under the cap: the worked numbers below exercise the bound itself. A
+    prefix is hot at 2 requests in flight sharing it (the default is 4), so the cases stay small."""
+    return RoutingKnobs(policy=policy, load_epsilon=epsilon, min_load_cap=min_load_cap, hot_prefix_requests=2)
 
 
 class Gateway:
@@ -70,7 +71,8 @@ def sharing_at(replica_id: str, req: RouteRequest, count: int) -> InFlightChains
 
 def test_every_registry_policy_has_a_function() -> None:
     assert set(POLICIES) == set(RoutingPolicy)
-    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == knobs(RoutingPolicy.LEAST_LOAD, 0.5, 8)
+    assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == RoutingKnobs(
+        policy=RoutingPolicy.LEAST_LOAD, load_epsilon=0.5, min_load_cap=8)  # the registry's defaults are the knobs'
     tuned = RoutingKnobs.from_routing(Routing(hot_prefix_requests=5, over_bound_cost_tokens=123.0))
     assert (tuned.hot_prefix_requests, tuned.over_bound_cost_tokens) == (5, 123.0)
 
@@ -218,6 +220,18 @@ def test_a_prefix_is_hot_at_two_requests_in_flight_sharing_it_and_then_the_bound
     view = ReplicaView.of([replace(r, in_flight=3 if rid == holder else 2) for rid, r in gateway.replicas.items()],
                           gateway.indexes, sharing_at(holder, request(HOT_SYSTEM + "question 0"), sharing))
     decision = choose(request(HOT_SYSTEM + "question 1"), view, knobs(RoutingPolicy.CACHE_AWARE))
+    assert (decision.replica_id == holder) is stays
+
+
+@pytest.mark.parametrize("sharing,stays", [(3, True), (4, False)])
+def test_by_default_a_prefix_is_hot_at_four_requests_in_flight_sharing_it(sharing: int, stays: bool) -> None:
+    gateway = Gateway(fleet(4))
+    holder = gateway.route(request(HOT_SYSTEM + "question 0"), stays_in_flight=False)
+    view = ReplicaView.of([replace(r, in_flight=4 if rid == holder else 2) for rid, r in gateway.replicas.items()],
+                          gateway.indexes, sharing_at(holder, request(HOT_SYSTEM + "question 0"), sharing))
+    # 4 + 6 + 1 = 11 after this one, cap max(floor(1.25 x 2.75), 3) = 3: the holder is over it; below the
+    # floor of 8 it keeps the request while the prefix is not hot there
+    decision = choose(request(HOT_SYSTEM + "question 1"), view, RoutingKnobs.from_routing(Routing()))
     assert (decision.replica_id == holder) is stays
 
 
