@@ -161,7 +161,7 @@ class Routing(_Strict):
                     "only when it covers at least this share of the prompt past what every replica holds; raise "
                     "it if a short common opening draws new conversations to whoever holds it.")
     miss_cost_weight: float = Field(
-        default=16.0, ge=1, le=1000,
+        default=24.0, ge=1, le=1000,
         description="cache_aware: a replica's cost is its pending prefill tokens plus this weight x the prompt "
                     "tokens it does not hold; above 1, a cache miss also counts what it costs those behind it "
                     "and the conversation's later turns.")

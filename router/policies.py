@@ -41,12 +41,14 @@ as what delays a request's first token is the prefill queued ahead of it plus it
 `pending_prefill_tokens` are the prompt tokens this gateway routed to the replica whose first token has
 not come back, counted after its cache; `uncached` is what of this prompt the replica does not hold. With
 a weight of 1 this is the replica's time to first token in tokens, a greedy choice that gives the cache
-away at the first queue; the default weight of 16 also charges a miss for what it costs later: the
-tokens are prefilled again while others wait behind them, and the conversation's next turns find their
-cache split or elsewhere (`loadtests/routing_replay.py` on the Mooncake replay at 4 and 16 replicas:
-weight 1 reached 0.75 and 0.54 of the best hit rate, weight 16 0.93 and 0.87, and a lower p99 too).
-Worked, weight 16: a 1,600-token prompt; replica A holds 1,500 of it and has 2,800 tokens pending (cost 2,800 + 1,600 = 4,400), B holds nothing and has 0 pending (cost 25,600): A.
-With 24,000 pending on A (cost 25,600) they tie and the score below decides. New text (held nowhere)
+away at the first queue; a higher weight also charges a miss for what it costs later: the tokens are
+prefilled again while others wait behind them, and the conversation's next turns find their cache split
+or elsewhere (`loadtests/routing_replay.py` on the Mooncake replay at 4 and 16 replicas: weight 1 reached
+0.75 and 0.54 of the best hit rate, weight 16 0.93 and 0.87, and a lower p99 too; with later rules and
+sims that cache as vLLM v1 does, 16 gave 0.981 and 0.978 and the default, 24, 0.988 and 0.987).
+Worked, weight 16: a 1,600-token prompt; replica A holds 1,500 of it and has 2,800 tokens pending (cost
+2,800 + 1,600 = 4,400), B holds nothing and has 0 pending (cost 25,600): A. With 24,000 pending on A (cost
+25,600) they tie and the score below decides. New text (held nowhere)
 costs the same everywhere but for the queues: it goes to the least pending prefill, and on ties (idle
 replicas) to the rendezvous home of its opening. And KV use: a replica that reports its KV blocks and
 has fewer free tokens than the request's uncached part would have to evict or preempt to start it, so it
@@ -91,7 +93,7 @@ class RoutingKnobs:
     load_epsilon: float = 0.25  # the registry's defaults
     min_load_cap: int = 8
     min_match_fraction: float = 0.0
-    miss_cost_weight: float = 16.0
+    miss_cost_weight: float = 24.0
     hot_prefix_requests: int = 4
     over_bound_cost_tokens: float = 2000.0
 

@@ -35,8 +35,10 @@ def request(prompt: str, seq: int = 0, adapter: str | None = None) -> RouteReque
 
 def knobs(policy: RoutingPolicy, epsilon: float = 0.25, min_load_cap: int = 1) -> RoutingKnobs:
     """Epsilon 0.25 and no floor under the cap: the worked numbers below exercise the bound itself. A
-    prefix is hot at 2 requests in flight sharing it (the default is 4), so the cases stay small."""
-    return RoutingKnobs(policy=policy, load_epsilon=epsilon, min_load_cap=min_load_cap, hot_prefix_requests=2)
+    prefix is hot at 2 requests in flight sharing it (the default is 4), so the cases stay small, and a
+    miss weighs 16 (the default is 24)."""
+    return RoutingKnobs(policy=policy, load_epsilon=epsilon, min_load_cap=min_load_cap, hot_prefix_requests=2,
+                        miss_cost_weight=16.0)
 
 
 class Gateway:
