@@ -97,7 +97,7 @@ def test_the_first_request_waits_while_a_replica_starts_from_zero(up: UpProcess)
     sent_at = time.time()
     started = time.monotonic()
     reply = client(up).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hello from zero"}], max_tokens=8)
+        model=MODEL, messages=[{"role": "user", "content": "hello from zero"}], max_tokens=8, temperature=0)
     waited_s = time.monotonic() - started
     print(f"\nfirst request from zero: {waited_s:.1f} s")
     assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
@@ -111,10 +111,11 @@ def test_chat_completion_streaming_and_adapter_requests_through_the_openai_sdk(u
     chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a chat"}], max_tokens=6)
     assert chat.object == "chat.completion" and chat.usage.completion_tokens > 0
 
-    completion = sdk.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
+    # Greedy, as the stream below: sampled from random weights, the first token was once end-of-sequence
+    # (finish_reason "stop", no text), and six tokens were sometimes byte pieces that decode to one delta.
+    completion = sdk.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
     assert completion.object == "text_completion" and completion.choices[0].text
 
-    # Greedy: sampled from random weights, six tokens were sometimes byte pieces that decode to one delta.
     chunks = list(sdk.chat.completions.create(model=MODEL, stream=True, max_tokens=6, temperature=0,
                                               messages=[{"role": "user", "content": "a stream"}]))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
