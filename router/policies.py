@@ -48,11 +48,11 @@ or elsewhere (`loadtests/routing_replay.py` on the Mooncake replay at 4 and 16 r
 sims that cache as vLLM v1 does, 16 gave 0.981 and 0.978 and the default, 24, 0.988 and 0.987).
 Worked, weight 16: a 1,600-token prompt; replica A holds 1,500 of it and has 2,800 tokens pending (cost
 2,800 + 1,600 = 4,400), B holds nothing and has 0 pending (cost 25,600): A. With 24,000 pending on A (cost
-25,600) they tie and the score below decides. New text (held nowhere)
-costs the same everywhere but for the queues: it goes to the least pending prefill, and on ties (idle
-replicas) to the rendezvous home of its opening. And KV use: a replica that reports its KV blocks and
-has fewer free tokens than the request's uncached part would have to evict or preempt to start it, so it
-has no room while another one does.
+25,600) they tie and the score below decides. New text (held nowhere) costs the same everywhere but for
+the queues: it goes to the least pending prefill, and on ties (idle replicas) to the rendezvous home of
+its opening. And KV use: a replica that reports its KV blocks and has fewer free tokens than the
+request's uncached part would have to evict or preempt to start it, so it has no room while another one
+does.
 """
 
 from __future__ import annotations

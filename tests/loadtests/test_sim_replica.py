@@ -66,13 +66,19 @@ def test_adapter_name_seeds_the_hash_chain():
     assert len(block_hashes(long_prompt("a"), "base")) == 10
 
 
+def two_requests_on_one_prompt(spec: SchedulerSpec) -> Scheduler:
+    """A scheduler holding two requests on the same 160-token (10-block) prompt, one after the other."""
+    sched = Scheduler(spec)
+    hashes = block_hashes(long_prompt("a"), "m")
+    for seq_id in (1, 2):
+        sched.add(SimSequence(seq_id, "m", 160, hashes, max_tokens=1))
+    return sched
+
+
 def test_a_prompt_scheduled_in_the_same_step_hits_the_blocks_scheduled_ahead_of_it():
     # vLLM v1 caches a block's hash when it schedules the block's computation, so a second request on the
     # same 10-block prompt, scheduled in the same step, hits the 9 blocks it may (never the last token's).
-    sched = Scheduler(SchedulerSpec(prefill_tokens_per_s=8_000.0))
-    hashes = block_hashes(long_prompt("a"), "m")
-    sched.add(SimSequence(1, "m", 160, hashes, max_tokens=1))
-    sched.add(SimSequence(2, "m", 160, hashes, max_tokens=1))
+    sched = two_requests_on_one_prompt(SchedulerSpec(prefill_tokens_per_s=8_000.0))
     plan = sched.schedule()
     assert plan.prefill == ((1, 160), (2, 16))
     assert (sched.num_cached_tokens(1), sched.num_cached_tokens(2)) == (0, 144)
@@ -82,17 +88,14 @@ def test_a_prompt_scheduled_in_the_same_step_hits_the_blocks_scheduled_ahead_of_
 def test_a_request_behind_a_chunked_prefill_hits_what_it_scheduled():
     # 64-token steps: the first request's prompt takes three steps. The second, on the same prompt, gets
     # budget only in the third, once all of the first's blocks are scheduled, and hits them there.
-    sched = Scheduler(SchedulerSpec(prefill_tokens_per_s=8_000.0, max_prefill_tokens_per_step=64))
-    hashes = block_hashes(long_prompt("a"), "m")
-    sched.add(SimSequence(1, "m", 160, hashes, max_tokens=1))
-    sched.add(SimSequence(2, "m", 160, hashes, max_tokens=1))
-    plans = []
-    for _ in range(3):
+    sched = two_requests_on_one_prompt(SchedulerSpec(prefill_tokens_per_s=8_000.0, max_prefill_tokens_per_step=64))
+    plans = [sched.schedule()]
+    for _ in range(2):
+        sched.complete(plans[-1])
         plans.append(sched.schedule())
-        if len(plans) < 3:
-            sched.complete(plans[-1])
     assert [p.prefill for p in plans] == [((1, 64),), ((1, 64),), ((1, 32), (2, 16))]
     assert sched.num_cached_tokens(2) == 144
+
 
 # --- the OpenAI SDK -----------------------------------------------------------------------------------
 
