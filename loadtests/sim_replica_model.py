@@ -26,6 +26,8 @@ Cost model (vLLM-like chunked prefill, continuous batching):
   cold, it costs 250 ms;
 - the step that completes a prefill yields the first output token and touches the prompt's full blocks
   in the cache; joining or touched, blocks beyond `kv_capacity_tokens / 16` evict the least recently used.
+  A chain is touched tail first, so its first block is the most recently used and eviction trims chains
+  from their tails, as vLLM v1 and the kvgate engine free a finished request's blocks in reverse order.
 
 KV-events mode (`sim_replica.py --tokenizer-dir`, see `sim_state.py`): the shell counts and hashes a
 prompt as a kvgate engine does (its real token ids, `kvgate.kv_blocks.hash_blocks` with the adapter)
@@ -34,9 +36,8 @@ kvgate engine's BlockManager reports for the same changes: a `BlockStored` per r
 that joined the cache (chain order, naming the block before the run as parent), a `BlockRemoved` for the
 blocks evicted. Where the sim differs from the engine (in both modes): it caches a prompt's blocks when it
 plans their computation (the engine commits each block once computed, generated tokens too, and puts off a
-request whose next block another is computing until then), it may evict blocks a running sequence uses (the
-engine never does), and its LRU evicts a prompt's leading blocks before its tail (the engine frees a
-sequence tail first). Events always describe the sim's own cache.
+request whose next block another is computing until then), and it may evict blocks a running sequence uses
+(the engine never does). Events always describe the sim's own cache.
 """
 
 from __future__ import annotations
@@ -137,22 +138,22 @@ class PrefixCache:
         return num
 
     def match(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of `hashes` are cached; touches them (most recently used)."""
-        num = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
+        """How many leading blocks of `hashes` are cached; touches them, tail first, so the first block
+        is the most recently used (see `insert`)."""
+        num = self.peek(hashes)
+        for h in reversed(hashes[:num]):
             self._blocks.move_to_end(h)
-            num += 1
         return num
 
     def insert(self, hashes: Sequence[int], adapter: str | None = None) -> None:
-        """Add or touch every block of a prompt's chain, then evict the least recently used beyond capacity.
-        `adapter` only labels the recorded `BlockStored` events (the hashes already cover it)."""
-        new: list[int] = []  # chain indices of the blocks that join the cache
-        for index, h in enumerate(hashes):
-            if h not in self._blocks:
-                new.append(index)
+        """Add or touch every block of a prompt's chain, tail first, then evict the least recently used
+        beyond capacity. Touching the tail first leaves the chain's first block the most recently used, so
+        eviction trims a chain from its tail, as vLLM v1 (which frees a request's blocks in reverse order)
+        and the kvgate engine do: a conversation squeezed by others loses its last blocks, not its first
+        one and with it every block behind it. `adapter` only labels the recorded `BlockStored` events
+        (the hashes already cover it)."""
+        new = [index for index, h in enumerate(hashes) if h not in self._blocks]  # chain indices joining
+        for h in reversed(hashes):
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         evicted = []

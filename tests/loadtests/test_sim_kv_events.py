@@ -80,9 +80,9 @@ def test_the_cache_records_what_enters_and_what_is_evicted_and_the_events_rebuil
     cache.insert([1, 2, 4, 5], "a")  # 1 and 2 are there: only 4 and 5 join, under parent 2
     first = cache.drain_events()
     assert first == [BlockStored((1, 2, 3), None, None, 16), BlockStored((4, 5), 2, "a", 16)]
-    cache.insert([6, 7])  # LRU order now 3, 1, 2, 4, 5: 3 and 1 go
+    cache.insert([6, 7])  # chains are touched tail first: LRU order now 3, 5, 4, 2, 1, so 3 and 5 go
     second = cache.drain_events()
-    assert second == [BlockStored((6, 7), None, None, 16), BlockRemoved((3, 1))]
+    assert second == [BlockStored((6, 7), None, None, 16), BlockRemoved((3, 5))]
     cache.insert([8, 9, 10])
     cache.insert([2, 4, 11])  # 2 and 4 were evicted by 8, 9, 10: stored again
     rebuilt: set[int] = set()
@@ -91,10 +91,10 @@ def test_the_cache_records_what_enters_and_what_is_evicted_and_the_events_rebuil
             rebuilt |= set(event.block_hashes)
         else:
             rebuilt -= set(event.block_hashes)
-    assert rebuilt == set(cache.block_hashes()) == {9, 10, 2, 4, 11}
+    assert rebuilt == set(cache.block_hashes()) == {8, 9, 2, 4, 11}
     quiet = PrefixCache(2)  # the default: nothing recorded, the same LRU
     quiet.insert([1, 2, 3])
-    assert quiet.drain_events() == [] and quiet.block_hashes() == [2, 3]
+    assert quiet.drain_events() == [] and quiet.block_hashes() == [2, 1]
 
 
 def test_kv_blocks_free_holds_a_block_that_running_sequences_share_once() -> None:

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from loadtests.sim_replica import FailMode, FailureSpec, SimReplicaConfig, start_sim_replica
-from loadtests.sim_replica_model import Scheduler, SchedulerSpec, SimSequence, block_hashes
+from loadtests.sim_replica_model import PrefixCache, Scheduler, SchedulerSpec, SimSequence, block_hashes
 
 FAST = SchedulerSpec(kv_capacity_tokens=32_768, prefill_tokens_per_s=1_000_000.0, decode_tokens_per_s=2_000.0)
 LONG_A = "A" * 60 + "".join(f"alpha block {i:03d} " for i in range(40))  # 700 chars -> 175 tokens
@@ -95,6 +95,20 @@ def test_a_request_behind_a_chunked_prefill_hits_what_it_scheduled():
         plans.append(sched.schedule())
     assert [p.prefill for p in plans] == [((1, 64),), ((1, 64),), ((1, 32), (2, 16))]
     assert sched.num_cached_tokens(2) == 144
+
+
+def test_eviction_trims_a_chain_from_its_tail():
+    # vLLM v1 frees a finished request's blocks in reverse order, so the tail is evicted first and what
+    # is left is still a prefix: a conversation squeezed by another loses its last blocks, not its first
+    # one (which would take every block behind it out of reach).
+    conversation, other = block_hashes(long_prompt("a"), "m"), block_hashes(long_prompt("b"), "m")
+    cache = PrefixCache(capacity_blocks=14)
+    cache.insert(conversation)
+    assert cache.match(conversation) == 10  # a later turn's look-up touches the chain too
+    cache.insert(other[:4])  # 4 more blocks: 14 in all
+    cache.insert(other[:6])  # 2 over capacity: the conversation's last 2 go
+    assert cache.peek(conversation) == 8
+    assert cache.peek(other) == 6
 
 
 # --- the OpenAI SDK -----------------------------------------------------------------------------------
