@@ -186,6 +186,14 @@ class Routing(_Strict):
                     "this many tokens to that replica's cost instead of ruling it out, so a conversation stays "
                     "with its cache until the queue there outweighs prefilling it elsewhere; 1e9 rules such a "
                     "replica out past the floor.")
+    working_set_share: float = Field(
+        default=0.85, gt=0, le=1,
+        description="cache_aware on its text index, for replicas that report their KV size: the prefixes "
+                    "requests came back for at a replica (a system prompt, conversations' histories) are its "
+                    "working set, and a prompt whose uncached part would not fit beside it in this share of "
+                    "the replica's KV cache adds miss_cost_weight x the working-set tokens it would push out "
+                    "to that replica's cost, so conversations move to a replica with room before they evict "
+                    "each other's histories; 1 counts only what the whole cache cannot hold.")
     affinity_depth_chars: int = Field(
         default=1024, ge=1,
         description="Ties (new text on equally loaded replicas) go by rendezvous hash of this many characters "

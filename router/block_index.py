@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from router.view import count_down
+from router.view import CacheFill, count_down
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,11 @@ class BlockIndexes:
 
     def get(self, replica_id: str) -> BlockIndex | None:
         return self._by_replica.get(replica_id)
+
+    def cache_fill(self, replica_id: str) -> CacheFill | None:
+        """None: the events say what an engine holds, not which of it requests came back for (the
+        engine's own LRU order keeps that), so the working-set cost is left to the text index."""
+        return None
 
     def is_synced(self, replica_id: str) -> bool:
         index = self._by_replica.get(replica_id)

@@ -53,6 +53,16 @@ the queues: it goes to the least pending prefill, and on ties (idle replicas) to
 its opening. And KV use: a replica that reports its KV blocks and has fewer free tokens than the
 request's uncached part would have to evict or preempt to start it, so it has no room while another one
 does.
+
+A replica's cache fills too, with prefixes worth keeping: those requests came back for (a system prompt,
+conversations' histories; the text index counts a chunk recorded again while held as its working set,
+`view.CacheFill`). Uncached tokens that would not fit beside that working set in `working_set_share` of
+the replica's KV cache push part of it out, and each token pushed out is a miss later, so the cost adds
+`miss_cost_weight x` those tokens (`evicted_working_set_tokens`). Without it, conversations that new
+text placed together on idle replicas stay together as their histories grow, until the engine's LRU
+trims each one's tail to make room for another's next turn. Replayed (six seeds, hot_prefix at 16 sims,
+whose KV caches together hold the workload's distinct tokens once): 0.968 -> 0.974 of the best hit rate
+at share 0.85 (0.970 at 1.0; 0.973-0.974 from 0.8 to 0.9), the other cells unchanged.
 """
 
 from __future__ import annotations
@@ -68,7 +78,7 @@ import xxhash
 
 from registry.schema import Routing, RoutingPolicy
 from router.features import RouteRequest
-from router.view import AdapterFit, ReplicaState, ReplicaView
+from router.view import AdapterFit, CacheFill, ReplicaState, ReplicaView
 
 
 class Reason(enum.Enum):
@@ -96,13 +106,15 @@ class RoutingKnobs:
     miss_cost_weight: float = 24.0
     hot_prefix_requests: int = 4
     over_bound_cost_tokens: float = 2000.0
+    working_set_share: float = 0.85
 
     @classmethod
     def from_routing(cls, routing: Routing) -> RoutingKnobs:
         return cls(policy=routing.policy, load_epsilon=routing.load_epsilon,
                    min_load_cap=routing.min_load_cap_requests, min_match_fraction=routing.min_match_fraction,
                    miss_cost_weight=routing.miss_cost_weight, hot_prefix_requests=routing.hot_prefix_requests,
-                   over_bound_cost_tokens=routing.over_bound_cost_tokens)
+                   over_bound_cost_tokens=routing.over_bound_cost_tokens,
+                   working_set_share=routing.working_set_share)
 
 
 @dataclass(frozen=True)
@@ -202,6 +214,20 @@ def prefill_cost(replica: ReplicaState, uncached_tokens: int, miss_cost_weight: 
     return replica.pending_prefill_tokens + miss_cost_weight * uncached_tokens
 
 
+def evicted_working_set_tokens(request: RouteRequest, replica: ReplicaState, fill: CacheFill | None,
+                               uncached_tokens: int, share: float) -> int:
+    """Tokens of the replica's working set (the prefixes requests came back for there, `CacheFill`) that
+    prefilling `uncached_tokens` would push out of its KV cache: what does not fit in `share` of the cache
+    beside the working set. 0 where the index cannot tell (fill None) or the replica reports no KV size
+    (its index size is a guess). Worked, 121 chunks of 32 tokens, share 0.85: 102 - 95 reused = 7 chunks
+    (224 tokens) of room, so an 800-token prompt would push out 576 tokens that requests come back for."""
+    if fill is None or replica.kv_blocks_total == 0:
+        return 0
+    room_chunks = max(0, math.floor(share * fill.capacity_chunks) - fill.reused_chunks)
+    tokens_per_chunk = request.hash_tokens or request.chunk_chars / request.chars_per_token
+    return max(0, math.ceil(uncached_tokens - room_chunks * tokens_per_chunk))
+
+
 def _counted_match(request: RouteRequest, match_chunks: int, skip_chunks: int, min_fraction: float) -> int:
     """`match_chunks` (held past the first `skip_chunks`) when they cover at least `min_fraction` of
     the prompt after those chunks, else 0. Worked: a 6,000-char system prompt every replica holds, then
@@ -236,7 +262,8 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     A match counts only for the part that sets a replica apart (an opening every candidate holds says
     nothing about where the rest lives), and only when it covers `min_match_fraction` of the prompt
     past that opening (0 by default: all of it counts). The KV test uses what each replica holds; the
-    cost, the tie-break and the reason use the counted match. Ties are common at low load (nothing
+    cost, the tie-break and the reason use the counted match; the cost also weighs the working set a
+    replica's uncached part would push out (`evicted_working_set_tokens`). Ties are common at low load (nothing
     pending anywhere): new text then goes by rendezvous of its own opening (`affinity_depth_chars`
     past what every replica holds), the same choice in every gateway.
 
@@ -281,7 +308,13 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     if not any(r.replica_id in fits for r in under_cap):
         fits.update(r.replica_id for r in under_cap)
     with_room = [r for r in eligible if r.replica_id in fits]
+    # A token of a replica's working set that this prefill would push out is a miss later: it weighs
+    # as one.
+    evicted = {r.replica_id: evicted_working_set_tokens(request, r, view.cache_fill(r.replica_id),
+                                                        uncached[r.replica_id], knobs.working_set_share)
+               for r in with_room}
     costs = {r.replica_id: prefill_cost(r, counted_uncached[r.replica_id], knobs.miss_cost_weight)
+             + knobs.miss_cost_weight * evicted[r.replica_id]
              + knobs.over_bound_cost_tokens * max(0, r.load + 1 - own_cap) for r in with_room}
     least = min(costs.values())
     cheapest = [r for r in with_room if costs[r.replica_id] == least]

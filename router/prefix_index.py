@@ -16,6 +16,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from router.features import CHARS_PER_TOKEN
+from router.view import CacheFill
 
 # A replica that reports no KV figures (a foreign backend) gets an index this big, in chunks: 16,384 x 256
 # chars is ~4M characters (~1M tokens), more than most single replicas' KV (an H100 serving an 8B model in
@@ -59,6 +60,7 @@ class PrefixIndex:
         if capacity_chunks < 0 or chunk_chars < 1:
             raise ValueError(f"need capacity_chunks >= 0 and chunk_chars >= 1; got {capacity_chunks}, {chunk_chars}")
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._reused: set[int] = set()  # held chunks a later chain recorded again: the working set
         self._capacity = capacity_chunks
         self._chunk_chars = chunk_chars
         self._predicted_tokens = 0
@@ -92,10 +94,12 @@ class PrefixIndex:
 
     def record(self, hashes: tuple[int, ...]) -> None:
         """Note that the replica is about to hold this chain. Inserted deepest first, so the chain's root
-        is the most recently used and eviction trims chains from their tail, as the engine does."""
+        is the most recently used and eviction trims chains from their tail, as the engine does. A chunk
+        already held joins the working set (`cache_fill`): a request came back for it."""
         for chunk_hash in reversed(hashes):
             if chunk_hash in self._lru:
                 self._lru.move_to_end(chunk_hash)
+                self._reused.add(chunk_hash)
             else:
                 self._lru[chunk_hash] = None
         self._evict_to(self._capacity)
@@ -132,6 +136,7 @@ class PrefixIndex:
         dropped = [chunk_hash for chunk_hash in hashes if chunk_hash in self._lru]
         for chunk_hash in dropped:
             del self._lru[chunk_hash]
+        self._reused.difference_update(dropped)
         return len(dropped)
 
     def caches(self) -> bool:
@@ -147,13 +152,16 @@ class PrefixIndex:
         self._capacity = capacity_chunks
         self._evict_to(capacity_chunks)
 
+    def cache_fill(self) -> CacheFill:
+        return CacheFill(reused_chunks=len(self._reused), capacity_chunks=self._capacity)
+
     def stats(self) -> PrefixStats:
         return PrefixStats(len(self._lru), self._capacity, self._predicted_tokens,
                            self._realised_tokens, self._num_corrections)
 
     def _evict_to(self, capacity: int) -> None:
         while len(self._lru) > capacity:
-            self._lru.popitem(last=False)
+            self._reused.discard(self._lru.popitem(last=False)[0])
 
 
 class PrefixIndexes:
@@ -206,6 +214,11 @@ class PrefixIndexes:
         if index is None:
             return 0
         return index.correct(hashes, predicted_chunks, realised_cached_tokens, chars_per_token)
+
+    def cache_fill(self, replica_id: str) -> CacheFill | None:
+        """The replica's working set against its capacity; None for a replica never seen."""
+        index = self._by_replica.get(replica_id)
+        return index.cache_fill() if index is not None else None
 
     def forget_replica(self, replica_id: str) -> None:
         """Drop a replica's index (it left, or restarted with an empty cache). Succeeds if unknown."""

@@ -65,10 +65,23 @@ class ReplicaState:
         return self.healthy and not self.draining
 
 
+@dataclass(frozen=True)
+class CacheFill:
+    """How full a replica's prefix cache is with what requests come back for, in the index's chunks: the
+    chunks held that a later request sent there again (a system prompt, a conversation's history), out of
+    all the chunks its KV cache holds."""
+
+    reused_chunks: int
+    capacity_chunks: int
+
+
 class PrefixQuery(Protocol):
-    """Read-only access to the prefix index: how many leading hashes of a chain `replica_id` holds."""
+    """Read-only access to the prefix index: how many leading hashes of a chain `replica_id` holds, and
+    how full its cache is with reused prefixes (None where the index cannot tell)."""
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int: ...
+
+    def cache_fill(self, replica_id: str) -> CacheFill | None: ...
 
 
 class NoPrefixes:
@@ -77,6 +90,9 @@ class NoPrefixes:
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
         return 0
+
+    def cache_fill(self, replica_id: str) -> CacheFill | None:
+        return None
 
     def sharing(self, replica_id: str, chain_hash: int) -> int:
         return 0
@@ -169,3 +185,6 @@ class ReplicaView:
 
     def sharing(self, replica_id: str, chain_hash: int) -> int:
         return self.in_flight_chains.sharing(replica_id, chain_hash)
+
+    def cache_fill(self, replica_id: str) -> CacheFill | None:
+        return self.prefixes.cache_fill(replica_id)

@@ -11,7 +11,7 @@ from registry.schema import Routing, RoutingPolicy
 from router.features import RouteRequest, build_route_request
 from router.policies import POLICIES, Reason, RoutingKnobs, choose, load_cap
 from router.prefix_index import PrefixIndexes
-from router.view import AdapterFit, InFlightChains, ReplicaState, ReplicaView
+from router.view import AdapterFit, CacheFill, InFlightChains, ReplicaState, ReplicaView
 
 CHUNK = 64
 HOT_SYSTEM = "You are the support bot of a large shop. Answer politely and briefly. " * 10  # 700 chars
@@ -75,8 +75,9 @@ def test_every_registry_policy_has_a_function() -> None:
     assert set(POLICIES) == set(RoutingPolicy)
     assert RoutingKnobs.from_routing(Routing(policy="least_load", load_epsilon=0.5)) == RoutingKnobs(
         policy=RoutingPolicy.LEAST_LOAD, load_epsilon=0.5, min_load_cap=8)  # the registry's defaults are the knobs'
-    tuned = RoutingKnobs.from_routing(Routing(hot_prefix_requests=5, over_bound_cost_tokens=123.0))
-    assert (tuned.hot_prefix_requests, tuned.over_bound_cost_tokens) == (5, 123.0)
+    tuned = RoutingKnobs.from_routing(Routing(hot_prefix_requests=5, over_bound_cost_tokens=123.0,
+                                              working_set_share=0.5))
+    assert (tuned.hot_prefix_requests, tuned.over_bound_cost_tokens, tuned.working_set_share) == (5, 123.0, 0.5)
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
@@ -410,6 +411,29 @@ def test_new_text_goes_to_the_least_pending_prefill_and_on_ties_to_its_rendezvou
                            for rid in "abc"], indexes)
     decision = choose(req, busy, knobs(RoutingPolicy.CACHE_AWARE, min_load_cap=8))
     assert decision.reason is Reason.NEW_TEXT and pending[decision.replica_id] == 100
+
+
+def test_new_text_goes_where_it_would_not_push_out_a_working_set() -> None:
+    # Two idle replicas with 16 KV blocks each: 16 x 16 tokens x 4 chars / 64 = 16 chunks of index, of
+    # which 0.85 (13 chunks) may hold the working set before new text counts as pushing it out. New text
+    # (4 chunks, 64 tokens) goes to its rendezvous home while nothing is reused there; once a conversation
+    # of 14 chunks has come back to the home, those 64 tokens would push out as many working-set tokens
+    # (weighing 16 x 64 more), so it goes to the other replica, where they fit.
+    text = "n" * 4 * CHUNK
+    small = [replace(replica(rid), kv_blocks_total=16, kv_blocks_free=16) for rid in ("a", "b")]
+    indexes = PrefixIndexes(CHUNK)
+    for r in small:
+        indexes.ensure(r.replica_id, r.kv_blocks_total, r.block_size_tokens)
+    home = choose(request(text), ReplicaView.of(small, indexes), knobs(RoutingPolicy.CACHE_AWARE)).replica_id
+    conversation = request("c" * 14 * CHUNK).prefix_hashes
+    for _ in range(2):
+        indexes.record(home, conversation)
+    assert indexes.cache_fill(home) == CacheFill(reused_chunks=14, capacity_chunks=16)
+    decision = choose(request(text), ReplicaView.of(small, indexes), knobs(RoutingPolicy.CACHE_AWARE))
+    assert decision.replica_id != home and decision.reason is Reason.RENDEZVOUS
+    # A replica that reports no KV size has an index of a guessed size: nothing is charged there.
+    unsized = [replace(r, kv_blocks_total=0, kv_blocks_free=0) for r in small]
+    assert choose(request(text), ReplicaView.of(unsized, indexes), knobs(RoutingPolicy.CACHE_AWARE)).replica_id == home
 
 
 def test_the_same_text_under_another_adapter_does_not_match() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from router.prefix_index import (CACHE_EVIDENCE_MIN, CACHE_EVIDENCE_WINDOW, DEFAULT_CAPACITY_CHUNKS, PrefixIndex,
                                  PrefixIndexes, capacity_chunks)
+from router.view import CacheFill
 
 
 @pytest.mark.parametrize("blocks,block_size,chunk_chars,expected", [
@@ -50,6 +51,19 @@ def test_recording_again_refreshes_a_chain() -> None:
     index.record((1, 2))  # now (3, 4) is the oldest
     index.record((5, 6))
     assert index.match_length((1, 2)) == 2 and index.match_length((3, 4)) == 0
+
+
+def test_the_working_set_is_what_a_later_chain_recorded_again_while_held() -> None:
+    index = PrefixIndex(capacity_chunks=6, chunk_chars=64)
+    index.record((1, 2, 3))  # a conversation's first turn
+    index.record((7, 8))  # a question asked once
+    assert index.cache_fill() == CacheFill(reused_chunks=0, capacity_chunks=6)
+    index.record((1, 2, 3, 4))  # its next turn comes back for 1, 2, 3
+    assert index.cache_fill().reused_chunks == 3
+    index.record((9, 10))  # 8 entries > 6: the question goes, 8 then 7; the working set stays
+    assert index.cache_fill().reused_chunks == 3 and index.match_length((7, 8)) == 0
+    index.record((11, 12))  # two more go: the conversation's tail, 4 then 3
+    assert index.match_length((1, 2, 3, 4)) == 2 and index.cache_fill().reused_chunks == 2
 
 
 def test_resize_down_evicts_the_oldest() -> None:
