@@ -263,9 +263,9 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     nothing about where the rest lives), and only when it covers `min_match_fraction` of the prompt
     past that opening (0 by default: all of it counts). The KV test uses what each replica holds; the
     cost, the tie-break and the reason use the counted match; the cost also weighs the working set a
-    replica's uncached part would push out (`evicted_working_set_tokens`). Ties are common at low load (nothing
-    pending anywhere): new text then goes by rendezvous of its own opening (`affinity_depth_chars`
-    past what every replica holds), the same choice in every gateway.
+    replica's uncached part would push out (`evicted_working_set_tokens`). Ties are common at low load
+    (nothing pending anywhere): new text then goes by rendezvous of its own opening
+    (`affinity_depth_chars` past what every replica holds), the same choice in every gateway.
 
     Reason: LOAD_FALLBACK when the best-scoring candidate holds a counted prefix and was not chosen
     (over the bound, short of KV, or its queue outweighed the miss); else PREFIX_HIT when the chosen
@@ -308,13 +308,10 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     if not any(r.replica_id in fits for r in under_cap):
         fits.update(r.replica_id for r in under_cap)
     with_room = [r for r in eligible if r.replica_id in fits]
-    # A token of a replica's working set that this prefill would push out is a miss later: it weighs
-    # as one.
-    evicted = {r.replica_id: evicted_working_set_tokens(request, r, view.cache_fill(r.replica_id),
-                                                        uncached[r.replica_id], knobs.working_set_share)
-               for r in with_room}
+    # A token of a replica's working set that this prefill would push out is a miss later: it weighs as one.
     costs = {r.replica_id: prefill_cost(r, counted_uncached[r.replica_id], knobs.miss_cost_weight)
-             + knobs.miss_cost_weight * evicted[r.replica_id]
+             + knobs.miss_cost_weight * evicted_working_set_tokens(
+                 request, r, view.cache_fill(r.replica_id), uncached[r.replica_id], knobs.working_set_share)
              + knobs.over_bound_cost_tokens * max(0, r.load + 1 - own_cap) for r in with_room}
     least = min(costs.values())
     cheapest = [r for r in with_room if costs[r.replica_id] == least]
