@@ -239,6 +239,7 @@ async def admin_stats(request: web.Request) -> web.Response:
                 "kv_blocks_free": state.kv_blocks_free, "kv_blocks_total": state.kv_blocks_total,
                 "adapters_loaded": sorted(state.adapters_loaded),
                 "prefix_source": "kv_events" if exact else "text",  # entries: KV blocks, else text chunks
+                "prefix_caching": "on" if exact else tracker.prefix_caching(state.replica_id),
                 "prefix_index_entries": prefix.num_entries if prefix else 0,
                 "prefix_capacity_chunks": prefix.capacity_chunks if prefix else 0,
                 "prefix_predicted_tokens_total": prefix.predicted_cached_tokens_total if prefix else 0,

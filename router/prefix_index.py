@@ -145,6 +145,11 @@ class PrefixIndex:
         responses have come back, all with nothing."""
         return len(self._recent_hits) < CACHE_EVIDENCE_MIN or any(self._recent_hits)
 
+    @property
+    def num_recent_predicted_hits(self) -> int:
+        """Responses in the evidence window `caches` judges by (those that were predicted a hit)."""
+        return len(self._recent_hits)
+
     def resize(self, capacity_chunks: int) -> None:
         """New capacity (the replica reported a different KV size); shrinking evicts the oldest."""
         if capacity_chunks < 0:

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,6 +39,8 @@ from router.view import ReplicaView
 
 if TYPE_CHECKING:
     from router.replicas import AttemptLease
+
+log = logging.getLogger(__name__)
 
 NUM_RECENT_DECISIONS = 100
 _DRAIN_AFTER_DONE_S = 1.0
@@ -340,7 +343,16 @@ class Proxy:
             chars_per_token = self.tracker.chars_per_token_of(model)
             predicted_chars = min(predicted * route.chunk_chars, route.num_prompt_chars)
             predicted_tokens = int(predicted_chars / chars_per_token)
+            index = self.tracker.prefixes.get(replica_id)
+            cached_before = index is None or index.caches()
             self.tracker.prefixes.correct(replica_id, route.prefix_hashes, predicted, cached_tokens, chars_per_token)
+            if index is not None and index.caches() != cached_before:
+                if cached_before:
+                    log.warning("replica %s realised no cached tokens on its last %d predicted prefix hits: routing "
+                                "as if it keeps no prefix cache (is prefix caching on there?)", replica_id,
+                                index.num_recent_predicted_hits)
+                else:
+                    log.info("replica %s realises cached tokens again: routing on its prefix cache", replica_id)
         self.metrics.prefix_predicted_tokens.labels(model).inc(predicted_tokens)
         self.metrics.prefix_realised_tokens.labels(model).inc(cached_tokens)
 

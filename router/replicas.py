@@ -310,6 +310,19 @@ class ReplicaTracker:
         """Base URL of a tracked replica; raises KeyError for an unknown one."""
         return self._replicas[replica_id].url
 
+    def prefix_caching(self, replica_id: str) -> str:
+        """Whether the replica keeps what it computes, for operators (/admin/stats): "off" where it says
+        so (vLLM's enable_prefix_caching="False"), "not_observed" where its responses have stopped
+        realising predicted hits (`PrefixIndex.caches`: a server that caches nothing but does not say),
+        else "on". "unknown" for a replica not tracked."""
+        tracked = self._replicas.get(replica_id)
+        if tracked is None:
+            return "unknown"
+        if tracked.load.prefix_caching is False:
+            return "off"
+        index = self.prefixes.get(replica_id)
+        return "not_observed" if index is not None and not index.caches() else "on"
+
     async def wait_for_replica(self, model: str, timeout_s: float) -> bool:
         """True as soon as `model` has a routable replica; False after `timeout_s` (on the clock)."""
         deadline = self._clock.now() + timeout_s

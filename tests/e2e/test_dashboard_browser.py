@@ -104,6 +104,8 @@ async def test_dashboard_shows_live_traffic_in_headless_chromium(tmp_path: Path,
             await expect(page.locator("#decisions tr").first).to_be_visible()
             # The engine reports KV blocks over gRPC: its KV usage is a percentage, not a dash.
             await expect(page.locator('tr[data-replica="engine-0"]')).to_contain_text("%")
+            # Both replicas cache prefixes: neither is flagged as keeping no prefix cache.
+            await expect(page.locator("#replicas .prefix-caching")).to_have_count(0)
             # Charts: a drawn line per model for request rate, and at least one routing reason.
             await expect(page.locator("#c-rate path.series")).to_have_count(2)
             assert await page.locator("#c-reasons path.series").count() >= 1

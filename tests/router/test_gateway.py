@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -112,6 +113,13 @@ async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
             await sim.close()
 
 
+async def admin_replica(gw: Gateway, replica_id: str) -> dict:
+    """The replica's entry in the gateway's /admin/stats."""
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/admin/stats") as r:
+        stats = await r.json()
+    return next(r for r in stats["models"]["m"]["replicas"] if r["replica_id"] == replica_id)
+
+
 def chat(content: str, **extra: object) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
 
@@ -207,16 +215,22 @@ async def test_a_prompt_the_replica_evicted_stays_in_its_index_after_the_miss_th
 
 
 async def test_a_replica_with_prefix_caching_off_loses_its_chains_once_its_hits_never_realise(
-        tmp_path: Path) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # A plain OpenAI server (backend: openai): only its responses tell.
     async with gateway(tmp_path, num_replicas=1, sim_spec=replace(FAST_SIM, prefix_caching=False)) as gw:
         (replica_id,) = [r.replica_id for r in gw.tracker.view("m").candidates("m")]
         index = gw.tracker.prefixes.get(replica_id)
-        for _ in range(CACHE_EVIDENCE_MIN + 1):
-            reply = await gw.client.chat.completions.create(**chat(LONG_PROMPT))
-            assert reply.usage.prompt_tokens_details.cached_tokens == 0
+        assert (await admin_replica(gw, replica_id))["prefix_caching"] == "on"  # assumed until shown otherwise
+        with caplog.at_level(logging.WARNING, logger="router.proxy"):
+            for _ in range(CACHE_EVIDENCE_MIN + 1):
+                reply = await gw.client.chat.completions.create(**chat(LONG_PROMPT))
+                assert reply.usage.prompt_tokens_details.cached_tokens == 0
         assert not index.caches()
         assert len(index) == 0  # the last predicted hit, realised 0, dropped the chain
+        # The operator sees the judgement, once in the log and in /admin/stats.
+        said = [r.getMessage() for r in caplog.records if "no cached tokens" in r.getMessage()]
+        assert len(said) == 1 and replica_id in said[0]
+        assert (await admin_replica(gw, replica_id))["prefix_caching"] == "not_observed"
 
 
 async def test_a_replica_that_says_prefix_caching_is_off_never_gets_a_predicted_hit(tmp_path: Path) -> None:
@@ -230,6 +244,7 @@ async def test_a_replica_that_says_prefix_caching_is_off_never_gets_a_predicted_
             await gw.client.chat.completions.create(**chat(LONG_PROMPT))
         stats = gw.tracker.prefixes.get(replica_id).stats()
         assert (stats.capacity_chunks, stats.num_entries, stats.predicted_cached_tokens_total) == (0, 0, 0)
+        assert (await admin_replica(gw, replica_id))["prefix_caching"] == "off"
 
 
 async def test_a_failing_replica_is_retried_elsewhere_and_never_twice(tmp_path: Path) -> None:
