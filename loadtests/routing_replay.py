@@ -246,13 +246,18 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
                         index_capacity_chunks={rid: gateways[0].indexes.get(rid).capacity for rid in replicas})
 
 
-def to_a_holder_share(reqs: list[workloads.Request], replica_by_request: dict[int, str]) -> float | None:
-    """`bench_routing_gateways.py`'s agreement figure: of the requests that repeat a prefix (share at
-    least half their prompt with an earlier one), the share sent to a replica an earlier one went to."""
-    from loadtests.bench_routing_gateways import earlier_with_prefix, home_replica_share
+def to_a_holder_share(reqs: list[workloads.Request],
+                      replica_by_request: dict[int, str]) -> tuple[float | None, float | None]:
+    """`bench_routing_gateways.py`'s agreement figures: of the requests that repeat a prefix (share at
+    least half their prompt with an earlier one), the share sent to a replica an earlier one went to, by
+    request and weighted by the characters each shares with its previous one (None without repeats)."""
+    from loadtests.bench_routing_gateways import (earlier_with_prefix, home_replica_share, previous_with_prefix,
+                                                  repeated_prefix_chars)
 
     results = [{"replica": replica_by_request.get(i), "kind": r.kind} for i, r in enumerate(reqs)]
-    return home_replica_share(results, earlier_with_prefix(reqs))["share"]
+    chars = repeated_prefix_chars(reqs, previous_with_prefix(reqs))
+    shares = home_replica_share(results, earlier_with_prefix(reqs), chars)
+    return shares["share"], shares["chars_share"]
 
 
 def ttft_floor_s(reqs: list[workloads.Request], spec: SchedulerSpec) -> list[float]:
@@ -318,7 +323,9 @@ def main(argv: list[str] | None = None) -> None:
                           "hit_over_best": round(res.hit_rate / best, 3),
                           "p50_ms": round(res.ttft_p50_s * 1000), "p99_ms": round(res.ttft_p99_s * 1000),
                           "max_over_mean": round(res.max_over_mean_load, 2), "decisions": res.decisions,
-                          **({"to_a_holder": round(to_a_holder_share(reqs, res.replica_by_request), 3)}
+                          **(dict(zip(("to_a_holder", "to_a_holder_by_chars"),
+                                      (x if x is None else round(x, 3)
+                                       for x in to_a_holder_share(reqs, res.replica_by_request))))
                              if args.gateways > 1 else {}),
                           **({"index_capacity_chunks": sorted(set(res.index_capacity_chunks.values())),
                               "kv_capacity_chunks": capacity_chunks(spec.kv_capacity_tokens // BLOCK_SIZE_TOKENS,

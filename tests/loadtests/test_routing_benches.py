@@ -169,8 +169,8 @@ def test_the_routing_replay_is_deterministic_and_cache_aware_beats_least_load_on
     # Two gateways sharing nothing: every request was routed by one of them, and the agreement figure
     # is the bench's own.
     two = routing_replay.replay(reqs, 4, spec, cache_aware, num_gateways=2)
-    share = routing_replay.to_a_holder_share(reqs, two.replica_by_request)
-    assert len(two.replica_by_request) == len(reqs) and 0.5 < share <= 1.0
+    share, chars_share = routing_replay.to_a_holder_share(reqs, two.replica_by_request)
+    assert len(two.replica_by_request) == len(reqs) and 0.5 < share <= 1.0 and 0.5 < chars_share <= 1.0
     oracle = routing_replay.replay(reqs, 4, spec, cache_aware, policy="oracle")
     sglang = routing_replay.replay(reqs, 4, spec, cache_aware, policy=routing_replay.SglangLike())
     assert oracle.hit_rate > least.hit_rate and sglang.hit_rate > least.hit_rate
