@@ -188,7 +188,7 @@ class Routing(_Strict):
                     "replica out past the floor.")
     working_set_share: float = Field(
         default=0.85, gt=0, le=1,
-        description="cache_aware on its text index, for replicas that report their KV size: the prefixes "
+        description="cache_aware, for replicas that report their KV size: the prefixes "
                     "requests came back for at a replica (a system prompt, conversations' histories) are its "
                     "working set, and a prompt whose uncached part would not fit beside it in this share of "
                     "the replica's KV cache adds miss_cost_weight x the working-set tokens it would push out "

@@ -8,6 +8,11 @@ engine's own tokenizer, see `sources.fetch_tokenizer`), so a look-up here is the
 up to the ~50 ms the stream coalesces. Every gateway reads the same streams, so gateways that share
 nothing still agree on where a prefix lives: what the LRU guess could not give them.
 
+What they do not say is which of those blocks requests came back for: the engine's LRU knows, the events
+do not. A block a later request routed here matched while the replica held it joins the replica's working set
+(`cache_fill`, as the text index counts it), so the working-set cost (`policies.evicted_working_set_tokens`)
+applies to engines too; it leaves with the block's removal.
+
 One gap the events cannot close: blocks are reported once computed, so a prompt routed a moment ago
 is not yet held anywhere and a burst sharing a new system prompt would scatter. The gateway therefore
 adds what it has just routed as *predicted* blocks of that replica, and takes them back at the second
@@ -69,6 +74,7 @@ class BlockIndex:
 
     cached: set[int] = field(default_factory=set)
     predicted: Counter[int] = field(default_factory=Counter)
+    reused: set[int] = field(default_factory=set)  # cached blocks a later request routed here matched
     retiring: list[tuple[int, ...]] = field(default_factory=list)  # ended; predictions go at the 2nd report
     retiring_next: list[tuple[int, ...]] = field(default_factory=list)  # ...and these at the next one
     synced: bool = False
@@ -86,8 +92,10 @@ class BlockIndex:
                 self.cached.update(event.block_hashes)
             elif isinstance(event, KvRemoved):
                 self.cached.difference_update(event.block_hashes)
+                self.reused.difference_update(event.block_hashes)
             else:
                 self.cached.clear()
+                self.reused.clear()
                 self.synced = True
         for hashes in self.retiring_next:
             self._unpredict(hashes)
@@ -96,6 +104,7 @@ class BlockIndex:
     def disconnected(self) -> None:
         """The stream dropped: what the replica holds is unknown until the next resync."""
         self.cached.clear()
+        self.reused.clear()
         self.synced = False
 
     def match_length(self, hashes: tuple[int, ...]) -> int:
@@ -109,8 +118,21 @@ class BlockIndex:
         return count
 
     def predict(self, hashes: tuple[int, ...]) -> None:
-        """A request with this chain was just routed here: count its blocks as held until it ends."""
-        self.predicted.update(hashes)
+        """A request with this chain was just routed here: count its blocks as held until it ends. The
+        held blocks of its leading match join the working set: a request came back for them."""
+        cached, predicted = self.cached, self.predicted
+        for block_hash in hashes:
+            if block_hash in cached:
+                self.reused.add(block_hash)
+            elif block_hash not in predicted:
+                break
+        predicted.update(hashes)
+
+    def cache_fill(self) -> CacheFill | None:
+        """The working set against the KV pool, in blocks; None until synced or while the size is unknown."""
+        if not self.synced or self.capacity_blocks <= 0:
+            return None
+        return CacheFill(reused_chunks=len(self.reused), capacity_chunks=self.capacity_blocks)
 
     def retire(self, hashes: tuple[int, ...]) -> None:
         """The request `predict` counted has ended; its prediction goes at the second state report from
@@ -150,9 +172,9 @@ class BlockIndexes:
         return self._by_replica.get(replica_id)
 
     def cache_fill(self, replica_id: str) -> CacheFill | None:
-        """None: the events say what an engine holds, not which of it requests came back for (the
-        engine's own LRU order keeps that), so the working-set cost is left to the text index."""
-        return None
+        """The replica's working set against its KV pool (`BlockIndex.cache_fill`); None when unknown."""
+        index = self._by_replica.get(replica_id)
+        return index.cache_fill() if index is not None else None
 
     def is_synced(self, replica_id: str) -> bool:
         index = self._by_replica.get(replica_id)

@@ -56,7 +56,7 @@ does.
 
 A replica's cache fills too, with prefixes worth keeping: those requests came back for (a system prompt,
 conversations' histories; the text index counts a chunk recorded again while held as its working set,
-`view.CacheFill`). Uncached tokens that would not fit beside that working set in `working_set_share` of
+the KV-event index a held block that a later request matched, `view.CacheFill`). Uncached tokens that would not fit beside that working set in `working_set_share` of
 the replica's KV cache push part of it out, and each token pushed out is a miss later, so the cost adds
 `miss_cost_weight x` those tokens (`evicted_working_set_tokens`). Without it, conversations that new
 text placed together on idle replicas stay together as their histories grow, until the engine's LRU

@@ -8,7 +8,7 @@ from kvgate.kv_blocks import hash_blocks
 from router.block_index import BlockIndexes, KvCleared, KvRemoved, KvStored
 from router.features import build_route_request
 from router.policies import Reason, RoutingKnobs, cache_aware
-from router.view import ReplicaState, ReplicaView
+from router.view import CacheFill, ReplicaState, ReplicaView
 
 CHAIN = tuple(hash_blocks(list(range(64)), 16))  # 4 blocks
 
@@ -92,3 +92,45 @@ def test_a_prediction_on_a_replica_whose_stream_is_down_goes_when_its_request_en
     indexes.predict("a", CHAIN).retire(CHAIN)  # no report will come while the stream is down: nothing may pile up
     synced(indexes, "a")
     assert indexes.match_length("a", CHAIN) == 0 and not indexes.get("a").predicted
+
+
+def test_the_working_set_is_what_a_later_request_matched_while_the_replica_held_it() -> None:
+    indexes = BlockIndexes()
+    assert indexes.cache_fill("a") is None  # never heard of
+    indexes.apply("a", [KvStored(CHAIN)], capacity_blocks=100)
+    assert indexes.cache_fill("a") is None  # not synced: says nothing
+    synced(indexes, "a", *CHAIN[:3])
+    indexes.predict("a", CHAIN)  # the first request since the resync: nothing came back yet...
+    assert indexes.cache_fill("a") == CacheFill(reused_chunks=3, capacity_chunks=100)  # ...but blocks it held
+    other = tuple(hash_blocks(list(range(100, 164)), 16))
+    indexes.predict("a", other)  # new text: held nowhere, so not reused
+    indexes.predict("a", other)  # predicted only (not yet reported stored): not counted either
+    assert indexes.cache_fill("a").reused_chunks == 3
+    indexes.apply("a", [KvStored(other[:2])], capacity_blocks=100)
+    indexes.predict("a", other[:2])
+    assert indexes.cache_fill("a").reused_chunks == 5
+    indexes.apply("a", [KvRemoved((CHAIN[2], other[1]))], capacity_blocks=100)  # evicted: no longer held
+    assert indexes.cache_fill("a").reused_chunks == 3
+    indexes.disconnected("a")
+    assert indexes.cache_fill("a") is None
+    synced(indexes, "a", *CHAIN)
+    assert indexes.cache_fill("a").reused_chunks == 0  # a resync starts the working set afresh
+
+
+def test_new_text_avoids_an_engine_whose_working_set_fills_its_cache() -> None:
+    # Two idle engines of 16 blocks; 0.85 of them (13 blocks) may hold the working set. A 14-block
+    # conversation came back to "a"; a new 4-block prompt would push 4 blocks of it out there.
+    conversation = tuple(hash_blocks(list(range(1000, 1000 + 14 * 16)), 16))
+    route = build_route_request({"prompt": "x"}, "m", None, 256, 1, token_ids=list(range(5000, 5064)),
+                                block_size_tokens=16)
+    states = [ReplicaState(rid, "", "m", True, False, 0, kv_blocks_free=16, kv_blocks_total=16) for rid in "ab"]
+    indexes = BlockIndexes()
+    synced(indexes, "a")
+    synced(indexes, "b")
+    for rid in "ab":
+        indexes.apply(rid, [], capacity_blocks=16)
+    first = cache_aware(route, ReplicaView.of(states, indexes), RoutingKnobs()).replica_id
+    indexes.apply(first, [KvStored(conversation)], capacity_blocks=16)
+    indexes.predict(first, conversation)
+    assert indexes.cache_fill(first) == CacheFill(reused_chunks=14, capacity_chunks=16)
+    assert cache_aware(route, ReplicaView.of(states, indexes), RoutingKnobs()).replica_id != first
