@@ -232,6 +232,7 @@ async def admin_stats(request: web.Request) -> web.Response:
             exact = blocks is not None and blocks.synced
             index = blocks if exact else tracker.prefixes.get(state.replica_id)
             prefix = index.stats() if index is not None else None
+            fill = index.cache_fill() if index is not None else None  # the working set the cost weighs
             replicas.append({
                 "replica_id": state.replica_id, "url": state.url, "healthy": state.healthy,
                 "draining": state.draining, "in_flight": state.in_flight, "load": state.load,
@@ -245,6 +246,7 @@ async def admin_stats(request: web.Request) -> web.Response:
                 "prefix_predicted_tokens_total": prefix.predicted_cached_tokens_total if prefix else 0,
                 "prefix_realised_tokens_total": prefix.realised_cached_tokens_total if prefix else 0,
                 "prefix_corrections_total": prefix.num_corrections_total if prefix else 0,
+                "prefix_working_set_chunks": fill.reused_chunks if fill else None,  # None: unknown
                 "outcomes": dict(proxy.outcomes_by_replica.get(state.replica_id, {})),
             })
         models[name] = {

@@ -188,6 +188,12 @@ async def test_a_repeated_long_prompt_returns_to_its_replica_and_hits_the_cache(
             cached.append(raw.parse().usage.prompt_tokens_details.cached_tokens)
         assert len(replicas) == 1
         assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+        # The prompt came back: it is that replica's working set, which operators see in /admin/stats.
+        (home,) = replicas
+        entries = (await admin_replica(gw, home))["prefix_index_entries"]
+        assert (await admin_replica(gw, home))["prefix_working_set_chunks"] == entries > 0
+        others = [r.replica_id for r in gw.tracker.view("m").candidates("m") if r.replica_id != home]
+        assert [(await admin_replica(gw, rid))["prefix_working_set_chunks"] for rid in others] == [0, 0]
 
 
 async def test_a_prompt_the_replica_evicted_stays_in_its_index_after_the_miss_that_computed_it_again(
