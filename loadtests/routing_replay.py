@@ -30,7 +30,7 @@ import json
 import math
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -40,8 +40,9 @@ from loadtests import workloads  # noqa: E402
 from loadtests.common import percentile  # noqa: E402
 from loadtests.sim_replica_model import (BLOCK_SIZE_TOKENS, CHARS_PER_TOKEN, Scheduler, SchedulerSpec,  # noqa: E402
                                          SimSequence, block_hashes, num_prompt_tokens)
-from registry.schema import Routing  # noqa: E402
+from registry.schema import Routing, RoutingPolicy  # noqa: E402
 from router.features import RouteRequest, build_route_request  # noqa: E402
+from router.openings import CommonOpenings  # noqa: E402
 from router.policies import PolicyFn, Reason, RouteDecision, RoutingKnobs, choose  # noqa: E402
 from router.prefix_index import PrefixIndexes, capacity_chunks  # noqa: E402
 from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView  # noqa: E402
@@ -65,6 +66,7 @@ class _Gateway:
     seen by all (fresh here)."""
 
     indexes: PrefixIndexes
+    openings: CommonOpenings = field(default_factory=CommonOpenings)
     in_flight: dict[str, int] = field(default_factory=dict)
     pending_prefill_tokens: dict[str, int] = field(default_factory=dict)
     in_flight_chains: InFlightChains = field(default_factory=InFlightChains)
@@ -195,6 +197,8 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
             adapter = req.model if req.model in workloads.ADAPTERS else None
             route = build_route_request(req.body(), MODEL, adapter, CHUNK_CHARS, i, CHARS_PER_TOKEN,
                                         affinity_depth_chars)
+            if knobs.policy is RoutingPolicy.CACHE_AWARE:  # as the gateway's handler does
+                route = replace(route, common_opening_chunks=gateway.openings.observe(MODEL, route.prefix_hashes))
             if policy == "oracle":
                 decision = _oracle(req, replicas, knobs)
             else:

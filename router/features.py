@@ -80,6 +80,9 @@ class RouteRequest:
     # With KV blocks, the text chunk chain as well: the gateway keeps its text index warm with it, for when
     # the model falls back to text (a foreign server joins the fleet). Empty when prefix_hashes are text.
     text_hashes: tuple[int, ...] = ()
+    # Leading chunks that nearly every recent request of the model opens with (`openings.CommonOpenings`,
+    # set by the shell): held by one replica or by all, they say nothing about where this request's cache is.
+    common_opening_chunks: int = 0
 
     def affinity_key_after(self, skip_chunks: int) -> int:
         """The affinity key of the text after its first `skip_chunks` chunks: the chain hash reaching

@@ -11,6 +11,7 @@ import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -20,8 +21,8 @@ from registry.snapshot import Snapshot, UnknownName
 from router.errors import GatewayError, bad_request, error_response, model_not_found
 from router.features import build_route_request
 from router.dashboard import dashboard_page
-from router.keys import (CLOCK_KEY, DASHBOARD_KEY, METRICS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY, SEQUENCE_KEY,
-                         SETTINGS_KEY, TRACKER_KEY)
+from router.keys import (CLOCK_KEY, DASHBOARD_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY,
+                         SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY)
 from router.policies import RoutingKnobs
 from router.prompt_tokens import PromptTokenizer, prompt_token_ids
 from router.proxy import ProxyRequest
@@ -165,6 +166,8 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
                                     block_size_tokens=chain.block_size_tokens if chain is not None else 0)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+    if routing.policy is RoutingPolicy.CACHE_AWARE:
+        route = replace(route, common_opening_chunks=app[OPENINGS_KEY].observe(model, route.prefix_hashes))
     app[DASHBOARD_KEY].note_request(model, route.estimated_prompt_tokens)
     queue_wait_s = model_doc.spec.scaling.max_queue_wait_s or app[SETTINGS_KEY].default_queue_wait_s
     # kvgate engines serve the base under its registry name and each adapter under its own, as do vLLM

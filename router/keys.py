@@ -10,6 +10,7 @@ from aiohttp import web
 from kvgate.clock import Clock
 from router.dashboard import Dashboard
 from router.metrics import RouterMetrics
+from router.openings import CommonOpenings
 from router.proxy import Proxy, Tracker
 from router.queueing import WaitQueues
 
@@ -36,3 +37,4 @@ QUEUES_KEY = web.AppKey("kvgate_queues", WaitQueues)
 PROXY_KEY = web.AppKey("kvgate_proxy", Proxy)
 SEQUENCE_KEY = web.AppKey("kvgate_request_seq", collections.Counter)  # per model: round robin's counter
 DASHBOARD_KEY = web.AppKey("kvgate_dashboard", Dashboard)
+OPENINGS_KEY = web.AppKey("kvgate_common_openings", CommonOpenings)  # per model: what nearly every request opens with

@@ -281,14 +281,17 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     cap = load_cap(candidates, knobs.load_epsilon)
     held = {r.replica_id: view.match_length(r.replica_id, request.prefix_hashes) for r in candidates}
     held_everywhere = min(held.values())
-    matches = {rid: _counted_match(request, n - held_everywhere, held_everywhere, knobs.min_match_fraction)
+    # What sets no replica apart: the opening every candidate holds, or nearly every request shares.
+    common = max(held_everywhere, min(request.common_opening_chunks, len(request.prefix_hashes)))
+    matches = {rid: _counted_match(request, max(0, n - common), common, knobs.min_match_fraction)
                for rid, n in held.items()}
-    key = request.affinity_key_after(held_everywhere)
+    key = request.affinity_key_after(common)
     uncached = {rid: request.uncached_tokens(n) for rid, n in held.items()}  # what it would prefill
-    # What the cost counts as held: the opening every candidate holds plus a counted match. A short
-    # match that does not count would otherwise still pull new conversations onto whoever holds a
-    # common opening (min_match_fraction), one weighted block at a time.
-    counted_uncached = {rid: request.uncached_tokens(held_everywhere + matches[rid]) for rid in held}
+    # What the cost counts as held: the common opening plus a counted match. A short match that does not
+    # count would otherwise still pull new conversations onto whoever holds a common opening
+    # (min_match_fraction), one weighted block at a time; and a replica that lacks the opening every
+    # request shares would never be chosen while queues are short.
+    counted_uncached = {rid: request.uncached_tokens(common + matches[rid]) for rid in held}
 
     def score(r: ReplicaState) -> tuple[int, int, int]:
         return cache_aware_score(request, r, matches[r.replica_id], key)
@@ -299,7 +302,7 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     # a cost per request over: moving the request costs its prefill, which the cost weighs.
     own_cap = load_cap(candidates, knobs.load_epsilon, knobs.min_load_cap)
     own = {r.replica_id for r in candidates if matches[r.replica_id] > 0 and not is_hot_at(
-        request, view, r.replica_id, held_everywhere, matches[r.replica_id], knobs.hot_prefix_requests)}
+        request, view, r.replica_id, common, matches[r.replica_id], knobs.hot_prefix_requests)}
     under_cap = [r for r in candidates if r.load + 1 <= (own_cap if r.replica_id in own else cap)]
     eligible = [r for r in candidates if r.replica_id in own or r.load + 1 <= cap]
     # The KV-fit test prefers replicas with free KV for the uncached part, but never sends a request

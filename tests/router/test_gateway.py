@@ -29,6 +29,7 @@ from kvgate.state.base import StateStore
 from kvgate.state.memory import MemoryStateStore
 from router.app import GatewaySettings
 from router.observations import OBSERVATIONS_COLLECTION
+from router.openings import MIN_REQUESTS
 from router.prefix_index import CACHE_EVIDENCE_MIN
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
@@ -194,6 +195,20 @@ async def test_a_repeated_long_prompt_returns_to_its_replica_and_hits_the_cache(
         assert (await admin_replica(gw, home))["prefix_working_set_chunks"] == entries > 0
         others = [r.replica_id for r in gw.tracker.view("m").candidates("m") if r.replica_id != home]
         assert [(await admin_replica(gw, rid))["prefix_working_set_chunks"] for rid in others] == [0, 0]
+
+
+async def test_distinct_prompts_that_share_only_an_opening_every_request_has_spread_over_the_replicas(
+        tmp_path: Path) -> None:
+    # One at a time, so no queue ever forms: the first replica to hold the shared opening would otherwise
+    # take every prompt (16 x the opening cheaper there), as sglang-router's first worker took 12 of 12.
+    opening = "A preamble that every request of this deployment opens with, well past one chunk. " * 2
+    replicas = []
+    async with gateway(tmp_path) as gw:
+        for i in range(MIN_REQUESTS + 20):
+            raw = await gw.client.chat.completions.with_raw_response.create(
+                **chat(opening + f"request {i}: " + "distinct text " * 4))
+            replicas.append(raw.headers[REPLICA_HEADER])
+    assert len(set(replicas[MIN_REQUESTS:])) == 3  # once the opening is common to nearly all of them
 
 
 async def test_a_prompt_the_replica_evicted_stays_in_its_index_after_the_miss_that_computed_it_again(

@@ -550,3 +550,24 @@ def test_a_fleet_of_one_reports_its_prefix_hits_as_hits() -> None:
     decision = choose(request(HOT_SYSTEM + "question 1"), ReplicaView.of(gateway.replicas.values(), gateway.indexes),
                       knobs(RoutingPolicy.CACHE_AWARE))
     assert (decision.reason, decision.predicted_match_chunks) == (Reason.PREFIX_HIT, 11)
+
+
+def test_an_opening_every_request_shares_does_not_keep_a_replica_that_lacks_it_idle() -> None:
+    # Sequential distinct prompts (nothing in flight) that all open with the same two chunks. r0 served
+    # one before and holds the opening; r1 and r2 hold nothing, so each prompt costs 16 x 32 tokens more
+    # there, and with no queue anywhere r0 takes every one. Once the shell says the opening is common to
+    # nearly every request (`openings.CommonOpenings`), it sets no replica apart and the prompts spread.
+    opening = "Shared preamble of every request in this fleet, exactly two chunks long. " * 2
+    prompts = [opening[:2 * CHUNK] + f"question {i}: " + "w" * 80 for i in range(30)]
+    for common in (0, 2):
+        gw = Gateway(fleet(3))
+        gw.indexes.record("r0", request(prompts[0]).prefix_hashes)
+        chosen = {gw.route(replace(request(p, seq=i), common_opening_chunks=common), stays_in_flight=False)
+                  for i, p in enumerate(prompts)}
+        assert chosen == ({"r0"} if common == 0 else {"r0", "r1", "r2"})
+    # A request that holds its own cache past the opening still goes to it.
+    gw = Gateway(fleet(3))
+    history = opening[:2 * CHUNK] + "a long conversation held only by r2 " * 8
+    gw.indexes.record("r2", request(history).prefix_hashes)
+    follow_up = replace(request(history + "next turn"), common_opening_chunks=2)
+    assert gw.route(follow_up, stays_in_flight=False) == "r2"
