@@ -259,9 +259,10 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     KV for their uncached part (a KV test that no candidate under the bound passes is dropped; the
     bound always leaves one), the lowest `prefill_cost`; ties go to the best `cache_aware_score`.
 
-    A match counts only for the part that sets a replica apart (an opening every candidate holds says
-    nothing about where the rest lives), and only when it covers `min_match_fraction` of the prompt
-    past that opening (0 by default: all of it counts). The KV test uses what each replica holds; the
+    A match counts only for the part that sets a replica apart (an opening every candidate holds, or that
+    nearly every recent request opens with, `RouteRequest.common_opening_chunks`, says nothing about where
+    the rest lives), and only when it covers `min_match_fraction` of the prompt past that opening (0 by
+    default: all of it counts). The KV test uses what each replica holds; the
     cost, the tie-break and the reason use the counted match; the cost also weighs the working set a
     replica's uncached part would push out (`evicted_working_set_tokens`). Ties are common at low load
     (nothing pending anywhere): new text then goes by rendezvous of its own opening
