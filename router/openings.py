@@ -6,7 +6,7 @@ request's own cache lives. `cache_aware` already skips what every replica holds,
 yet served the model (new, or idle while queues are short) holds none of it, and then each request costs
 `miss_cost_weight` x the opening more there than anywhere else. So while no queue forms it never gets a
 request: on the engines' trace, two of four engines stayed idle and the other two overflowed their caches
-(docs/benchmarks.md, Routing, "Latest round").
+(docs/benchmarks.md, Routing: "An opening nearly every request shares").
 
 `CommonOpenings` counts, per model, the leading chain hashes of its last `window` requests, and says how many
 leading chunks of a request at least `share` of them opened with (`observe`). The policy treats those chunks
@@ -14,7 +14,9 @@ as held everywhere. A hot prompt that half the requests share is not common: it 
 Worked, window 256, share 0.9: after 256 requests all opening with the same 3 chunks and 10% of them also
 sharing a 4th, a request with that opening has 3 common chunks.
 
-Mutable state owned by the gateway shell, fed each routed request's chain; no clock, no I/O.
+Mutable state owned by the gateway shell, fed each routed request's chain; no clock, no I/O. A model whose
+chunking changes (a registry reload) starts over by itself: its new chains' hashes are counted from zero, and the
+old ones leave the window within `window` requests.
 """
 
 from __future__ import annotations
@@ -68,7 +70,3 @@ class CommonOpenings:
                 break
             common += 1
         return common
-
-    def forget_model(self, model: str) -> None:
-        """Drop a model's counts (it left the registry, or its chunking changed)."""
-        self._by_model.pop(model, None)
