@@ -55,14 +55,15 @@ request's uncached part would have to evict or preempt to start it, so it has no
 does.
 
 A replica's cache fills too, with prefixes worth keeping: those requests came back for (a system prompt,
-conversations' histories; the text index counts a chunk recorded again while held as its working set,
-the KV-event index a held block that a later request matched, `view.CacheFill`). Uncached tokens that would not fit beside that working set in `working_set_share` of
-the replica's KV cache push part of it out, and each token pushed out is a miss later, so the cost adds
-`miss_cost_weight x` those tokens (`evicted_working_set_tokens`). Without it, conversations that new
-text placed together on idle replicas stay together as their histories grow, until the engine's LRU
-trims each one's tail to make room for another's next turn. Replayed (six seeds, hot_prefix at 16 sims,
-whose KV caches together hold the workload's distinct tokens once): 0.968 -> 0.974 of the best hit rate
-at share 0.85 (0.970 at 1.0; 0.973-0.974 from 0.8 to 0.9), the other cells unchanged.
+conversations' histories; the text index counts a chunk recorded again while held as its working set, the
+KV-event index a held block that a later request matched, `view.CacheFill`). Uncached tokens that would not
+fit beside that working set in `working_set_share` of the replica's KV cache push part of it out, and each
+token pushed out is a miss later, so the cost adds `miss_cost_weight x` those tokens
+(`evicted_working_set_tokens`). Without it, conversations that new text placed together on idle replicas stay
+together as their histories grow, until the engine's LRU trims each one's tail to make room for another's next
+turn. Replayed (six seeds, hot_prefix at 16 sims, whose KV caches together hold the workload's distinct tokens
+once): 0.968 -> 0.974 of the best hit rate at share 0.85 (0.970 at 1.0; 0.973-0.974 from 0.8 to 0.9), the
+other cells unchanged.
 """
 
 from __future__ import annotations
