@@ -32,7 +32,7 @@ from router.errors import GatewayError, bad_gateway, no_capacity, sse_error_even
 from router.features import RouteRequest
 from router.metrics import RouterMetrics
 from router.policies import Reason, RouteDecision, RoutingKnobs, choose
-from router.prefix_index import PrefixIndexes
+from router.prefix_index import PrefixIndex, PrefixIndexes
 from router.queueing import WaitQueues
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.view import ReplicaView
@@ -318,6 +318,16 @@ class Proxy:
         return response
 
     @staticmethod
+    def _log_caching_judgement(replica_id: str, index: PrefixIndex) -> None:
+        """Once per flip of `PrefixIndex.caches`: operators see it in /admin/stats too."""
+        if index.caches():
+            log.info("replica %s realises cached tokens again: routing on its prefix cache", replica_id)
+        else:
+            log.warning("replica %s realised no cached tokens on its last %d predicted prefix hits: routing as if "
+                        "it keeps no prefix cache (is prefix caching on there?)", replica_id,
+                        index.num_recent_predicted_hits)
+
+    @staticmethod
     async def _end_with_error(response: web.StreamResponse, message: str, code: str) -> None:
         try:
             await response.write_eof(sse_error_event(message, code))
@@ -344,15 +354,11 @@ class Proxy:
             predicted_chars = min(predicted * route.chunk_chars, route.num_prompt_chars)
             predicted_tokens = int(predicted_chars / chars_per_token)
             index = self.tracker.prefixes.get(replica_id)
-            cached_before = index is None or index.caches()
-            self.tracker.prefixes.correct(replica_id, route.prefix_hashes, predicted, cached_tokens, chars_per_token)
-            if index is not None and index.caches() != cached_before:
-                if cached_before:
-                    log.warning("replica %s realised no cached tokens on its last %d predicted prefix hits: routing "
-                                "as if it keeps no prefix cache (is prefix caching on there?)", replica_id,
-                                index.num_recent_predicted_hits)
-                else:
-                    log.info("replica %s realises cached tokens again: routing on its prefix cache", replica_id)
+            if index is not None:  # None: the replica was forgotten meanwhile
+                cached_before = index.caches()
+                index.correct(route.prefix_hashes, predicted, cached_tokens, chars_per_token)
+                if index.caches() != cached_before:
+                    self._log_caching_judgement(replica_id, index)
         self.metrics.prefix_predicted_tokens.labels(model).inc(predicted_tokens)
         self.metrics.prefix_realised_tokens.labels(model).inc(cached_tokens)
 
