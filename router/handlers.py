@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvgate.tokenizer import lone_surrogate_in
 from registry.schema import RoutingPolicy
 from registry.snapshot import Snapshot, UnknownName
 from router.errors import GatewayError, bad_request, error_response, model_not_found
@@ -89,8 +90,13 @@ async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:  # arrays or objects nested past the interpreter's recursion limit
+        raise bad_request("the request body is nested too deeply to parse", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_type")
+    if lone_surrogate_in(raw, body):
+        raise bad_request("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not "
+                          "text", code="invalid_json")
     return raw, body
 
 
@@ -106,6 +112,10 @@ def validate_inference_body(body: dict[str, Any], chat: bool) -> str:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise bad_request("'messages' is required and must be a non-empty list of message objects", "messages",
                               "missing" if messages is None else "invalid_type")
+        for i, message in enumerate(messages):
+            if not isinstance(message.get("role"), str) or not message["role"]:
+                raise bad_request(f"messages[{i}] needs a 'role' string", f"messages[{i}].role",
+                                  "missing" if "role" not in message else "invalid_type")
     elif "prompt" not in body or body["prompt"] is None:
         raise bad_request("'prompt' is required", "prompt", "missing")
     elif not _is_prompt(body["prompt"]):

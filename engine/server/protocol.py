@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sequence import SamplingParams
+from kvgate.tokenizer import lone_surrogate_in
 
 MAX_LOGPROBS = 20  # the sampler returns at most this many alternatives per token
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default, which vLLM keeps
@@ -111,8 +112,13 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         value = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:  # arrays or objects nested past the interpreter's recursion limit
+        raise bad_request("The request body is nested too deeply to parse", code="invalid_json") from exc
     if not isinstance(value, dict):
         raise bad_request(f"The request body must be a JSON object; got {_json_type(value)}", code="invalid_json")
+    if lone_surrogate_in(raw, value):
+        raise bad_request("The request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not "
+                          "text", code="invalid_json")
     return value
 
 

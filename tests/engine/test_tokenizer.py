@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer, TokenizerError
+from kvgate.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer, TokenizerError, lone_surrogate_in
 from tests.engine.builtin_cache import tiny_llama_dir
 
 USER_HI = [{"role": "user", "content": "hi"}]
@@ -192,3 +192,20 @@ def test_the_tokenizer_module_does_not_import_torch() -> None:
     repo = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("raw,lone", [
+    (b'{"content": "plain text"}', False),
+    (b'{"content": "\\ud83d\\ude00"}', False),  # a pair: one emoji
+    (b'{"content": "\\ud83d"}', True),  # a high surrogate alone
+    (b'{"content": "x\\uDC00y"}', True),  # a low one alone, upper-case hex
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}', True),  # nested
+    (b'{"\\ud800": 1}', True),  # in a key
+    (b'{"content": "\\\\ud800"}', False),  # an escaped backslash then "ud800": text, no surrogate
+])
+def test_a_lone_surrogate_anywhere_in_a_body_is_found_and_a_pair_is_text(raw: bytes, lone: bool) -> None:
+    value = json.loads(raw)
+    assert lone_surrogate_in(raw, value) is lone
+    if not lone:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # what a tokenizer needs: it encodes
+

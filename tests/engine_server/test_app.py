@@ -153,6 +153,9 @@ async def test_errors_are_openai_error_objects_with_their_status(engine: AsyncLL
              "context_length_exceeded"),
             ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "invalid_type"),
             ("/v1/completions", b'{"model": "tiny", "prompt": "' + b"x" * 5000 + b'"}', 413, "body_too_large"),
+            ("/v1/completions", b"[" * 2000 + b"]" * 2000, 400, "invalid_json"),  # past the parser's recursion limit
+            ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\udc00"}]}',
+             400, "invalid_json"),  # a lone surrogate: no tokenizer can encode it
         ]
         for path, body, status, code in cases:
             response = await client.post(path, data=body, headers={"Content-Type": "application/json"})

@@ -352,6 +352,10 @@ async def test_a_stall_with_nowhere_to_retry_is_a_504(tmp_path: Path) -> None:
     (json.dumps({"model": "m"}).encode(), 400, "missing"),
     (json.dumps(chat("x") | {"model": "nope"}).encode(), 404, "model_not_found"),
     (json.dumps(chat("x" * 5000)).encode(), 413, "request_too_large"),
+    (b"[" * 2000 + b"]" * 2000, 400, "invalid_json"),  # past the parser's recursion limit, inside the body limit
+    (json.dumps({"model": "m", "messages": [{"content": "x"}]}).encode(), 400, "missing"),
+    (json.dumps({"model": "m", "messages": [{"role": 5, "content": "x"}]}).encode(), 400, "invalid_type"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "invalid_json"),  # no text
 ])
 async def test_bad_input_gets_an_openai_error_object(tmp_path: Path, body: bytes, status: int, code: str) -> None:
     async with gateway(tmp_path, num_replicas=1, settings=GatewaySettings(max_body_bytes=4096)) as gw:
