@@ -95,6 +95,7 @@ class ReplayResult:
     decisions: dict[str, int] = field(default_factory=dict)
     ttft_by_request: dict[int, float] = field(default_factory=dict)  # index in the request list -> seconds
     replica_by_request: dict[int, str] = field(default_factory=dict)
+    cached_by_request: dict[int, int] = field(default_factory=dict)  # prompt tokens its replica served from cache
     index_capacity_chunks: dict[str, int] = field(default_factory=dict)  # the first gateway's indexes
 
 
@@ -247,6 +248,7 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
                         max_over_mean_load=max(served) / (sum(served) / len(served)), decisions=decisions,
                         ttft_by_request={i: p.ttft_s for i, p in pending.items() if p.ttft_s is not None},
                         replica_by_request={i: p.replica_id for i, p in pending.items()},
+                        cached_by_request={i: p.cached_tokens for i, p in pending.items() if p.cached_tokens is not None},
                         index_capacity_chunks={rid: gateways[0].indexes.get(rid).capacity for rid in replicas})
 
 

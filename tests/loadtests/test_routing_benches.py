@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtests import bench_routing, bench_routing_faults, bench_routing_gateways, workloads
 from loadtests.routing_fleet import parse_engine_counters
 from router.policies import RoutingKnobs
@@ -163,6 +165,10 @@ def test_the_routing_replay_is_deterministic_and_cache_aware_beats_least_load_on
     first = routing_replay.replay(reqs, 4, spec, cache_aware)
     assert routing_replay.replay(reqs, 4, spec, cache_aware) == first  # no clock, no randomness left
     assert len(first.ttft_by_request) == len(reqs) and first.max_over_mean_load <= 1.25
+    # Each request's cached tokens (what a loss analysis compares with the best) add up to the replicas' counters.
+    prompt_tokens = sum(tokens for tokens, _ in workloads.infinite_cache_hits(reqs))
+    assert len(first.cached_by_request) == len(reqs)
+    assert sum(first.cached_by_request.values()) / prompt_tokens == pytest.approx(first.hit_rate)
     least = routing_replay.replay(reqs, 4, spec, RoutingKnobs.from_routing(Routing(policy=RoutingPolicy.LEAST_LOAD)))
     best = workloads.infinite_cache_hit_rate(reqs)
     assert least.hit_rate < first.hit_rate <= best
