@@ -73,6 +73,7 @@ def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSou
                                    history_s=settings.dashboard_history_s)
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(_dashboard_sampler)
+    app.cleanup_ctx.append(_retiring_gone_replicas)
     if store is not None:
         dashboard = app[DASHBOARD_KEY]
         publisher = ObservationPublisher(
@@ -108,6 +109,26 @@ async def _dashboard_sampler(app: web.Application) -> AsyncIterator[None]:
     finally:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
+
+
+async def _retiring_gone_replicas(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(_retire_gone_replicas(app), name="kvgate-retire-replicas")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _retire_gone_replicas(app: web.Application) -> None:
+    """Drop the per-replica series of replicas gone `retire_replica_series_after_s` ago; checked at a
+    quarter of that interval (at most every minute), so a series outlives its replica by up to 1.25x it."""
+    settings, clock, tracker = app[SETTINGS_KEY], app[CLOCK_KEY], app[TRACKER_KEY]
+    after_s = settings.retire_replica_series_after_s
+    while True:
+        await clock.sleep(min(after_s / 4, 60.0))
+        removed = app[METRICS_KEY].retire_replicas(tracker.replica_ids(), clock.now(), after_s)
+        app[PROXY_KEY].forget_replicas(removed)
 
 
 def _ttft_p99_s(dashboard: Dashboard) -> dict[str, float | None]:

@@ -269,6 +269,8 @@ def collect_totals(metrics: RouterMetrics, model_names: Iterable[str], prompt_to
         for s in metric.samples:
             if s.name.endswith("_bucket"):
                 ttft[s.labels["model"]].append((float(s.labels["le"]), s.value))
+    for model, retired in metrics.retired_requests.items():  # replicas gone, their series removed
+        requests[model] += retired
     names = set(model_names) | set(requests) | set(decisions) | set(ttft)
     totals = {}
     for name in sorted(names):

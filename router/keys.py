@@ -26,6 +26,9 @@ class GatewaySettings:
     dashboard_history_s: float = 600.0  # ... kept for this long (the dashboard's charts)
     gateway_id: str = ""  # names this gateway's observation records; "" -> hostname-pid
     observation_interval_s: float = 1.0  # how often observations go to the state store (with one)
+    # The per-replica series of a replica that left (`kvgate_router_requests`, /admin/stats outcomes) are
+    # dropped this long after, so that replicas coming and going do not grow /metrics without end.
+    retire_replica_series_after_s: float = 600.0
 
 
 SETTINGS_KEY = web.AppKey("kvgate_settings", GatewaySettings)

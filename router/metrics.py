@@ -3,6 +3,9 @@ gateways in one process, or one per test, never share counts)."""
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Collection
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -26,6 +29,11 @@ class _Labelled:
         if child is None:
             child = self._children[values] = self._metric.labels(*values)
         return child
+
+    def remove(self, *values: str) -> None:
+        """Drop one child, from the metric and from the lookup (a kept child would count unexported)."""
+        self._children.pop(values, None)
+        self._metric.remove(*values)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._metric, name)
@@ -59,6 +67,32 @@ class RouterMetrics:
         for name in ("requests", "decisions", "decision_seconds", "ttft_seconds", "prefix_predicted_tokens",
                      "prefix_realised_tokens", "in_flight", "queue_depth"):
             setattr(self, name, _Labelled(getattr(self, name)))
+        # Per model, the `requests` counts of replicas whose series were removed (`retire_replicas`), so that
+        # totals read from the series (the dashboard's) never go down.
+        self.retired_requests: collections.Counter[str] = collections.Counter()
+        self._gone_since: dict[str, float] = {}  # replica label -> when it was first seen gone
+
+    def retire_replicas(self, live: Collection[str], now: float, after_s: float) -> list[str]:
+        """Remove the `requests` series of each replica the gateway no longer tracks (not in `live`) once it
+        has been gone `after_s`, long enough for scrapes to read its last counts. With an autoscaler replacing
+        replicas (spot nodes come and go) the `replica` label would otherwise take new values without end.
+        Returns the replicas removed. A replica that comes back starts its series again from 0, which
+        Prometheus reads as a counter reset."""
+        samples = [(sample.labels, sample.value) for metric in self.requests.collect() for sample in metric.samples
+                   if sample.name.endswith("_total") and sample.labels["replica"]]
+        gone = {labels["replica"] for labels, _ in samples} - set(live)
+        self._gone_since = {rid: since for rid, since in self._gone_since.items() if rid in gone}
+        removed = []
+        for rid in sorted(gone):
+            if now - self._gone_since.setdefault(rid, now) < after_s:
+                continue
+            for labels, value in samples:
+                if labels["replica"] == rid:
+                    self.requests.remove(labels["model"], rid, labels["outcome"])
+                    self.retired_requests[labels["model"]] += value
+            del self._gone_since[rid]
+            removed.append(rid)
+        return removed
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,6 +65,7 @@ class Tracker(Protocol):
     def tokens_disagree(self, model: str, replica_id: str) -> None: ...
     async def wait_for_replica(self, model: str, timeout_s: float) -> bool: ...
     def num_ready(self, model: str) -> int: ...
+    def replica_ids(self) -> frozenset[str]: ...
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,11 @@ class Proxy:
                 "load_cap": decision.load_cap, "num_candidates": decision.num_candidates,
                 "excluded": sorted(excluded)})
         return decision
+
+    def forget_replicas(self, replica_ids: Iterable[str]) -> None:
+        """Drop the outcome counts of replicas that are gone for good (`RouterMetrics.retire_replicas`)."""
+        for replica_id in replica_ids:
+            self.outcomes_by_replica.pop(replica_id, None)
 
     def _count(self, model: str, replica_id: str, outcome: str) -> None:
         self.metrics.requests.labels(model, replica_id, outcome).inc()

@@ -302,6 +302,10 @@ class ReplicaTracker:
                 synced = True
         return chain if synced else None
 
+    def replica_ids(self) -> frozenset[str]:
+        """Every replica tracked now, of every model, routable or not."""
+        return frozenset(self._replicas)
+
     def num_ready(self, model: str) -> int:
         """Replicas of `model` that take requests now."""
         return sum(1 for r in self._replicas.values() if r.model == model and r.accepts_requests)

@@ -169,6 +169,34 @@ def test_collect_totals_reads_the_gateway_metrics_and_skips_no_replica_decisions
     assert totals["b"] == ModelTotals(desired=1)
 
 
+def test_a_replica_gone_for_the_grace_period_loses_its_series_and_its_counts_stay_in_the_totals() -> None:
+    metrics = RouterMetrics()
+    metrics.requests.labels("a", "r1", "success").inc(3)
+    metrics.requests.labels("a", "r1", "upstream_error").inc(1)
+    metrics.requests.labels("a", "r2", "success").inc(2)
+    metrics.requests.labels("a", "", "no_capacity").inc(4)  # no replica: never retired
+
+    def series() -> set[tuple[str, str]]:
+        return {(s.labels["replica"], s.labels["outcome"]) for m in metrics.requests.collect() for s in m.samples
+                if s.name.endswith("_total")}
+
+    assert metrics.retire_replicas({"r2"}, now=100.0, after_s=600.0) == []  # r1 first seen gone
+    assert metrics.retire_replicas({"r2"}, now=699.0, after_s=600.0) == []
+    assert metrics.retire_replicas({"r2"}, now=700.0, after_s=600.0) == ["r1"]
+    assert series() == {("r2", "success"), ("", "no_capacity")}
+    assert collect_totals(metrics, ["a"], {}, {}, {})["a"].requests == 10  # r1's 4 moved to retired_requests
+    metrics.requests.labels("a", "r1", "success").inc()  # it came back: a new series from 0, exported
+    assert ("r1", "success") in series()
+    assert metrics.retire_replicas({"r1", "r2"}, now=800.0, after_s=600.0) == []
+    assert collect_totals(metrics, ["a"], {}, {}, {})["a"].requests == 11
+    # Gone, back before the grace period ended, gone again: the period starts over.
+    assert metrics.retire_replicas({"r2"}, now=900.0, after_s=600.0) == []
+    assert metrics.retire_replicas({"r1", "r2"}, now=1000.0, after_s=600.0) == []
+    assert metrics.retire_replicas({"r2"}, now=1100.0, after_s=600.0) == []
+    assert metrics.retire_replicas({"r2"}, now=1600.0, after_s=600.0) == []
+    assert metrics.retire_replicas({"r2"}, now=1700.0, after_s=600.0) == ["r1"]
+
+
 async def test_sampler_task_survives_a_closed_store() -> None:
     clock, metrics = FakeClock(), RouterMetrics()
     store = MemoryStateStore(clock)

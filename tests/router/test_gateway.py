@@ -463,6 +463,29 @@ async def test_metrics_expose_the_router_series(tmp_path: Path) -> None:
         assert float(realised.split()[-1]) > 0
 
 
+async def test_a_replica_that_left_loses_its_metric_series_after_the_grace_period(tmp_path: Path) -> None:
+    settings = GatewaySettings(retire_replica_series_after_s=0.3)
+    async with gateway(tmp_path, num_replicas=2, settings=settings) as gw:
+        kept, left = gw.sims
+        for i in range(12):  # distinct openings: rendezvous places them on both
+            await gw.client.chat.completions.create(**chat(f"question {i} " + LONG_PROMPT))
+
+        async def exported() -> str:
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                return await r.text()
+
+        assert f'replica="{left.url}"' in await exported() and f'replica="{kept.url}"' in await exported()
+        write_registry(tmp_path, [kept.url])
+        gw.tracker.update_registry(load_registry(tmp_path))  # what the registry watcher does on reload
+        assert f'replica="{left.url}"' in await exported()  # scrapes still read its last counts for a while
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while f'replica="{left.url}"' in await exported():
+            assert asyncio.get_running_loop().time() < deadline, "the series of a replica that left stayed"
+            await asyncio.sleep(0.05)
+        assert f'replica="{kept.url}"' in await exported()
+        assert left.url not in gw.tracker.replica_ids()
+
+
 async def test_a_client_that_goes_away_aborts_the_upstream_request(tmp_path: Path) -> None:
     slow = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=20.0)  # 200 tokens: 10 s
     async with gateway(tmp_path, num_replicas=1, sim_spec=slow) as gw:
