@@ -77,6 +77,7 @@ class UpstreamPool:
         self._targets: dict[str, _Target] = {}
         self._live: set[_Connection] = set()
         self._ssl: ssl.SSLContext | None = None
+        self._swept_at = 0.0  # loop time of the last sweep of stale idle connections (`_release`)
 
     async def post(self, base_url: str, path: str, body: bytes, *, accept: str = "*/*",
                    connect_timeout_s: float, timeout_s: float) -> UpstreamResponse:
@@ -155,12 +156,29 @@ class UpstreamPool:
         """A connection whose response is complete: idle for the next request, or closed."""
         origin = connection.origin
         idle = self._idle[origin]
+        now = asyncio.get_running_loop().time()
         if connection.reusable() and len(idle) < self._max_idle:
             connection.idle_in = idle
-            connection.idle_since = asyncio.get_running_loop().time()
+            connection.idle_since = now
             idle.append(connection)
         else:
             connection.close()
+        if now - self._swept_at > self._max_idle_s:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Close every connection idle past max_idle_s (none would be reused), of every replica. A replica
+        that vanished without closing its connections (a spot node reclaimed, a partition) gets no more
+        requests, so `_take_idle` never meets them: without this its sockets stayed open for good, up to
+        max_idle_per_origin of them per replica. Runs from `_release`, at most once per max_idle_s."""
+        self._swept_at = now
+        for origin, idle in list(self._idle.items()):
+            while idle and now - idle[0].idle_since > self._max_idle_s:  # oldest first: released in order
+                stale = idle.popleft()
+                stale.idle_in = None
+                stale.close()
+            if not idle:
+                del self._idle[origin]
 
 
 def _parse_target(base_url: str) -> _Target:

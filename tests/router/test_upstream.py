@@ -369,6 +369,21 @@ async def test_a_connection_idle_past_max_idle_s_is_not_reused() -> None:
 
 
 @on_both_loops
+async def test_a_stale_idle_connection_to_a_replica_that_gets_no_more_requests_is_closed() -> None:
+    """A replica that vanished without closing its connections gets no more requests; traffic to the others
+    sweeps its stale idle sockets shut instead of keeping them open for good. (These servers never close an
+    idle connection, as a vanished host never does.)"""
+    async with pooled(max_idle_s=0.1) as pool:
+        async with serving(answering(json_answer(b"{}"))) as gone, serving(answering(json_answer(b"{}"))) as other:
+            await post_and_read(pool, gone.url)
+            await asyncio.sleep(0.3)
+            assert not gone.closed.is_set()
+            await post_and_read(pool, other.url)  # its release sweeps
+            await asyncio.wait_for(gone.closed.wait(), LONG_S)
+            assert not other.closed.is_set()  # just released: not stale
+
+
+@on_both_loops
 async def test_an_accept_header_that_is_not_printable_ascii_becomes_any() -> None:
     async with pooled() as pool:
         async with serving(answering(json_answer(b"{}"))) as server:
