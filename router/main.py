@@ -36,8 +36,9 @@ GC_GEN0_THRESHOLD = 50_000
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate router", description="The cache-aware OpenAI gateway.")
     parser.add_argument("--registry", required=True, help="registry directory (hot-reloaded)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     parser.add_argument("--state", default=None,
                         help="state store for membership: redis://host:port/db or memory:// (default: none, "
                              "static replicas only)")
@@ -46,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gateway-id", default="",
                         help="names this gateway's per-model observation records in the state store "
                              "(default: HOSTNAME-PID)")
-    parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes,
+                        help="a request body over this gets 413 (default: %(default)s, 8 MiB)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        type=str.upper, help="(default: INFO)")
     return parser
 
 
