@@ -42,6 +42,8 @@ _MAX_IDLE_PER_ORIGIN = 1024
 # An idle connection is not reused after this long: uvicorn (under vLLM and SGLang) closes connections idle
 # for 5 s, and reusing one just as the server closes it loses the request.
 _MAX_IDLE_S = 4.0
+# Parsed replica URLs kept; past this many the cache starts over (a fleet's replicas, many times over).
+_MAX_TARGETS = 4096
 # A reused connection that closes this soon after the request went out, before any byte of an answer, was
 # closed by the server as it sat idle: the request gets one fresh connection to the same replica. Later, the
 # replica may have started on it, and the proxy's retry (elsewhere) decides.
@@ -123,6 +125,8 @@ class UpstreamPool:
         target = self._targets.get(base_url)
         if target is None:
             target = _parse_target(base_url)
+            if len(self._targets) >= _MAX_TARGETS:  # replicas come and go: a parse cache, not a registry
+                self._targets.clear()
             self._targets[base_url] = target
         return target
 
