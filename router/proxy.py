@@ -94,18 +94,25 @@ class AttemptFailed(Exception):
 
 
 def cached_tokens_of(payload: Any) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens of a response or final chunk, None when absent."""
+    """usage.prompt_tokens_details.cached_tokens of a response or final chunk, None when absent or not a
+    count (a replica's odd answer must not turn a counter back or poison the index)."""
     usage = payload.get("usage") if isinstance(payload, dict) else None
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+    return _count_of(details.get("cached_tokens") if isinstance(details, dict) else None)
 
 
 def prompt_tokens_of(payload: Any) -> int | None:
-    """usage.prompt_tokens of a response or final chunk, None when absent."""
+    """usage.prompt_tokens of a response or final chunk, None when absent or not a count."""
     usage = payload.get("usage") if isinstance(payload, dict) else None
-    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+    return _count_of(usage.get("prompt_tokens") if isinstance(usage, dict) else None)
+
+
+# A token holds at least one byte of text, and a character at most four (UTF-8).
+_MAX_TOKENS_PER_CHAR = 4
+
+
+def _count_of(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 class Proxy:
@@ -249,9 +256,9 @@ class Proxy:
             self._count(model, replica_id, "success")
             try:
                 payload = json.loads(body)
-                self._learn(preq, replica_id, decision, cached_tokens_of(payload), prompt_tokens_of(payload))
-            except ValueError:
-                pass  # not JSON: nothing to learn; the client gets the bytes as they are
+            except (ValueError, RecursionError):
+                payload = None  # not JSON: nothing to learn; the client gets the bytes as they are
+            self._learn(preq, replica_id, decision, cached_tokens_of(payload), prompt_tokens_of(payload))
         else:
             self._count(model, replica_id, f"upstream_{upstream.status // 100}xx")
         self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
@@ -346,12 +353,16 @@ class Proxy:
         """Learn from the response's usage: the model's characters per token from prompt_tokens, then
         predicted vs realised, correcting the prefix index from cached_tokens."""
         model, route = preq.route.model, preq.route
+        if prompt_tokens is not None and prompt_tokens > _MAX_TOKENS_PER_CHAR * route.num_prompt_chars + 4096:
+            prompt_tokens = None  # not this prompt's count (a token is at least a byte, plus a chat template's own)
         if prompt_tokens is not None:
             self.tracker.learn_prompt_size(model, route.num_prompt_chars, prompt_tokens)
             if route.hash_tokens and prompt_tokens != route.estimated_prompt_tokens:
                 self.tracker.tokens_disagree(model, replica_id)  # its hashes cannot match the engine's either
         if cached_tokens is None:
             return
+        # No more of a prompt is cached than the prompt: what the replica counted, else the gateway's count.
+        cached_tokens = min(cached_tokens, route.estimated_prompt_tokens if prompt_tokens is None else prompt_tokens)
         predicted = min(decision.predicted_match_chunks, len(route.prefix_hashes))
         if route.hash_tokens:  # exact counts; the replica's events, not this response, keep the index right
             predicted_tokens = route.estimated_prompt_tokens - route.uncached_tokens(predicted)
@@ -412,7 +423,7 @@ class SseRelay:
             if b'"usage"' in data and b"prompt_tokens" in data:  # only a usage chunk: skip parsing the rest
                 try:
                     payload = json.loads(data)
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
                 self.cached_tokens = cached_tokens_of(payload) if self.cached_tokens is None else self.cached_tokens
                 self.prompt_tokens = prompt_tokens_of(payload) if self.prompt_tokens is None else self.prompt_tokens

@@ -165,6 +165,35 @@ async def hand_written_replica(**posts: Callable[[web.Request], Awaitable[web.St
         await runner.cleanup()
 
 
+def _answer_with_usage(usage: str) -> bytes:
+    return ('{"id": "x", "object": "chat.completion", "choices": [], "usage": ' + usage + "}").encode()
+
+
+@pytest.mark.parametrize("body", [
+    _answer_with_usage('{"prompt_tokens": "many", "prompt_tokens_details": {"cached_tokens": -5}}'),  # not counts
+    _answer_with_usage('{"prompt_tokens": 1e30, "prompt_tokens_details": {"cached_tokens": 1e30}}'),
+    _answer_with_usage(f'{{"prompt_tokens": {10**30}, "prompt_tokens_details": {{"cached_tokens": {10**30}}}}}'),
+    _answer_with_usage('{"prompt_tokens": 3, "extra": ' + "[" * 3000 + "]" * 3000 + "}"),  # past json's recursion limit
+])
+async def test_a_replicas_impossible_usage_neither_fails_the_request_nor_skews_the_hit_figures(
+        tmp_path: Path, body: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=body, content_type="application/json")
+
+    async with hand_written_replica(chat_completions=answer) as url:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
+            for _ in range(2):
+                status, _, text = await gw.post("/v1/chat/completions", json.dumps(chat("hello " * 50)).encode())
+                assert status == 200 and text.encode() == body  # passed through as the replica sent it
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                exported = await r.text()
+    realised = [float(line.split()[-1]) for line in exported.splitlines()
+                if line.startswith('kvgate_router_prefix_realised_tokens_total{model="m"}')]
+    assert all(0 <= value <= 2 * 300 for value in realised)  # two prompts of ~300 characters, at most all cached
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 async def test_the_body_reaches_the_replica_byte_for_byte(tmp_path: Path) -> None:
     captured: list[bytes] = []
 
