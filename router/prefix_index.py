@@ -26,6 +26,10 @@ from router.view import CacheFill
 # right size there is 6,299 chunks of 128 chars), six seeds: hit/best 0.532 at 1,024 chunks, 0.929 at 4,096,
 # 0.979 at 16,384, as sized right; at 16 replicas (1,574 right) 0.953 at 4,096 and at 16,384.
 DEFAULT_CAPACITY_CHUNKS = 16384
+# The most chunks one replica's index keeps: ~256M characters at the default cut, some 64M tokens, twice the
+# KV of an H200 serving a 135M-parameter model (2M blocks of 16 tokens). A server that reports more gets this,
+# so that an absurd figure cannot make an index that never evicts (~150 bytes a chunk: ~150 MB full).
+MAX_CAPACITY_CHUNKS = 1 << 20
 
 # A replica is taken not to cache (prefix caching off) when none of its last CACHE_EVIDENCE_WINDOW
 # responses that were predicted a hit realised a cached token, and there were at least CACHE_EVIDENCE_MIN
@@ -36,10 +40,11 @@ CACHE_EVIDENCE_MIN = 4
 
 def capacity_chunks(kv_blocks_total: int, block_size_tokens: int, chunk_chars: int,
                     chars_per_token: float = CHARS_PER_TOKEN) -> int:
-    """Chunks a replica's KV cache holds; DEFAULT_CAPACITY_CHUNKS when it reports no KV figures."""
+    """Chunks a replica's KV cache holds; DEFAULT_CAPACITY_CHUNKS when it reports no KV figures, and at
+    most MAX_CAPACITY_CHUNKS whatever it reports."""
     if kv_blocks_total <= 0 or block_size_tokens <= 0:
         return DEFAULT_CAPACITY_CHUNKS
-    return int(kv_blocks_total * block_size_tokens * chars_per_token // chunk_chars)
+    return min(int(kv_blocks_total * block_size_tokens * chars_per_token // chunk_chars), MAX_CAPACITY_CHUNKS)
 
 
 @dataclass(frozen=True)

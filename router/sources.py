@@ -83,6 +83,13 @@ def replica_url(base_url: str, path: str) -> str:
     return f"{base.rstrip('/')}{path}{mark}{query}"
 
 
+# What a foreign server's /metrics may make the gateway believe, at most: far above any real server
+# (an H200 holds ~2M blocks of a small model's KV) and far below what would let an index grow unchecked.
+MAX_REQUESTS = 1_000_000
+MAX_KV_BLOCKS = 1 << 26
+MAX_BLOCK_SIZE_TOKENS = 4096
+
+
 def parse_samples(text: str) -> list[Sample]:
     """Every sample line of a Prometheus text exposition; comments and unparsable lines are skipped."""
     samples = []
@@ -138,27 +145,35 @@ def _label(samples: list[Sample], name: str, key: str) -> str | None:
 def _int_label(samples: list[Sample], name: str, key: str) -> int:
     try:
         return int(float(_label(samples, name, key) or 0))
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf
         return 0
+
+
+def _bounded(value: float, high: int) -> int:
+    """A count a server reported, as an int in [0, high]: a negative, infinite or absurd figure from a
+    misbehaving exporter must not turn into a negative queue or an index that never evicts."""
+    return int(min(max(value, 0.0), high)) if math.isfinite(value) else 0
 
 
 def parse_metrics(text: str) -> LoadReport:
     """The load of a vLLM or SGLang server from its /metrics text. Missing names read as 0 / unknown."""
     samples = parse_samples(text)
-    waiting = _sum(samples, "vllm:num_requests_waiting", "sglang:num_queue_reqs") or 0.0
-    running = _sum(samples, "vllm:num_requests_running", "sglang:num_running_reqs") or 0.0
+    waiting = _bounded(_sum(samples, "vllm:num_requests_waiting", "sglang:num_queue_reqs") or 0.0, MAX_REQUESTS)
+    running = _bounded(_sum(samples, "vllm:num_requests_running", "sglang:num_running_reqs") or 0.0, MAX_REQUESTS)
     usage = _mean(samples, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
-    total = _int_label(samples, "vllm:cache_config_info", "num_gpu_blocks")
+    total = _bounded(_int_label(samples, "vllm:cache_config_info", "num_gpu_blocks"), MAX_KV_BLOCKS)
     block_size = _int_label(samples, "vllm:cache_config_info", "block_size")
     if total <= 0:  # SGLang: the KV pool in tokens, in pages of page_size tokens
         pool_tokens = _sum(samples, "sglang:max_total_num_tokens") or 0.0
-        page = max(1, int(_mean(samples, "sglang:page_size") or 1))  # the same on every rank
-        total, block_size = (int(pool_tokens) // page, page) if pool_tokens >= 1 else (0, 0)
+        page = _bounded(_mean(samples, "sglang:page_size") or 1.0, MAX_BLOCK_SIZE_TOKENS) or 1  # the same on every rank
+        total, block_size = (_bounded(pool_tokens, MAX_KV_BLOCKS) // page, page) if pool_tokens >= 1 else (0, 0)
+    if not 0 < block_size <= MAX_BLOCK_SIZE_TOKENS:
+        block_size = 0
     free = 0
     if total > 0:
         free = round(total * (1.0 - min(max(usage or 0.0, 0.0), 1.0)))
     caching = _label(samples, "vllm:cache_config_info", "enable_prefix_caching")
-    return LoadReport(num_waiting=int(waiting), num_running=int(running), kv_blocks_free=free,
+    return LoadReport(num_waiting=waiting, num_running=running, kv_blocks_free=free,
                       kv_blocks_total=total, block_size_tokens=block_size or None,
                       adapters_loaded=_latest_lora_adapters(samples),
                       prefix_caching={"True": True, "False": False}.get(caching or ""))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.prefix_index import (CACHE_EVIDENCE_MIN, CACHE_EVIDENCE_WINDOW, DEFAULT_CAPACITY_CHUNKS, PrefixIndex,
-                                 PrefixIndexes, capacity_chunks)
+from router.prefix_index import (CACHE_EVIDENCE_MIN, CACHE_EVIDENCE_WINDOW, DEFAULT_CAPACITY_CHUNKS,
+                                 MAX_CAPACITY_CHUNKS, PrefixIndex, PrefixIndexes, capacity_chunks)
 from router.view import CacheFill
 
 
@@ -14,6 +14,7 @@ from router.view import CacheFill
     (64, 16, 64, 64),  # 64 x 16 x 4 = 4,096 chars = 64 chunks
     (10, 16, 1024, 0),  # 640 chars: not one full chunk
     (0, 16, 256, DEFAULT_CAPACITY_CHUNKS),  # a backend that reports no KV figures
+    (1 << 26, 16, 256, MAX_CAPACITY_CHUNKS),  # an absurd figure: the cap, not an index that never evicts
 ])
 def test_capacity_is_the_replicas_kv_cache_in_chunks(blocks: int, block_size: int, chunk_chars: int,
                                                      expected: int) -> None:

@@ -107,6 +107,13 @@ def test_a_replica_path_goes_before_the_base_urls_query_string(base: str, expect
                              block_size_tokens=16)),
     ("", LoadReport()),
     ("garbage {{\nvllm:num_requests_waiting{model_name=\"m\"} NaN\n# only a comment", LoadReport()),
+    # a misbehaving exporter: no negative queue, no infinite or absurd KV, no block size that is not one
+    ('vllm:num_requests_waiting -3\nvllm:num_requests_running 1e30\n'
+     'vllm:cache_config_info{block_size="-16",num_gpu_blocks="inf"} 1\n', LoadReport(num_running=1_000_000)),
+    ('vllm:cache_config_info{block_size="16",num_gpu_blocks="1e30"} 1\n',
+     LoadReport(kv_blocks_free=1 << 26, kv_blocks_total=1 << 26, block_size_tokens=16)),
+    ('sglang:max_total_num_tokens 1e40\nsglang:page_size 0\n',
+     LoadReport(kv_blocks_free=1 << 26, kv_blocks_total=1 << 26, block_size_tokens=1)),
 ])
 def test_parse_metrics_reads_vllm_and_sglang_names(text: str, expected: LoadReport) -> None:
     assert parse_metrics(text) == expected
