@@ -236,10 +236,13 @@ class Proxy:
 
     async def _read_body(self, upstream: UpstreamResponse, idle_s: float, replica_id: str,
                          swallow: bool = False) -> bytes:
-        parts = []
+        parts, size = [], 0
         try:
             while chunk := await upstream.read(idle_s):
                 parts.append(chunk)
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:
+                    raise UpstreamError(f"the answer is over {MAX_ANSWER_BYTES} bytes")
         except (TimeoutError, UpstreamError) as exc:
             if not swallow:
                 outcome = "timeout" if isinstance(exc, TimeoutError) else "broken_body"
@@ -388,6 +391,12 @@ class _EventStream(web.StreamResponse):
     _send_headers_immediately = False
 
 
+# The largest SSE event and the largest non-streamed answer the gateway holds for a replica: far above a real
+# one (an answer with logprobs for 4,096 tokens is ~2 MB), far below what would exhaust the gateway's memory.
+MAX_EVENT_BYTES = 16 << 20
+MAX_ANSWER_BYTES = 64 << 20
+
+
 class SseRelay:
     """Cuts an SSE byte stream at event boundaries ("\\n\\n"), so only whole events reach the client
     (an error event after a break then parses), and notes the first token, `[DONE]` and the usage
@@ -401,12 +410,17 @@ class SseRelay:
         self.prompt_tokens: int | None = None
 
     def feed(self, data: bytes) -> bytes:
-        """The whole events completed by `data`; keeps any partial one for the next call."""
+        """The whole events completed by `data`; keeps any partial one for the next call. Raises
+        UpstreamError when a partial event grows past MAX_EVENT_BYTES (a replica that never ends one)."""
         self._pending += data.replace(b"\r\n", b"\n")
         cut = self._pending.rfind(b"\n\n")
-        if cut < 0:
+        complete = b""
+        if cut >= 0:
+            complete, self._pending = self._pending[:cut + 2], self._pending[cut + 2:]
+        if len(self._pending) > MAX_EVENT_BYTES:
+            raise UpstreamError(f"the replica sent an event of over {MAX_EVENT_BYTES} bytes")
+        if not complete:
             return b""
-        complete, self._pending = self._pending[:cut + 2], self._pending[cut + 2:]
         for event in complete.split(b"\n\n"):
             self._inspect(event)
         return complete

@@ -31,6 +31,7 @@ from router.app import GatewaySettings
 from router.observations import OBSERVATIONS_COLLECTION
 from router.openings import MIN_REQUESTS
 from router.prefix_index import CACHE_EVIDENCE_MIN
+from router import proxy as proxy_module
 from router.proxy import REPLICA_HEADER
 from router.replicas import ReplicaTracker
 from tests.gateway_harness import eventually, running_gateway
@@ -192,6 +193,20 @@ async def test_a_replicas_impossible_usage_neither_fails_the_request_nor_skews_t
                 if line.startswith('kvgate_router_prefix_realised_tokens_total{model="m"}')]
     assert all(0 <= value <= 2 * 300 for value in realised)  # two prompts of ~300 characters, at most all cached
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_an_answer_too_big_to_hold_is_a_502_not_a_gateway_out_of_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy_module, "MAX_ANSWER_BYTES", 64 * 1024)
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b'{"pad": "' + b"x" * 200_000 + b'"}', content_type="application/json")
+
+    async with hand_written_replica(chat_completions=answer) as url:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
+            status, _, text = await gw.post("/v1/chat/completions", json.dumps(chat("x")).encode())
+    assert status == 502 and "over 65536 bytes" in json.loads(text)["error"]["message"]
 
 
 async def test_the_body_reaches_the_replica_byte_for_byte(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
+from router import proxy
 from router.proxy import SseRelay, carries_output
+from router.upstream import UpstreamError
 
 
 def event(payload: object) -> bytes:
@@ -63,3 +65,13 @@ def test_the_relay_reads_the_usage_chunks_prompt_and_cached_tokens() -> None:
                      + b"data: [DONE]\r\n\r\n")
     assert out.endswith(b"data: [DONE]\n\n")  # CRLF line ends are normalised
     assert (relay.prompt_tokens, relay.cached_tokens, relay.done) == (120, 96, True)
+
+
+def test_an_event_that_never_ends_is_a_broken_stream_not_a_growing_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy, "MAX_EVENT_BYTES", 1000)
+    relay = SseRelay()
+    assert relay.feed(event(chat_chunk({"content": "x" * 500}))) != b""  # whole events of any size under it pass
+    assert relay.feed(b"data: " + b"y" * 600) == b""
+    with pytest.raises(UpstreamError, match="over 1000 bytes"):
+        relay.feed(b"y" * 600)  # no event boundary in 1,206 bytes
+
