@@ -42,6 +42,9 @@ _MAX_IDLE_PER_ORIGIN = 1024
 # An idle connection is not reused after this long: uvicorn (under vLLM and SGLang) closes connections idle
 # for 5 s, and reusing one just as the server closes it loses the request.
 _MAX_IDLE_S = 4.0
+# Bytes that may arrive before an answer's head is complete: real heads take a few hundred, and the read that
+# ends one may carry up to _READ_BUFFER_BYTES of body. Past it the replica is not answering HTTP.
+_MAX_HEAD_BYTES = 1 << 20
 # Parsed replica URLs kept; past this many the cache starts over (a fleet's replicas, many times over).
 _MAX_TARGETS = 4096
 # A reused connection that closes this soon after the request went out, before any byte of an answer, was
@@ -289,6 +292,7 @@ class _Connection(asyncio.Protocol):
         self._delimited = False  # the body has a length or chunked framing, so a close mid-way is a break
         self.body: list[bytes] = []
         self._num_body_bytes = 0
+        self._num_head_bytes = 0  # bytes received while the final head was still coming
 
     # -- asyncio.Protocol
 
@@ -301,6 +305,11 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamError("the replica sent bytes outside any response"))
             return
         self._answered = True
+        if not self.head_done:
+            self._num_head_bytes += len(data)
+            if self._num_head_bytes > _MAX_HEAD_BYTES:
+                self._fail(UpstreamError(f"the replica's answer has no end of headers in {_MAX_HEAD_BYTES} bytes"))
+                return
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:

@@ -384,6 +384,22 @@ async def test_a_stale_idle_connection_to_a_replica_that_gets_no_more_requests_i
 
 
 @on_both_loops
+async def test_a_head_that_never_ends_is_an_error_before_the_timeout() -> None:
+    async def endless_headers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        with contextlib.suppress(ConnectionError):
+            while True:  # headers without end, until the client hangs up
+                writer.write(b"X-Pad: " + b"a" * 1000 + b"\r\n")
+                await writer.drain()
+        raise ConnectionResetError
+
+    async with pooled() as pool:
+        async with serving(endless_headers) as server:
+            with pytest.raises(UpstreamError, match="no end of headers"):
+                await asyncio.wait_for(post(pool, server.url), LONG_S)
+
+
+@on_both_loops
 async def test_an_accept_header_that_is_not_printable_ascii_becomes_any() -> None:
     async with pooled() as pool:
         async with serving(answering(json_answer(b"{}"))) as server:
