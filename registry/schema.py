@@ -138,6 +138,11 @@ class StaticReplica(_Strict):
     url: str = Field(description="Base URL of an OpenAI-compatible server, e.g. http://10.0.0.5:8000.")
     backend: Backend = Field(default=Backend.OPENAI, description="What serves it: kvgate, vllm, sglang or openai.")
     grpc_target: str | None = Field(default=None, description="host:port of a kvgate engine's ReplicaState stream.")
+    api_key_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of an environment variable of the gateway that holds the server's API key (vLLM's and "
+                    "SGLang's --api-key), sent as `Authorization: Bearer <key>`; the key itself never goes in the "
+                    "registry.")
 
     @field_validator("url")
     @classmethod
@@ -145,6 +150,12 @@ class StaticReplica(_Strict):
         if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
             raise ValueError(f"{url!r} is not an http(s) URL like http://10.0.0.5:8000")
         return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> StaticReplica:
+        if self.api_key_env is not None and "@" in self.url.split("//", 1)[1].split("/", 1)[0]:
+            raise ValueError("give the server's credentials once: in the URL (user:password@) or as api_key_env")
+        return self
 
 
 class Routing(_Strict):

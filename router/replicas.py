@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -58,6 +60,21 @@ class KvChain:
     block_size_tokens: int
 
 
+def _auth_headers(tracked: _Tracked) -> dict[str, str] | None:
+    return {"Authorization": tracked.authorization} if tracked.authorization else None
+
+
+def bearer_from_env(variable: str, url: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """`Bearer <key>` from the environment variable a static replica names, or None with a warning when it is
+    unset, empty or not a printable ASCII token (a line break in it would split the request's head)."""
+    key = environ.get(variable, "").strip()
+    if not key or not key.isascii() or not key.isprintable():
+        log.warning("replica %s: environment variable %s %s; sending it no API key", url, variable,
+                    "is not set" if not key else "does not hold a printable ASCII key")
+        return None
+    return f"Bearer {key}"
+
+
 @dataclass
 class _Tracked:
     """Mutable record of one replica; lives only inside the tracker."""
@@ -79,6 +96,7 @@ class _Tracked:
     # the next one. Without it, sequential requests see a phantom load of 1 on the replica that just
     # served them and the load bound pushes a prefix hit elsewhere.
     num_ended_since_report: int = 0
+    authorization: str | None = None  # the Authorization header value the replica asks of its clients
     health_ok: bool = True  # optimistic until the first check, so a READY member is routable at once
     consecutive_failures: int = 0
     ejected_until: float | None = None  # set while ejected; cleared by a passing probe after it
@@ -222,15 +240,16 @@ class ReplicaTracker:
     def update_registry(self, snapshot: Snapshot) -> None:
         """Hot reload: add and remove static replicas, refresh per-model knobs. Idempotent."""
         self._snapshot = snapshot
-        wanted: dict[str, tuple[str, Backend, str | None]] = {}
+        wanted: dict[str, tuple[str, Backend, str | None, str | None]] = {}
         for name, doc in snapshot.models.items():
             for static in doc.spec.routing.static_replicas:
-                wanted[static.url] = (name, static.backend, static.grpc_target)
+                wanted[static.url] = (name, static.backend, static.grpc_target, static.api_key_env)
         for replica_id, tracked in list(self._replicas.items()):
             if tracked.member_state is None and replica_id not in wanted:
                 self._drop(replica_id)
-        for url, (model, backend, grpc_target) in wanted.items():
+        for url, (model, backend, grpc_target, api_key_env) in wanted.items():
             self._upsert(url, model, url, backend, grpc_target, None)
+            self._replicas[url].authorization = bearer_from_env(api_key_env, url) if api_key_env else None
         for tracked in self._replicas.values():
             tracked.block_size_tokens, tracked.max_loaded_adapters, tracked.prefix_chunk_chars = (
                 self._model_knobs(tracked.model))
@@ -313,6 +332,11 @@ class ReplicaTracker:
     def url(self, replica_id: str) -> str:
         """Base URL of a tracked replica; raises KeyError for an unknown one."""
         return self._replicas[replica_id].url
+
+    def authorization(self, replica_id: str) -> str | None:
+        """The Authorization header value to send the replica (its `api_key_env`), or None."""
+        tracked = self._replicas.get(replica_id)
+        return tracked.authorization if tracked is not None else None
 
     def prefix_caching(self, replica_id: str) -> str:
         """Whether the replica keeps what it computes, for operators (/admin/stats): "off" where it says
@@ -561,7 +585,8 @@ class ReplicaTracker:
         while True:
             try:
                 url = replica_url(tracked.url, "/metrics")
-                async with self._http_session().get(url, timeout=self._timeout()) as response:
+                async with self._http_session().get(url, timeout=self._timeout(),
+                                                     headers=_auth_headers(tracked)) as response:
                     text = await response.text() if response.status == 200 else None
                 if text is not None:
                     self._apply_load(tracked.replica_id, parse_metrics(text))
@@ -575,7 +600,8 @@ class ReplicaTracker:
         while True:
             try:
                 url = replica_url(tracked.url, "/health")
-                async with self._http_session().get(url, timeout=self._timeout()) as response:
+                async with self._http_session().get(url, timeout=self._timeout(),
+                                                     headers=_auth_headers(tracked)) as response:
                     ok = response.status == 200
             except asyncio.CancelledError:
                 raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from registry.schema import ModelSpec, Offer, PoolSpec, Scaling, TenantSpec
+from registry.schema import ModelSpec, Offer, PoolSpec, Scaling, StaticReplica, TenantSpec
 
 
 def error_of(cls, data) -> str:
@@ -31,6 +31,13 @@ def test_bad_model_sources_are_rejected(source: str) -> None:
 @pytest.mark.parametrize("source", ["builtin:tiny-llama", "s3://bucket/prefix", "/models/llama", "./weights"])
 def test_model_sources(source: str) -> None:
     assert ModelSpec.model_validate({"source": source}).source == source
+
+
+def test_a_static_replicas_api_key_is_named_by_an_environment_variable_never_written() -> None:
+    replica = StaticReplica.model_validate({"url": "http://10.0.0.5:8000", "api_key_env": "VLLM_API_KEY"})
+    assert replica.api_key_env == "VLLM_API_KEY"
+    assert "api_key_env" in error_of(StaticReplica, {"url": "http://h:1", "api_key_env": "sk-not-a-name"})
+    assert "credentials once" in error_of(StaticReplica, {"url": "http://u:p@h:1", "api_key_env": "KEY"})
 
 
 def test_byte_sizes_accept_units() -> None:

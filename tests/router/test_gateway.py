@@ -209,6 +209,40 @@ async def test_an_answer_too_big_to_hold_is_a_502_not_a_gateway_out_of_memory(
     assert status == 502 and "over 65536 bytes" in json.loads(text)["error"]["message"]
 
 
+async def test_a_server_run_with_an_api_key_gets_it_from_the_gateways_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str | None] = []
+
+    async def guarded(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != "Bearer s3cret":  # as vLLM's --api-key answers
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": []})
+
+    async with hand_written_replica(chat_completions=guarded) as url:
+        for key, status in ((None, 401), ("s3cret", 200)):
+            if key is None:
+                monkeypatch.delenv("KVGATE_TEST_REPLICA_KEY", raising=False)
+            else:
+                monkeypatch.setenv("KVGATE_TEST_REPLICA_KEY", key)
+            (tmp_path / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
+kind: Model
+metadata: {{name: m}}
+spec:
+  source: builtin:tiny-llama
+  routing: {{static_replicas: [{{url: '{url}', backend: vllm, api_key_env: KVGATE_TEST_REPLICA_KEY}}]}}
+---
+{POOL}""")
+            async with running_gateway(tmp_path) as (gateway_url, _):
+                async with aiohttp.ClientSession() as s, s.post(gateway_url + "/v1/chat/completions",
+                                                                json=chat("x")) as r:
+                    assert r.status == status  # without the key the server's 401 passes through
+                async with aiohttp.ClientSession() as s, s.get(gateway_url + "/admin/stats") as r:
+                    assert "s3cret" not in await r.text()
+    assert seen == [None, "Bearer s3cret"]
+
+
 async def test_the_body_reaches_the_replica_byte_for_byte(tmp_path: Path) -> None:
     captured: list[bytes] = []
 

@@ -19,7 +19,7 @@ from loadtests.sim_replica_model import SchedulerSpec
 from registry.loader import load_registry
 from registry.snapshot import Snapshot
 from router.prefix_index import DEFAULT_CAPACITY_CHUNKS, capacity_chunks
-from router.replicas import ReplicaTracker
+from router.replicas import ReplicaTracker, bearer_from_env
 from router.sources import LoadReport, parse_metrics, replica_url
 from tests.gateway_harness import eventually
 
@@ -347,3 +347,19 @@ async def test_a_state_stream_that_goes_silent_is_dropped_and_reconnected() -> N
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await server.stop(0)
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("s3cret", "Bearer s3cret"),
+    ("  s3cret\n", "Bearer s3cret"),  # a trailing newline from `echo` into a secret file is not part of the key
+    (None, None),  # unset
+    ("", None),
+    ("a\nb", None),  # would split the request's head
+    ("clé", None),
+])
+def test_a_replicas_api_key_comes_from_the_named_variable_or_not_at_all(value: str | None, expected: str | None,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    environ = {} if value is None else {"KEY": value}
+    assert bearer_from_env("KEY", "http://h:1", environ) == expected
+    assert (expected is None) == any("sending it no API key" in r.message for r in caplog.records)
+

@@ -400,6 +400,21 @@ async def test_a_head_that_never_ends_is_an_error_before_the_timeout() -> None:
 
 
 @on_both_loops
+async def test_an_authorization_value_goes_as_the_header_and_one_with_a_line_break_never_does() -> None:
+    async with pooled() as pool:
+        async with serving(answering(json_answer(b"{}"))) as server:
+            response = await pool.post(server.url, "/v1/chat/completions", b"{}", authorization="Bearer k1",
+                                       connect_timeout_s=LONG_S, timeout_s=LONG_S)
+            await response.read_all(LONG_S)
+            response.release()
+            assert b"\r\nAuthorization: Bearer k1\r\n" in server.requests[0]
+            with pytest.raises(UpstreamError, match="not printable ASCII"):
+                await pool.post(server.url, "/x", b"{}", authorization="Bearer k1\r\nX-Evil: 1",
+                                connect_timeout_s=LONG_S, timeout_s=LONG_S)
+            assert len(server.requests) == 1
+
+
+@on_both_loops
 async def test_an_accept_header_that_is_not_printable_ascii_becomes_any() -> None:
     async with pooled() as pool:
         async with serving(answering(json_answer(b"{}"))) as server:
