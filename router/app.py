@@ -24,8 +24,8 @@ from kvgate.state.base import StateStore
 from registry.snapshot import Snapshot
 from router.dashboard import Dashboard, gauge_values
 from router.handlers import error_middleware, install_routes
-from router.keys import (CLOCK_KEY, DASHBOARD_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY,
-                         SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY, GatewaySettings)
+from router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
+                         REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY, Drain, GatewaySettings)
 from router.metrics import RouterMetrics
 from router.observations import ObservationPublisher
 from router.openings import CommonOpenings
@@ -67,6 +67,7 @@ def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSou
                                  lambda model, depth: metrics.queue_depth.labels(model).set(depth))
     app[SEQUENCE_KEY] = collections.Counter()
     app[OPENINGS_KEY] = CommonOpenings()
+    app[DRAIN_KEY] = Drain()
     app[DASHBOARD_KEY] = Dashboard(metrics=metrics, queues=app[QUEUES_KEY], clock=clock, ready_count=tracker.num_ready,
                                    model_names=lambda: registry.current.models, store=store,
                                    sample_interval_s=settings.dashboard_sample_interval_s,

@@ -22,8 +22,8 @@ from registry.snapshot import Snapshot, UnknownName
 from router.errors import GatewayError, bad_request, error_response, model_not_found
 from router.features import build_route_request
 from router.dashboard import dashboard_page
-from router.keys import (CLOCK_KEY, DASHBOARD_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY, REGISTRY_KEY,
-                         SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY)
+from router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
+                         REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY)
 from router.policies import RoutingKnobs
 from router.prompt_tokens import PromptTokenizer, prompt_token_ids
 from router.proxy import ProxyRequest
@@ -150,6 +150,18 @@ async def _engine_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer, ch
 
 
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
+    drain = request.app[DRAIN_KEY]
+    if drain.draining:
+        raise GatewayError(503, "this gateway is shutting down; retry on another", type="ServiceUnavailableError",
+                           code="draining", headers={"Retry-After": "1"})
+    drain.in_flight += 1
+    try:
+        return await _serve_inference(request, chat)
+    finally:
+        drain.in_flight -= 1
+
+
+async def _serve_inference(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
     clock = app[CLOCK_KEY]
     arrived_at = clock.now()
@@ -210,7 +222,9 @@ async def health(request: web.Request) -> web.Response:
     snapshot = _snapshot(request)
     tracker = request.app[TRACKER_KEY]
     ready = {name: tracker.num_ready(name) for name in sorted(snapshot.models)}
-    return web.json_response({"status": "ok", "registry_version": snapshot.version, "num_ready": ready})
+    draining = request.app[DRAIN_KEY].draining
+    return web.json_response({"status": "draining" if draining else "ok", "registry_version": snapshot.version,
+                              "num_ready": ready}, status=503 if draining else 200)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -31,6 +31,15 @@ class GatewaySettings:
     retire_replica_series_after_s: float = 600.0
 
 
+@dataclass
+class Drain:
+    """A gateway's shutdown: once `draining` (SIGTERM, `router.main`), /health answers 503 so load balancers
+    stop sending, new inference requests get 503 with Retry-After, and the ones `in_flight` finish."""
+
+    draining: bool = False
+    in_flight: int = 0  # inference requests between arrival and their response's end
+
+
 SETTINGS_KEY = web.AppKey("kvgate_settings", GatewaySettings)
 TRACKER_KEY = web.AppKey("kvgate_tracker", Tracker)
 REGISTRY_KEY: web.AppKey[object] = web.AppKey("kvgate_registry", object)
@@ -40,4 +49,5 @@ QUEUES_KEY = web.AppKey("kvgate_queues", WaitQueues)
 PROXY_KEY = web.AppKey("kvgate_proxy", Proxy)
 SEQUENCE_KEY = web.AppKey("kvgate_request_seq", collections.Counter)  # per model: round robin's counter
 DASHBOARD_KEY = web.AppKey("kvgate_dashboard", Dashboard)
+DRAIN_KEY = web.AppKey("kvgate_drain", Drain)
 OPENINGS_KEY = web.AppKey("kvgate_common_openings", CommonOpenings)  # per model: what nearly every request opens with

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -21,7 +22,7 @@ from kvgate.state import open_state_store
 from registry.problems import RegistryInvalid
 from registry.watch import RegistryWatcher
 from router.app import build_app
-from router.keys import GatewaySettings
+from router.keys import DRAIN_KEY, Drain, GatewaySettings
 
 log = logging.getLogger("kvgate.router")
 
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gateway-id", default="",
                         help="names this gateway's per-model observation records in the state store "
                              "(default: HOSTNAME-PID)")
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help="on SIGTERM, how long in-flight requests may finish while /health says 503 and new "
+                             "requests get 503; a second signal cuts it short (default: 30)")
     parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes,
                         help="a request body over this gets 413 (default: %(default)s, 8 MiB)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -67,8 +71,8 @@ async def serve(args: argparse.Namespace) -> int:
     tracker = ReplicaTracker(clock=clock, store=store)
     settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None,
                                gateway_id=args.gateway_id)
-    runner = web.AppRunner(build_app(settings, tracker, watcher, clock, store), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=5.0)
+    app = build_app(settings, tracker, watcher, clock, store)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     gc.collect()
@@ -76,20 +80,35 @@ async def serve(args: argparse.Namespace) -> int:
     gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
     log.info("kvgate router on http://%s:%d, registry %s (version %s)", args.host, args.port, args.registry,
              watcher.current.version)
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     watch = asyncio.create_task(watcher.watch(), name="kvgate-registry-watch")
     try:
         await stop.wait()
+        await drain(app[DRAIN_KEY], args.drain_timeout_s, hurry)
     finally:
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
         await runner.cleanup()
         if store is not None:
             await store.close()
+    log.info("kvgate router stopped")
     return 0
+
+
+async def drain(state: Drain, timeout_s: float, hurry: asyncio.Event) -> None:
+    """Refuse new requests and let the ones in flight finish, for at most `timeout_s` or until `hurry`."""
+    state.draining = True
+    log.info("draining: %d requests in flight, up to %.0f s (a second signal stops at once)", state.in_flight,
+             timeout_s)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while state.in_flight and not hurry.is_set() and asyncio.get_running_loop().time() < deadline:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hurry.wait(), 0.05)
+    if state.in_flight:
+        log.warning("drain over with %d requests in flight: cutting them", state.in_flight)
 
 
 def main(argv: list[str] | None = None) -> int:
