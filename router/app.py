@@ -123,11 +123,12 @@ async def _retiring_gone_replicas(app: web.Application) -> AsyncIterator[None]:
 
 async def _retire_gone_replicas(app: web.Application) -> None:
     """Drop the per-replica series of replicas gone `retire_replica_series_after_s` ago; checked at a
-    quarter of that interval (at most every minute), so a series outlives its replica by up to 1.25x it."""
+    quarter of that interval (at most every minute), so a series outlives its replica by up to 1.25x it
+    (or a minute past it)."""
     settings, clock, tracker = app[SETTINGS_KEY], app[CLOCK_KEY], app[TRACKER_KEY]
     after_s = settings.retire_replica_series_after_s
     while True:
-        await clock.sleep(min(after_s / 4, 60.0))
+        await clock.sleep(min(max(after_s / 4, 0.05), 60.0))  # never a busy loop, whatever the setting
         removed = app[METRICS_KEY].retire_replicas(tracker.replica_ids(), clock.now(), after_s)
         app[PROXY_KEY].forget_replicas(removed)
 
