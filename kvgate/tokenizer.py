@@ -186,8 +186,10 @@ class Tokenizer:
 
 
 def lone_surrogate_in(raw: bytes, value: Any) -> bool:
-    """Whether a JSON request body (`raw`, parsed into `value`) holds a lone UTF-16 surrogate. `"\\ud800"` is
-    valid JSON but no text: no tokenizer can encode it, so servers answer it with a 400 before it reaches one.
+    """Whether a JSON request body (`raw`, strictly UTF-8, parsed into `value`) holds a lone UTF-16 surrogate.
+    `"\\ud800"` is valid JSON but no text: no tokenizer can encode it, so servers answer it with a 400 before it
+    reaches one. (A surrogate encoded in the bytes themselves, or a UTF-16 body, fails the strict UTF-8 decode
+    that comes first; only the escape gets this far.)
     A pair (an emoji written as two escapes) parses to one character and passes. Walks `value` only when
     `raw` holds a surrogate escape at all: a 6 KB chat body costs 3.7 us, 11 us with an escaped emoji."""
     if not _SURROGATE_ESCAPE.search(raw):

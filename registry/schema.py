@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import re
+from urllib.parse import urlsplit
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Literal, Union
@@ -153,7 +154,7 @@ class StaticReplica(_Strict):
 
     @model_validator(mode="after")
     def _one_credential(self) -> StaticReplica:
-        if self.api_key_env is not None and "@" in self.url.split("//", 1)[1].split("/", 1)[0]:
+        if self.api_key_env is not None and urlsplit(self.url).username is not None:
             raise ValueError("give the server's credentials once: in the URL (user:password@) or as api_key_env")
         return self
 

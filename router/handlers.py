@@ -87,7 +87,7 @@ async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
         raise GatewayError(413, f"the request body is over the gateway's limit of {limit} bytes",
                            type="RequestTooLargeError", code="request_too_large") from exc
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode("utf-8"))  # JSON between systems is UTF-8 (RFC 8259), and strictly so here
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
     except RecursionError as exc:  # arrays or objects nested past the interpreter's recursion limit

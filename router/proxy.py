@@ -110,10 +110,12 @@ def prompt_tokens_of(payload: Any) -> int | None:
 
 # A token holds at least one byte of text, and a character at most four (UTF-8).
 _MAX_TOKENS_PER_CHAR = 4
+_MAX_COUNT = 1 << 31
 
 
 def _count_of(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    """A token count: an int from 0 to 2^31 (no prompt is longer), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_COUNT else None
 
 
 class Proxy:
@@ -358,10 +360,11 @@ class Proxy:
         """Learn from the response's usage: the model's characters per token from prompt_tokens, then
         predicted vs realised, correcting the prefix index from cached_tokens."""
         model, route = preq.route.model, preq.route
-        if prompt_tokens is not None and prompt_tokens > _MAX_TOKENS_PER_CHAR * route.num_prompt_chars + 4096:
-            prompt_tokens = None  # not this prompt's count (a token is at least a byte, plus a chat template's own)
         if prompt_tokens is not None:
-            self.tracker.learn_prompt_size(model, route.num_prompt_chars, prompt_tokens)
+            # More tokens than the text's bytes allow (plus a chat template's own) are not the text's: an image
+            # part, say. They would drag the model's characters per token down, so they teach nothing.
+            if prompt_tokens <= _MAX_TOKENS_PER_CHAR * route.num_prompt_chars + 4096:
+                self.tracker.learn_prompt_size(model, route.num_prompt_chars, prompt_tokens)
             if route.hash_tokens and prompt_tokens != route.estimated_prompt_tokens:
                 self.tracker.tokens_disagree(model, replica_id)  # its hashes cannot match the engine's either
         if cached_tokens is None:

@@ -109,7 +109,7 @@ class ChatRequest:
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object. Raises ApiError 400 for invalid JSON or another top-level type."""
     try:
-        value = json.loads(raw)
+        value = json.loads(raw.decode("utf-8"))  # JSON between systems is UTF-8 (RFC 8259), and strictly so here
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from exc
     except RecursionError as exc:  # arrays or objects nested past the interpreter's recursion limit

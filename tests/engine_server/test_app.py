@@ -156,6 +156,9 @@ async def test_errors_are_openai_error_objects_with_their_status(engine: AsyncLL
             ("/v1/completions", b"[" * 2000 + b"]" * 2000, 400, "invalid_json"),  # past the parser's recursion limit
             ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\udc00"}]}',
              400, "invalid_json"),  # a lone surrogate: no tokenizer can encode it
+            ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
+             400, "invalid_json"),  # the same surrogate as UTF-8 bytes: not UTF-8
+            ("/v1/completions", '{"model": "tiny", "prompt": "x"}'.encode("utf-16"), 400, "invalid_json"),
         ]
         for path, body, status, code in cases:
             response = await client.post(path, data=body, headers={"Content-Type": "application/json"})

@@ -38,6 +38,7 @@ def test_a_static_replicas_api_key_is_named_by_an_environment_variable_never_wri
     assert replica.api_key_env == "VLLM_API_KEY"
     assert "api_key_env" in error_of(StaticReplica, {"url": "http://h:1", "api_key_env": "sk-not-a-name"})
     assert "credentials once" in error_of(StaticReplica, {"url": "http://u:p@h:1", "api_key_env": "KEY"})
+    assert StaticReplica.model_validate({"url": "http://h:1/v?to=a@b", "api_key_env": "KEY"})  # an @ in a query
 
 
 def test_byte_sizes_accept_units() -> None:

@@ -195,6 +195,22 @@ async def test_a_replicas_impossible_usage_neither_fails_the_request_nor_skews_t
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+async def test_a_prompt_whose_tokens_are_mostly_not_its_text_keeps_its_realised_cached_tokens(tmp_path: Path) -> None:
+    async def answer(request: web.Request) -> web.Response:  # two images: thousands of tokens, few characters
+        await request.read()
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [],
+                                  "usage": {"prompt_tokens": 5400, "prompt_tokens_details": {"cached_tokens": 5300}}})
+
+    async with hand_written_replica(chat_completions=answer) as url:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
+            status, _, _ = await gw.post("/v1/chat/completions", json.dumps(chat("Compare these photos.")).encode())
+            assert status == 200
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                exported = await r.text()
+            assert gw.tracker.chars_per_token_of("m") > 3  # 5,400 tokens for ~30 characters teach nothing
+    assert 'kvgate_router_prefix_realised_tokens_total{model="m"} 5300.0' in exported
+
+
 async def test_an_answer_too_big_to_hold_is_a_502_not_a_gateway_out_of_memory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(proxy_module, "MAX_ANSWER_BYTES", 64 * 1024)
@@ -434,6 +450,8 @@ async def test_a_stall_with_nowhere_to_retry_is_a_504(tmp_path: Path) -> None:
     (json.dumps({"model": "m", "messages": [{"content": "x"}]}).encode(), 400, "missing"),
     (json.dumps({"model": "m", "messages": [{"role": 5, "content": "x"}]}).encode(), 400, "invalid_type"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "invalid_json"),  # no text
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', 400, "invalid_json"),  # nor this
+    ('{"model": "m", "messages": [{"role": "user", "content": "x"}]}'.encode("utf-16"), 400, "invalid_json"),
 ])
 async def test_bad_input_gets_an_openai_error_object(tmp_path: Path, body: bytes, status: int, code: str) -> None:
     async with gateway(tmp_path, num_replicas=1, settings=GatewaySettings(max_body_bytes=4096)) as gw:
