@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -23,10 +24,10 @@ from router.errors import GatewayError, bad_request, error_response, model_not_f
 from router.features import build_route_request
 from router.dashboard import dashboard_page
 from router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
-                         REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY)
+                         REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY)
 from router.policies import RoutingKnobs
 from router.prompt_tokens import PromptTokenizer, prompt_token_ids
-from router.proxy import ProxyRequest
+from router.proxy import REQUEST_ID_HEADER, ProxyRequest
 
 log = logging.getLogger("kvgate.router")
 # Prompts longer than this (characters) are tokenized on a worker thread: 4,096 characters of new text take
@@ -41,6 +42,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except GatewayError as exc:
+        if REQUEST_ID_KEY in request:  # an inference request that got as far as being named
+            exc.headers.setdefault(REQUEST_ID_HEADER, request[REQUEST_ID_KEY])
         return error_response(exc)
     except web.HTTPException as exc:  # unknown path, wrong method: still an OpenAI error object
         if exc.status < 400:
@@ -161,8 +164,17 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         drain.in_flight -= 1
 
 
+def _request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is a usable one (1-128 printable ASCII characters), else a new one."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    if 0 < len(given) <= 128 and given.isascii() and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
 async def _serve_inference(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
+    request_id = request[REQUEST_ID_KEY] = _request_id(request)
     clock = app[CLOCK_KEY]
     arrived_at = clock.now()
     raw, body = await _read_json(request)
@@ -195,7 +207,7 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
     # kvgate engines serve the base under its registry name and each adapter under its own, as do vLLM
     # and SGLang with --lora-modules, so the body goes upstream byte for byte.
     preq = ProxyRequest(path=request.path, body=raw, route=route, knobs=RoutingKnobs.from_routing(routing),
-                        routing=routing, queue_wait_s=queue_wait_s, arrived_at=arrived_at)
+                        routing=routing, queue_wait_s=queue_wait_s, arrived_at=arrived_at, request_id=request_id)
     in_flight = app[METRICS_KEY].in_flight.labels(model)
     in_flight.inc()
     try:

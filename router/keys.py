@@ -50,4 +50,5 @@ PROXY_KEY = web.AppKey("kvgate_proxy", Proxy)
 SEQUENCE_KEY = web.AppKey("kvgate_request_seq", collections.Counter)  # per model: round robin's counter
 DASHBOARD_KEY = web.AppKey("kvgate_dashboard", Dashboard)
 DRAIN_KEY = web.AppKey("kvgate_drain", Drain)
+REQUEST_ID_KEY = web.RequestKey("kvgate_request_id", str)  # an inference request's REQUEST_ID_HEADER
 OPENINGS_KEY = web.AppKey("kvgate_common_openings", CommonOpenings)  # per model: what nearly every request opens with

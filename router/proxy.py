@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 NUM_RECENT_DECISIONS = 100
 _DRAIN_AFTER_DONE_S = 1.0
 REPLICA_HEADER = "x-kvgate-replica"  # which replica answered: for operators, tests and benchmarks
+# One id per request, the client's or the gateway's, sent to the replica (vLLM takes it as its request id
+# with --enable-request-id-headers) and back to the client, and kept with the decision in /admin/stats.
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class Tracker(Protocol):
@@ -80,6 +83,7 @@ class ProxyRequest:
     routing: Routing  # retries, timeouts, queue bound
     queue_wait_s: float  # the model's scaling.max_queue_wait_s, or the gateway default
     arrived_at: float  # clock.now() when the request arrived, for TTFT
+    request_id: str = ""  # REQUEST_ID_HEADER: the client's, or one the gateway made up
 
 
 class AttemptFailed(Exception):
@@ -166,14 +170,16 @@ class Proxy:
                 last = failure
             finally:
                 lease.end()
-        return self._give_up(model, last)
+        return self._give_up(preq, last)
 
-    def _give_up(self, model: str, last: AttemptFailed | None) -> web.StreamResponse:
+    def _give_up(self, preq: ProxyRequest, last: AttemptFailed | None) -> web.StreamResponse:
+        model = preq.route.model
         if last is None:
             self._count(model, "", "no_capacity")
             raise no_capacity(f"no replica of model '{model}' is ready", retry_after_s=1)
         if last.status is not None:  # the replica answered: its status and body pass through
-            return web.Response(status=last.status, body=last.body, headers={"Content-Type": last.content_type})
+            return web.Response(status=last.status, body=last.body, headers={
+                "Content-Type": last.content_type, REQUEST_ID_HEADER: preq.request_id})
         if last.outcome == "timeout":
             raise upstream_timeout(f"no replica of model '{model}' answered in time: {last}")
         raise bad_gateway(f"no replica of model '{model}' could be reached: {last}")
@@ -189,7 +195,8 @@ class Proxy:
         if decision.reason is not Reason.NO_REPLICA:
             self.recent_decisions.append({
                 "wall": self.clock.wall(), "model": preq.route.model, "adapter": preq.route.adapter,
-                "replica": decision.replica_id, "reason": decision.reason.value, "attempt": attempt,
+                "request_id": preq.request_id, "replica": decision.replica_id, "reason": decision.reason.value,
+                "attempt": attempt,
                 "predicted_match_chunks": decision.predicted_match_chunks, "load": decision.load,
                 "load_cap": decision.load_cap, "num_candidates": decision.num_candidates,
                 "excluded": sorted(excluded)})
@@ -212,7 +219,7 @@ class Proxy:
         try:
             upstream = await self.upstream.post(
                 self.tracker.url(replica_id), preq.path, preq.body, accept=request.headers.get("Accept", "*/*"),
-                authorization=self.tracker.authorization(replica_id),
+                authorization=self.tracker.authorization(replica_id), request_id=preq.request_id,
                 connect_timeout_s=routing.connect_timeout_s, timeout_s=routing.first_byte_timeout_s)
         except TimeoutError as exc:
             raise AttemptFailed("timeout", f"replica {replica_id}: no answer in time ({type(exc).__name__})") from exc
@@ -270,7 +277,8 @@ class Proxy:
             self._count(model, replica_id, f"upstream_{upstream.status // 100}xx")
         self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
         return web.Response(status=upstream.status, body=body, headers={
-            "Content-Type": upstream.headers.get("content-type", "application/json"), REPLICA_HEADER: replica_id})
+            "Content-Type": upstream.headers.get("content-type", "application/json"), REPLICA_HEADER: replica_id,
+            REQUEST_ID_HEADER: preq.request_id})
 
     async def _stream(self, request: web.Request, preq: ProxyRequest, upstream: UpstreamResponse,
                       replica_id: str, decision: RouteDecision, first_byte_s: float,
@@ -287,7 +295,8 @@ class Proxy:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream ended before its first event")
         model = preq.route.model
         response = _EventStream(status=upstream.status, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", REPLICA_HEADER: replica_id})
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", REPLICA_HEADER: replica_id,
+            REQUEST_ID_HEADER: preq.request_id})
         relay = SseRelay()
         try:
             await response.prepare(request)

@@ -85,11 +85,11 @@ class UpstreamPool:
         self._swept_at = 0.0  # loop time of the last sweep of stale idle connections (`_release`)
 
     async def post(self, base_url: str, path: str, body: bytes, *, accept: str = "*/*",
-                   authorization: str | None = None, connect_timeout_s: float,
+                   authorization: str | None = None, request_id: str | None = None, connect_timeout_s: float,
                    timeout_s: float) -> UpstreamResponse:
-        """POST `body` (JSON) to `base_url + path`, with `authorization` as the Authorization header when
-        given; the response once its headers are in. Raises UpstreamError or TimeoutError (connect: after
-        min(connect_timeout_s, timeout_s); headers: timeout_s)."""
+        """POST `body` (JSON) to `base_url + path`, with `authorization` as the Authorization header and
+        `request_id` as X-Request-Id when given; the response once its headers are in. Raises UpstreamError
+        or TimeoutError (connect: after min(connect_timeout_s, timeout_s); headers: timeout_s)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         target = self._target(base_url)
@@ -100,6 +100,8 @@ class UpstreamPool:
             if not (authorization.isascii() and authorization.isprintable()):  # never CR/LF into the head
                 raise UpstreamError("the replica's Authorization value is not printable ASCII")
             auth = f"Authorization: {authorization}\r\n"
+        if request_id and request_id.isascii() and request_id.isprintable():
+            auth += f"X-Request-Id: {request_id}\r\n"
         head = (f"POST {target.path_prefix}{path}{target.query} HTTP/1.1\r\n{target.fixed_headers}{auth}"
                 f"Content-Type: application/json\r\nAccept: {accept}\r\nContent-Length: {len(body)}\r\n\r\n"
                 ).encode("latin-1")

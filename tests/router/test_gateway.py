@@ -259,6 +259,34 @@ spec:
     assert seen == [None, "Bearer s3cret"]
 
 
+async def test_one_request_id_reaches_the_replica_comes_back_and_names_the_decision(tmp_path: Path) -> None:
+    seen: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(request.headers.get("X-Request-Id"))
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": []})
+
+    async with hand_written_replica(chat_completions=answer) as url:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
+            body = json.dumps(chat("x")).encode()
+            _, given, _ = await gw.post("/v1/chat/completions", body, {"X-Request-Id": "client-42"})
+            _, made, _ = await gw.post("/v1/chat/completions", body)
+            _, unusable, _ = await gw.post("/v1/chat/completions", body, {"X-Request-Id": "x" * 200})
+            status, unknown, _ = await gw.post("/v1/chat/completions", json.dumps(chat("x") | {"model": "no"}).encode(),
+                                               {"X-Request-Id": "client-43"})
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/admin/stats") as r:
+                decisions = (await r.json())["recent_decisions"]
+    def request_id(headers: dict[str, str]) -> str:
+        return next(value for name, value in headers.items() if name.lower() == "x-request-id")
+
+    assert request_id(given) == "client-42"
+    assert len(request_id(made)) == 32 and len(request_id(unusable)) == 32  # made up by the gateway
+    assert seen == ["client-42", request_id(made), request_id(unusable)]
+    assert status == 404 and request_id(unknown) == "client-43"  # errors carry it too
+    assert [d["request_id"] for d in decisions][:3] == seen
+
+
 async def test_the_body_reaches_the_replica_byte_for_byte(tmp_path: Path) -> None:
     captured: list[bytes] = []
 
