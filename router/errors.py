@@ -42,8 +42,8 @@ def model_not_found(name: str, served: list[str]) -> GatewayError:
                         type="NotFoundError", param="model", code="model_not_found")
 
 
-def no_capacity(message: str, retry_after_s: float) -> GatewayError:
-    return GatewayError(503, message, type="ServiceUnavailableError", code="no_capacity",
+def no_capacity(message: str, retry_after_s: float, code: str = "no_capacity") -> GatewayError:
+    return GatewayError(503, message, type="ServiceUnavailableError", code=code,
                         headers={"Retry-After": str(max(1, round(retry_after_s)))})
 
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from kvgate.tokenizer import lone_surrogate_in
 from registry.schema import RoutingPolicy
 from registry.snapshot import Snapshot, UnknownName
-from router.errors import GatewayError, bad_request, error_response, model_not_found
+from router.errors import GatewayError, bad_request, error_response, model_not_found, no_capacity
 from router.features import build_route_request
 from router.dashboard import dashboard_page
 from router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
@@ -28,6 +28,7 @@ from router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENI
 from router.policies import RoutingKnobs
 from router.prompt_tokens import PromptTokenizer, prompt_token_ids
 from router.proxy import REQUEST_ID_HEADER, ProxyRequest
+from router.upstream import header_safe
 
 log = logging.getLogger("kvgate.router")
 # Prompts longer than this (characters) are tokenized on a worker thread: 4,096 characters of new text take
@@ -42,8 +43,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except GatewayError as exc:
-        if REQUEST_ID_KEY in request:  # an inference request that got as far as being named
-            exc.headers.setdefault(REQUEST_ID_HEADER, request[REQUEST_ID_KEY])
         return error_response(exc)
     except web.HTTPException as exc:  # unknown path, wrong method: still an OpenAI error object
         if exc.status < 400:
@@ -56,7 +55,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                                            type="InternalServerError", code="internal_error"))
 
 
+async def tag_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: every answer to an inference request, streamed, passed through or an error,
+    carries its request id."""
+    if REQUEST_ID_KEY in request:
+        response.headers.setdefault(REQUEST_ID_HEADER, request[REQUEST_ID_KEY])
+
+
 def install_routes(app: web.Application) -> None:
+    app.on_response_prepare.append(tag_request_id)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
@@ -155,8 +162,7 @@ async def _engine_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer, ch
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     drain = request.app[DRAIN_KEY]
     if drain.draining:
-        raise GatewayError(503, "this gateway is shutting down; retry on another", type="ServiceUnavailableError",
-                           code="draining", headers={"Retry-After": "1"})
+        raise no_capacity("this gateway is shutting down; retry on another", retry_after_s=1, code="draining")
     drain.in_flight += 1
     try:
         return await _serve_inference(request, chat)
@@ -167,7 +173,7 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
 def _request_id(request: web.Request) -> str:
     """The client's X-Request-Id when it is a usable one (1-128 printable ASCII characters), else a new one."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
-    if 0 < len(given) <= 128 and given.isascii() and given.isprintable():
+    if 0 < len(given) <= 128 and header_safe(given):
         return given
     return uuid.uuid4().hex
 

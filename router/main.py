@@ -113,7 +113,7 @@ async def drain(state: Drain, timeout_s: float, hurry: asyncio.Event) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; fall back rather than refuse to start

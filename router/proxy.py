@@ -170,16 +170,14 @@ class Proxy:
                 last = failure
             finally:
                 lease.end()
-        return self._give_up(preq, last)
+        return self._give_up(model, last)
 
-    def _give_up(self, preq: ProxyRequest, last: AttemptFailed | None) -> web.StreamResponse:
-        model = preq.route.model
+    def _give_up(self, model: str, last: AttemptFailed | None) -> web.StreamResponse:
         if last is None:
             self._count(model, "", "no_capacity")
             raise no_capacity(f"no replica of model '{model}' is ready", retry_after_s=1)
         if last.status is not None:  # the replica answered: its status and body pass through
-            return web.Response(status=last.status, body=last.body, headers={
-                "Content-Type": last.content_type, REQUEST_ID_HEADER: preq.request_id})
+            return web.Response(status=last.status, body=last.body, headers={"Content-Type": last.content_type})
         if last.outcome == "timeout":
             raise upstream_timeout(f"no replica of model '{model}' answered in time: {last}")
         raise bad_gateway(f"no replica of model '{model}' could be reached: {last}")
@@ -277,8 +275,7 @@ class Proxy:
             self._count(model, replica_id, f"upstream_{upstream.status // 100}xx")
         self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
         return web.Response(status=upstream.status, body=body, headers={
-            "Content-Type": upstream.headers.get("content-type", "application/json"), REPLICA_HEADER: replica_id,
-            REQUEST_ID_HEADER: preq.request_id})
+            "Content-Type": upstream.headers.get("content-type", "application/json"), REPLICA_HEADER: replica_id})
 
     async def _stream(self, request: web.Request, preq: ProxyRequest, upstream: UpstreamResponse,
                       replica_id: str, decision: RouteDecision, first_byte_s: float,
@@ -295,8 +292,7 @@ class Proxy:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream ended before its first event")
         model = preq.route.model
         response = _EventStream(status=upstream.status, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", REPLICA_HEADER: replica_id,
-            REQUEST_ID_HEADER: preq.request_id})
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", REPLICA_HEADER: replica_id})
         relay = SseRelay()
         try:
             await response.prepare(request)

@@ -41,6 +41,7 @@ from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
 from router.prompt_tokens import PromptTokenizer
 from router.sources import LoadReport, fetch_tokenizer, parse_metrics, replica_url, watch_stream
+from router.upstream import header_safe
 from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def bearer_from_env(variable: str, url: str, environ: Mapping[str, str] = os.env
     """`Bearer <key>` from the environment variable a static replica names, or None with a warning when it is
     unset, empty or not a printable ASCII token (a line break in it would split the request's head)."""
     key = environ.get(variable, "").strip()
-    if not key or not key.isascii() or not key.isprintable():
+    if not key or not header_safe(key):
         log.warning("replica %s: environment variable %s %s; sending it no API key", url, variable,
                     "is not set" if not key else "does not hold a printable ASCII key")
         return None

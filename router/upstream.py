@@ -93,16 +93,16 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         target = self._target(base_url)
-        if not (accept.isascii() and accept.isprintable()):  # the client's header: never CR/LF, never a 500
+        if not header_safe(accept):  # the client's header: never CR/LF, never a 500
             accept = "*/*"
-        auth = ""
+        extra_headers = ""
         if authorization is not None:
-            if not (authorization.isascii() and authorization.isprintable()):  # never CR/LF into the head
+            if not header_safe(authorization):
                 raise UpstreamError("the replica's Authorization value is not printable ASCII")
-            auth = f"Authorization: {authorization}\r\n"
-        if request_id and request_id.isascii() and request_id.isprintable():
-            auth += f"X-Request-Id: {request_id}\r\n"
-        head = (f"POST {target.path_prefix}{path}{target.query} HTTP/1.1\r\n{target.fixed_headers}{auth}"
+            extra_headers = f"Authorization: {authorization}\r\n"
+        if request_id and header_safe(request_id):
+            extra_headers += f"X-Request-Id: {request_id}\r\n"
+        head = (f"POST {target.path_prefix}{path}{target.query} HTTP/1.1\r\n{target.fixed_headers}{extra_headers}"
                 f"Content-Type: application/json\r\nAccept: {accept}\r\nContent-Length: {len(body)}\r\n\r\n"
                 ).encode("latin-1")
         connection = self._take_idle(target.origin, loop.time())
@@ -195,6 +195,11 @@ class UpstreamPool:
                 stale.close()
             if not idle:
                 del self._idle[origin]
+
+
+def header_safe(value: str) -> bool:
+    """Whether `value` may go into an HTTP head as a header value: printable ASCII, so never CR/LF."""
+    return value.isascii() and value.isprintable()
 
 
 def _parse_target(base_url: str) -> _Target:
