@@ -185,6 +185,22 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template: {exc}") from exc
 
 
+class NotJsonText(ValueError):
+    """A request body that is not JSON text; str() completes "the request body is ..."."""
+
+
+def loads_json_text(raw: bytes) -> Any:
+    """A request body parsed as JSON text: strictly UTF-8 (RFC 8259), so neither a UTF-16 body nor a surrogate
+    in the bytes gets through, and nested within the parser's reach. The gateway and the engine both read
+    bodies with it. Raises NotJsonText; a lone surrogate *escape* is `lone_surrogate_in`'s to find."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise NotJsonText(f"not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # arrays or objects nested past the interpreter's recursion limit
+        raise NotJsonText("nested too deeply to parse") from exc
+
+
 def lone_surrogate_in(raw: bytes, value: Any) -> bool:
     """Whether a JSON request body (`raw`, strictly UTF-8, parsed into `value`) holds a lone UTF-16 surrogate.
     `"\\ud800"` is valid JSON but no text: no tokenizer can encode it, so servers answer it with a 400 before it

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvgate.tokenizer import lone_surrogate_in
+from kvgate.tokenizer import NotJsonText, loads_json_text, lone_surrogate_in
 from registry.schema import RoutingPolicy
 from registry.snapshot import Snapshot, UnknownName
 from router.errors import GatewayError, bad_request, error_response, model_not_found, no_capacity
@@ -97,11 +96,9 @@ async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
         raise GatewayError(413, f"the request body is over the gateway's limit of {limit} bytes",
                            type="RequestTooLargeError", code="request_too_large") from exc
     try:
-        body = json.loads(raw.decode("utf-8"))  # JSON between systems is UTF-8 (RFC 8259), and strictly so here
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-    except RecursionError as exc:  # arrays or objects nested past the interpreter's recursion limit
-        raise bad_request("the request body is nested too deeply to parse", code="invalid_json") from exc
+        body = loads_json_text(raw)
+    except NotJsonText as exc:
+        raise bad_request(f"the request body is {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_type")
     if lone_surrogate_in(raw, body):

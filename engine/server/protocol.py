@@ -12,13 +12,12 @@ integers (`16`, not `16.0` or `"16"`), booleans must be `true`/`false`.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from engine.sequence import SamplingParams
-from kvgate.tokenizer import lone_surrogate_in
+from kvgate.tokenizer import NotJsonText, loads_json_text, lone_surrogate_in
 
 MAX_LOGPROBS = 20  # the sampler returns at most this many alternatives per token
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default, which vLLM keeps
@@ -109,11 +108,9 @@ class ChatRequest:
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object. Raises ApiError 400 for invalid JSON or another top-level type."""
     try:
-        value = json.loads(raw.decode("utf-8"))  # JSON between systems is UTF-8 (RFC 8259), and strictly so here
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from exc
-    except RecursionError as exc:  # arrays or objects nested past the interpreter's recursion limit
-        raise bad_request("The request body is nested too deeply to parse", code="invalid_json") from exc
+        value = loads_json_text(raw)
+    except NotJsonText as exc:
+        raise bad_request(f"The request body is {exc}", code="invalid_json") from exc
     if not isinstance(value, dict):
         raise bad_request(f"The request body must be a JSON object; got {_json_type(value)}", code="invalid_json")
     if lone_surrogate_in(raw, value):
