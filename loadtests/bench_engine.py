@@ -90,11 +90,15 @@ def bench_ours_prefix(model_dir: Path, dtype: str, vocab: int, repeats: int) -> 
             "ratio": statistics.median(warm) / statistics.median(cold), "cached_tokens": cached}
 
 
-def bench_ours_burst(model_dir: Path, dtype: str, vocab: int, repeats: int, num_requests: int = 16,
-                     shared_tokens: int = 512, own_tokens: int = 32) -> dict:
-    """A burst: `num_requests` prompts that share their first `shared_tokens` (a system prompt), each with
-    `own_tokens` of its own, all queued before the first step. Each request's time to first token, and the
-    engine steps the burst took (4 new tokens each)."""
+# The burst cell: this many prompts, sharing a system prompt of this many tokens, with this many of their own.
+BURST_REQUESTS, BURST_SHARED_TOKENS, BURST_OWN_TOKENS = 16, 512, 32
+
+
+def bench_ours_burst(model_dir: Path, dtype: str, vocab: int, repeats: int) -> dict:
+    """A burst: prompts that share their first tokens (a system prompt), each with some of its own, all queued
+    before the first step. Each request's time to first token, and the engine steps the burst took (4 new
+    tokens each)."""
+    num_requests, shared_tokens, own_tokens = BURST_REQUESTS, BURST_SHARED_TOKENS, BURST_OWN_TOKENS
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, max_num_seqs=max(16, num_requests),

@@ -30,7 +30,7 @@ import json
 import math
 import random
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -40,7 +40,7 @@ from loadtests import workloads  # noqa: E402
 from loadtests.common import percentile  # noqa: E402
 from loadtests.sim_replica_model import (BLOCK_SIZE_TOKENS, CHARS_PER_TOKEN, Scheduler, SchedulerSpec,  # noqa: E402
                                          SimSequence, block_hashes, num_prompt_tokens)
-from registry.schema import Routing, RoutingPolicy  # noqa: E402
+from registry.schema import Routing  # noqa: E402
 from router.features import RouteRequest, build_route_request  # noqa: E402
 from router.openings import CommonOpenings  # noqa: E402
 from router.policies import PolicyFn, Reason, RouteDecision, RoutingKnobs, choose  # noqa: E402
@@ -198,8 +198,7 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
             adapter = req.model if req.model in workloads.ADAPTERS else None
             route = build_route_request(req.body(), MODEL, adapter, CHUNK_CHARS, i, CHARS_PER_TOKEN,
                                         affinity_depth_chars)
-            if knobs.policy is RoutingPolicy.CACHE_AWARE:  # as the gateway's handler does
-                route = replace(route, common_opening_chunks=gateway.openings.observe(MODEL, route.prefix_hashes))
+            route = gateway.openings.stamp(route, knobs.policy)  # as the gateway's handler does
             if policy == "oracle":
                 decision = _oracle(req, replicas, knobs)
             else:
@@ -248,7 +247,8 @@ def replay(reqs: list[workloads.Request], num_replicas: int, spec: SchedulerSpec
                         max_over_mean_load=max(served) / (sum(served) / len(served)), decisions=decisions,
                         ttft_by_request={i: p.ttft_s for i, p in pending.items() if p.ttft_s is not None},
                         replica_by_request={i: p.replica_id for i, p in pending.items()},
-                        cached_by_request={i: p.cached_tokens for i, p in pending.items() if p.cached_tokens is not None},
+                        cached_by_request={i: p.cached_tokens for i, p in pending.items()
+                                           if p.cached_tokens is not None},
                         index_capacity_chunks={rid: gateways[0].indexes.get(rid).capacity for rid in replicas})
 
 

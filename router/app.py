@@ -13,7 +13,7 @@ import asyncio
 import collections
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,8 +73,8 @@ def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSou
                                    sample_interval_s=settings.dashboard_sample_interval_s,
                                    history_s=settings.dashboard_history_s)
     app.cleanup_ctx.append(_resources)
-    app.cleanup_ctx.append(_dashboard_sampler)
-    app.cleanup_ctx.append(_retiring_gone_replicas)
+    app.cleanup_ctx.append(_background("kvgate-dashboard-sampler", lambda app: app[DASHBOARD_KEY].run_sampler()))
+    app.cleanup_ctx.append(_background("kvgate-retire-replicas", _retire_gone_replicas))
     if store is not None:
         dashboard = app[DASHBOARD_KEY]
         publisher = ObservationPublisher(
@@ -103,22 +103,17 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await upstream.close()
 
 
-async def _dashboard_sampler(app: web.Application) -> AsyncIterator[None]:
-    sampler = asyncio.create_task(app[DASHBOARD_KEY].run_sampler(), name="kvgate-dashboard-sampler")
-    try:
-        yield
-    finally:
-        sampler.cancel()
-        await asyncio.gather(sampler, return_exceptions=True)
-
-
-async def _retiring_gone_replicas(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(_retire_gone_replicas(app), name="kvgate-retire-replicas")
-    try:
-        yield
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+def _background(name: str, run: Callable[[web.Application], Awaitable[None]]
+                ) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup_ctx entry that runs `run(app)` as a task while the app runs, and cancels it at cleanup."""
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(run(app), name=name)
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return ctx
 
 
 async def _retire_gone_replicas(app: web.Application) -> None:

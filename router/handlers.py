@@ -11,7 +11,6 @@ import hmac
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -203,8 +202,7 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
                                     block_size_tokens=chain.block_size_tokens if chain is not None else 0)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
-    if routing.policy is RoutingPolicy.CACHE_AWARE:
-        route = replace(route, common_opening_chunks=app[OPENINGS_KEY].observe(model, route.prefix_hashes))
+    route = app[OPENINGS_KEY].stamp(route, routing.policy)
     app[DASHBOARD_KEY].note_request(model, route.estimated_prompt_tokens)
     queue_wait_s = model_doc.spec.scaling.max_queue_wait_s or app[SETTINGS_KEY].default_queue_wait_s
     # kvgate engines serve the base under its registry name and each adapter under its own, as do vLLM

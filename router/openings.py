@@ -22,7 +22,10 @@ old ones leave the window within `window` requests.
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from registry.schema import RoutingPolicy
+from router.features import RouteRequest
 
 WINDOW_REQUESTS = 256  # recent requests per model that the share is taken over
 COMMON_SHARE = 0.9  # the share of them that must open with a chunk for it to count as common
@@ -70,3 +73,10 @@ class CommonOpenings:
                 break
             common += 1
         return common
+
+    def stamp(self, route: RouteRequest, policy: RoutingPolicy) -> RouteRequest:
+        """`route` with its `common_opening_chunks` counted (`observe`) when `policy` uses them (cache_aware),
+        as the gateway's handler and the routing replay both route."""
+        if policy is not RoutingPolicy.CACHE_AWARE:
+            return route
+        return replace(route, common_opening_chunks=self.observe(route.model, route.prefix_hashes))
