@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-from tests.services import free_loopback_port, running
-
-
-def _redis_answers_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
+from tests.services import free_loopback_port, http_answers, redis_server, running
 
 
 @pytest.fixture(scope="session")
@@ -30,28 +17,8 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     No persistence (`--save ''`, no AOF): every session starts empty. Tests isolate themselves with
     a unique key prefix. A missing binary fails the tests that need it, never skips them.
     """
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server not found; `make test` installs it", pytrace=False)
-    port = free_loopback_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    log_path = workdir / "redis.log"
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    command += ["--dir", str(workdir), "--logfile", str(log_path)]
-    # a cold start takes ~10 ms; 10 s is for loaded CI hosts
-    with running(command, name=f"redis-server on port {port}", ready=lambda: _redis_answers_ping(port),
-                 timeout_s=10.0, log_path=log_path):
-        yield f"redis://127.0.0.1:{port}/0"
-
-
-def _http_answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=0.5):
-            return True
-    except urllib.error.HTTPError:
-        return True  # it answered, with an error status
-    except OSError:
-        return False
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +30,7 @@ def moto_endpoint_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     url = f"http://127.0.0.1:{port}"
     # ~1 s to import moto on a quiet host
-    with running(command, name=f"moto server on port {port}", ready=lambda: _http_answers(url + "/moto-api/"),
+    with running(command, name=f"moto server on port {port}", ready=lambda: http_answers(url + "/moto-api/"),
                  timeout_s=30.0, log_path=tmp_path_factory.mktemp("moto") / "moto.log"):
         yield url
 

@@ -3,9 +3,12 @@ sure once the test is done, failing (never skipping) when it does not come up.""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,3 +49,42 @@ def running(command: list[str], *, name: str, ready: Callable[[], bool], timeout
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def http_answers(url: str) -> bool:
+    """True when something answers GET `url` over HTTP, with any status."""
+    try:
+        with urllib.request.urlopen(url, timeout=0.5):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered, with an error status
+    except OSError:
+        return False
+
+
+def redis_answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@contextmanager
+def redis_server(workdir: Path, port: int | None = None) -> Iterator[str]:
+    """A real `redis-server` on a loopback port (free, unless given) until the block ends; yields its URL.
+
+    No persistence (`--save ''`, no AOF): it starts empty, and starts empty again if restarted on the same
+    port. A missing binary fails the test, never skips it."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server not found; `make test` installs it", pytrace=False)
+    port = port or free_loopback_port()
+    log_path = workdir / "redis.log"
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    command += ["--dir", str(workdir), "--logfile", str(log_path)]
+    # a cold start takes ~10 ms; 10 s is for loaded CI hosts
+    with running(command, name=f"redis-server on port {port}", ready=lambda: redis_answers_ping(port),
+                 timeout_s=10.0, log_path=log_path):
+        yield f"redis://127.0.0.1:{port}/0"
