@@ -276,6 +276,7 @@ async def admin_stats(request: web.Request) -> web.Response:
             replicas.append({
                 "replica_id": state.replica_id, "url": state.url, "healthy": state.healthy,
                 "draining": state.draining, "in_flight": state.in_flight, "load": state.load,
+                "unlisted_s": tracker.unlisted_for_s(state.replica_id),  # kept though its membership lapsed
                 "num_waiting": state.num_waiting, "num_running": state.num_running,
                 "kv_blocks_free": state.kv_blocks_free, "kv_blocks_total": state.kv_blocks_total,
                 "adapters_loaded": sorted(state.adapters_loaded),

@@ -1,6 +1,6 @@
 """`kvgate router` / `python -m router`: the gateway alone, on uvloop.
 
-    kvgate router --registry DIR [--host 127.0.0.1] [--port 8080] [--state redis://...|memory://]
+    kvgate router --registry DIR [--host 127.0.0.1] [--port 8080] [--state redis://...|memory://] [--key-prefix P]
                   [--admin-token TOKEN]   (or KVGATE_ADMIN_TOKEN in the environment)
 """
 
@@ -34,6 +34,17 @@ log = logging.getLogger("kvgate.router")
 GC_GEN0_THRESHOLD = 50_000
 
 
+def seconds(text: str) -> float:
+    """`type=` for a duration that may be 0: one usage line for anything else."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate router", description="The cache-aware OpenAI gateway.")
     parser.add_argument("--registry", required=True, help="registry directory (hot-reloaded)")
@@ -43,12 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--state", default=None,
                         help="state store for membership: redis://host:port/db or memory:// (default: none, "
                              "static replicas only)")
+    parser.add_argument("--key-prefix", default="kvgate:",
+                        help="with --state: the key prefix in Redis, the same as the autoscaler's --key-prefix "
+                             "(default: %(default)s)")
+    parser.add_argument("--member-grace-s", type=seconds, default=600.0,
+                        help="with --state: a replica whose membership record lapses while it is READY and passing "
+                             "health checks (the autoscaler restarting or failing over, Redis restarted empty) keeps "
+                             "taking requests this long, until a health check fails or it is listed again; 0 drops "
+                             "it at once (default: 600)")
     parser.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
                         help="token /admin/* requires (default: $KVGATE_ADMIN_TOKEN; unset: open)")
     parser.add_argument("--gateway-id", default="",
                         help="names this gateway's per-model observation records in the state store "
                              "(default: HOSTNAME-PID)")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+    parser.add_argument("--drain-timeout-s", type=seconds, default=30.0,
                         help="on SIGTERM, how long in-flight requests may finish while /health says 503 and new "
                              "requests get 503; a second signal cuts it short (default: 30)")
     parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes,
@@ -67,8 +86,8 @@ async def serve(args: argparse.Namespace) -> int:
     except RegistryInvalid as exc:
         print(exc, file=sys.stderr)
         return 2
-    store = open_state_store(args.state, clock) if args.state else None
-    tracker = ReplicaTracker(clock=clock, store=store)
+    store = open_state_store(args.state, clock, prefix=args.key_prefix) if args.state else None
+    tracker = ReplicaTracker(clock=clock, store=store, member_grace_s=args.member_grace_s)
     settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None,
                                gateway_id=args.gateway_id)
     app = build_app(settings, tracker, watcher, clock, store)

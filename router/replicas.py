@@ -10,6 +10,14 @@ Replica ids: a static replica's id is its URL; a member's id is its membership r
 Routable = a live member in state READY (static replicas always are), passing health checks, not
 ejected, and not draining (by membership or by its own stream).
 
+Membership is eventually consistent, and the data path must outlive the control path. A member that
+leaves the list while READY and passing its health checks (its heartbeat lapsed: the autoscaler crashed,
+restarts, fails over to a standby after the lease TTL, or Redis restarted empty) stays routable, for up
+to `member_grace_s`, until a health check fails, it is ejected, or it is listed again; Envoy treats hosts
+that leave service discovery the same way. A member that leaves while STARTING or DRAINING, or that is
+failing, is dropped at once. The autoscaler marks a replica DRAINING before it stops it, so a deliberate
+scale-down is never held on to. An unreachable store changes nothing: the last known members stay.
+
 Ejection (passive): `eject_after_failures` failures reported in a row eject a replica for
 `eject_for_s`; after that it stays out until a health check passes (the probe), then takes traffic
 again. A failing health check marks a replica unhealthy at once; a passing one marks it healthy.
@@ -101,6 +109,7 @@ class _Tracked:
     health_ok: bool = True  # optimistic until the first check, so a READY member is routable at once
     consecutive_failures: int = 0
     ejected_until: float | None = None  # set while ejected; cleared by a passing probe after it
+    unlisted_since: float | None = None  # a READY member missing from the membership list since (clock)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # The ReplicaState last built, until a field changes (__setattr__ drops it): every request's view
     # reads each replica of its model, and all but the one or two it touched are as they were. At 64
@@ -197,7 +206,7 @@ class ReplicaTracker:
 
     def __init__(self, *, clock: Clock, store: StateStore | None = None, http: aiohttp.ClientSession | None = None,
                  poll_interval_s: float = 1.0, health_interval_s: float = 2.0, eject_after_failures: int = 3,
-                 eject_for_s: float = 10.0, prefix_chunk_chars: int = 256) -> None:
+                 eject_for_s: float = 10.0, prefix_chunk_chars: int = 256, member_grace_s: float = 600.0) -> None:
         self._clock = clock
         self._store = store
         self._http = http
@@ -206,6 +215,7 @@ class ReplicaTracker:
         self._health_interval_s = health_interval_s
         self._eject_after_failures = eject_after_failures
         self._eject_for_s = eject_for_s
+        self._member_grace_s = member_grace_s
         self._default_chunk_chars = prefix_chunk_chars
         self.prefixes = PrefixIndexes(prefix_chunk_chars)
         self.blocks = BlockIndexes()  # exact, from kvgate engines' KV block events
@@ -410,6 +420,8 @@ class ReplicaTracker:
             tracked.ejected_until = self._clock.now() + self._eject_for_s
             log.warning("replica %s ejected for %.1f s after %d failures in a row", replica_id,
                         self._eject_for_s, tracked.consecutive_failures)
+            if tracked.unlisted_since is not None:
+                self._unlisted(tracked)
             self._notify()
 
     # ------------------------------------------------------------------------------ bookkeeping
@@ -490,6 +502,8 @@ class ReplicaTracker:
             records = await self._store.list_members()
         except Exception:  # StateStoreUnavailable or worse: keep the last known membership
             log.warning("membership poll failed; keeping the last known members", exc_info=True)
+            for tracked in [r for r in self._replicas.values() if r.unlisted_since is not None]:
+                self._unlisted(tracked)  # the grace still runs out
             return
         self._apply_members(records)
 
@@ -499,9 +513,40 @@ class ReplicaTracker:
             seen.add(record.replica_id)
             backend = Backend.KVGATE if record.grpc_target else Backend.VLLM
             self._upsert(record.replica_id, record.model, record.url, backend, record.grpc_target, record.state)
+            tracked = self._replicas[record.replica_id]
+            if tracked.unlisted_since is not None:
+                log.info("replica %s is listed again after %.1f s", record.replica_id,
+                         self._clock.now() - tracked.unlisted_since)
+                tracked.unlisted_since = None
         for replica_id, tracked in list(self._replicas.items()):
             if tracked.member_state is not None and replica_id not in seen:
-                self._drop(replica_id)
+                self._unlisted(tracked)
+
+    def _unlisted(self, tracked: _Tracked) -> None:
+        """A member missing from the membership list: kept while it was READY, still accepts requests and
+        `member_grace_s` has not run out since it went missing; dropped otherwise (module docstring)."""
+        now = self._clock.now()
+        keep = tracked.member_state is MemberState.READY and tracked.accepts_requests
+        if tracked.unlisted_since is None:
+            if keep and self._member_grace_s > 0:
+                tracked.unlisted_since = now
+                log.warning("replica %s left the membership list while serving; routing to it while its health "
+                            "checks pass, for up to %.0f s", tracked.replica_id, self._member_grace_s)
+                return
+        elif keep and now - tracked.unlisted_since < self._member_grace_s:
+            return
+        else:
+            log.warning("replica %s dropped %.1f s after it left the membership list (%s)", tracked.replica_id,
+                        now - tracked.unlisted_since, "grace over" if keep else "no longer passing health checks")
+        self._drop(tracked.replica_id)
+
+    def unlisted_for_s(self, replica_id: str) -> float | None:
+        """How long a member has been kept since it left the membership list; None when it is listed (or
+        static, or unknown)."""
+        tracked = self._replicas.get(replica_id)
+        if tracked is None or tracked.unlisted_since is None:
+            return None
+        return self._clock.now() - tracked.unlisted_since
 
     # ------------------------------------------------------------------------------ state readers
 
@@ -622,7 +667,9 @@ class ReplicaTracker:
             log.info("replica %s passed its probe after ejection", replica_id)
             tracked.ejected_until = None
             tracked.consecutive_failures = 0
-        if tracked.accepts_requests != before:
+        if tracked.unlisted_since is not None and not tracked.accepts_requests:
+            self._unlisted(tracked)  # nothing lists it and it stopped answering: gone
+        elif tracked.accepts_requests != before:
             self._notify()
 
     def _http_session(self) -> aiohttp.ClientSession:

@@ -121,6 +121,10 @@ async def test_dashboard_shows_live_traffic_in_headless_chromium(tmp_path: Path,
             await page.screenshot(path=str(shot), full_page=True)
             print(f"dashboard screenshot: {shot}")
             assert shot.stat().st_size > 10_000
+            # A replica whose membership record goes (the autoscaler is down) keeps serving, flagged.
+            await stack.store.remove_member("sim-0")
+            await expect(page.locator('tr[data-replica="sim-0"] .unlisted')).to_contain_text("unlisted")
+            await expect(page.locator('tr[data-replica="sim-0"]')).to_contain_text("healthy")
             assert errors == [], errors
         finally:
             await browser.close()

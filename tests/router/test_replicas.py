@@ -241,6 +241,60 @@ async def test_wait_for_replica_returns_when_a_member_appears_and_times_out_othe
         assert await asyncio.wait_for(nobody, 1.0) is False
 
 
+async def test_a_ready_member_whose_heartbeat_lapses_keeps_serving_while_it_passes_health_checks(sim) -> None:
+    """The autoscaler stopped renewing its records (crashed, restarting, failing over after the lease TTL,
+    or Redis restarted empty) and they expired; the replica it left running did not. Dropping it would
+    send 503s until a new leader publishes it again, and lose its prefix index with it."""
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=60.0,
+                        member_grace_s=30.0) as tracker:
+        await store.put_member(member(sim.url, MemberState.READY), ttl_s=5)
+        await clock.advance(1.0)
+        tracker.prefixes.record("m-1", (1, 2))
+        await clock.advance(5.0)  # the record has expired, nothing renewed it
+        assert await store.list_members() == []
+        assert tracker.num_ready("m") == 1 and tracker.unlisted_for_s("m-1") == pytest.approx(1.0)
+        assert tracker.prefixes.get("m-1").match_length((1, 2)) == 2  # what it learnt is kept
+        await store.put_member(member(sim.url, MemberState.READY), ttl_s=5)  # a new leader publishes it
+        await clock.advance(1.0)
+        assert tracker.unlisted_for_s("m-1") is None and tracker.num_ready("m") == 1
+        await clock.advance(5.0)  # lapses again ...
+        assert tracker.num_ready("m") == 1
+        await clock.advance(29.0)  # ... and nothing lists it for longer than member_grace_s
+        assert tracker.view("m").replicas == () and tracker.prefixes.get("m-1") is None
+
+
+async def test_an_unlisted_member_is_dropped_when_its_health_check_fails(sim) -> None:
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=10.0) as tracker:
+        await store.put_member(member(sim.url, MemberState.READY), ttl_s=2)
+        await clock.advance(3.0)
+        assert tracker.unlisted_for_s("m-1") is not None and tracker.num_ready("m") == 1
+        await sim.close()  # the node went with the autoscaler
+        await clock.advance(10.0)  # the next health check is refused
+        await eventually(lambda: tracker.view("m").replicas == ())
+
+
+async def test_members_that_leave_the_list_unready_or_with_no_grace_are_dropped_at_once(sim) -> None:
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=60.0) as tracker:
+        await store.put_member(member(sim.url, MemberState.STARTING), ttl_s=2)  # never became READY
+        await clock.advance(1.0)
+        assert len(tracker.view("m").replicas) == 1
+        await clock.advance(2.0)
+        assert tracker.view("m").replicas == ()
+    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=60.0,
+                        member_grace_s=0.0) as tracker:
+        await store.put_member(member(sim.url, MemberState.READY), ttl_s=2)
+        await clock.advance(1.0)
+        assert tracker.num_ready("m") == 1
+        await clock.advance(2.0)
+        assert tracker.view("m").replicas == ()
+
+
 async def test_an_attempt_that_outlives_its_replicas_re_registration_takes_nothing_from_the_new_one(sim) -> None:
     """A member restarted on a new port keeps its replica id: requests sent to the old process end after
     the new one took requests, and must not count those down (in flight, pending prefill, hot chains,

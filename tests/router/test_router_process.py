@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -13,10 +14,17 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+import redis.asyncio
+import redis.exceptions
 
 from loadtests.sim_replica import SimReplicaConfig, start_sim_replica
 from loadtests.sim_replica_model import SchedulerSpec
-from tests.services import free_loopback_port
+from kvgate.clock import RealClock
+from kvgate.state.base import MemberRecord
+from kvgate.state.base import ReplicaState as MemberState
+from kvgate.state.redis_store import RedisStateStore
+from router.proxy import REPLICA_HEADER
+from tests.services import free_loopback_port, http_answers, redis_server, running
 
 SLOW_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=20.0)  # 40 tokens: a 2 s stream
 
@@ -81,3 +89,80 @@ spec:
             process.kill()
             process.wait()
         await sim.close()
+
+
+MEMBERS_ONLY = """apiVersion: kvgate/v1
+kind: Model
+metadata: {name: m}
+spec:
+  source: builtin:tiny-llama
+  scaling: {max_queue_wait_s: 1}
+---
+apiVersion: kvgate/v1
+kind: Pool
+metadata: {name: local}
+spec:
+  provider: local
+  offers: [{instance_type: local-slot, gpu_kind: cpu, gpu_count: 0, price_usd_per_hour: 0}]
+  local: {host: 127.0.0.1, work_dir: WORK}
+"""
+
+
+async def chat(url: str) -> tuple[int, dict, str | None]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
+        return r.status, await r.json(), r.headers.get(REPLICA_HEADER)
+
+
+async def test_replicas_keep_serving_when_their_membership_lapses_or_redis_goes_away(tmp_path: Path) -> None:
+    """`kvgate router --state redis://`: replicas come from the autoscaler's membership records. When
+    those stop being renewed (the autoscaler crashed, or a standby has not taken over yet) or Redis itself
+    goes away, a replica that still answers keeps getting requests; once it stops answering it is dropped."""
+    sim = await start_sim_replica(SimReplicaConfig(model="m"))
+    (tmp_path / "registry").mkdir()
+    (tmp_path / "registry" / "models.yaml").write_text(MEMBERS_ONLY.replace("WORK", str(tmp_path / "work")))
+    port = free_loopback_port()
+    url = f"http://127.0.0.1:{port}"
+    with redis_server(tmp_path) as state:
+        store = RedisStateStore.from_url(state, RealClock())
+        command = [*kvgate_command(), "router", "--registry", str(tmp_path / "registry"), "--port", str(port),
+                   "--state", state]
+        log_path = tmp_path / "router.log"
+        try:
+            with running(command, name="kvgate router", ready=lambda: http_answers(url + "/health"), timeout_s=60,
+                         log_path=log_path):
+                await store.put_member(MemberRecord(replica_id="m-1", model="m", url=sim.url,
+                                                    state=MemberState.READY), ttl_s=1.0)
+                assert (await chat(url))[0] == 200  # a request waits (up to 1 s) for the first membership poll
+                await asyncio.sleep(2.0)
+                assert await store.list_members() == []  # the record lapsed: nobody renewed it
+                status, _, replica = await chat(url)
+                assert (status, replica) == (200, "m-1")
+                _, stats = await http_get(url + "/admin/stats")
+                assert stats["models"]["m"]["replicas"][0]["unlisted_s"] > 0
+                async with redis.asyncio.Redis.from_url(state) as client:
+                    with contextlib.suppress(redis.exceptions.ConnectionError):
+                        await client.shutdown(nosave=True)
+                assert (await chat(url))[:3:2] == (200, "m-1")  # the store is gone: the last known members stay
+                await sim.close()  # and now the replica is gone too
+                deadline = time.monotonic() + 15
+                while (answer := await chat(url))[0] != 503:  # 502 while the gateway still tries it
+                    assert time.monotonic() < deadline, "a replica that stopped answering was never dropped"
+                    await asyncio.sleep(0.2)
+                assert answer[0] == 503 and answer[1]["error"]["code"] == "no_capacity"
+            log = log_path.read_text()
+            assert "replica m-1 left the membership list while serving" in log
+            assert "replica m-1 dropped" in log and "no longer passing health checks" in log
+        finally:
+            await store.close()
+            await sim.close()
+
+
+def test_bad_durations_are_one_usage_line_naming_the_option(tmp_path: Path) -> None:
+    for option, value, says in (("--member-grace-s", "-1", "must be >= 0 seconds"),
+                                ("--drain-timeout-s", "soon", "'soon' is not a number of seconds"),
+                                ("--member-grace-s", "nan", "must be >= 0 seconds")):
+        done = subprocess.run([*kvgate_command(), "router", "--registry", str(tmp_path), option, value],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and f"argument {option}: {says}" in done.stderr
+        assert "Traceback" not in done.stderr
