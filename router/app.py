@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,6 +35,8 @@ from router.queueing import WaitQueues
 from router.upstream import UpstreamPool
 
 __all__ = ["GatewaySettings", "SnapshotSource", "build_app"]
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotSource(Protocol):
@@ -87,18 +90,28 @@ def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSou
     return app
 
 
+def warn_of_unenforced_tenants(snapshot: Snapshot) -> None:
+    """Tenant documents validate, but this gateway does not check API keys or apply rate limits yet: say so
+    wherever a registry declaring them is loaded, rather than let an operator believe the keys are checked."""
+    if snapshot.tenants:
+        log.warning("the registry declares %d Tenant(s) (%s), but this gateway does not check API keys or apply "
+                    "rate limits yet: every client may use every model. Keep it behind an authenticating proxy.",
+                    len(snapshot.tenants), ", ".join(sorted(snapshot.tenants)))
+
+
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     tracker, registry = app[TRACKER_KEY], app[REGISTRY_KEY]
     upstream = UpstreamPool()
     app[PROXY_KEY] = Proxy(tracker, upstream, app[METRICS_KEY], app[CLOCK_KEY], app[QUEUES_KEY])
     await tracker.start(registry.current)
+    warn_of_unenforced_tenants(registry.current)
     subscribe: Callable[..., Callable[[], None]] | None = getattr(registry, "subscribe", None)
-    unsubscribe = subscribe(tracker.update_registry) if subscribe is not None else None
+    unsubscribe = [subscribe(tracker.update_registry), subscribe(warn_of_unenforced_tenants)] if subscribe else []
     try:
         yield
     finally:
-        if unsubscribe is not None:
-            unsubscribe()
+        for stop in unsubscribe:
+            stop()
         await tracker.close()
         await upstream.close()
 
