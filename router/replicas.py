@@ -37,36 +37,22 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-import grpc
-
 from kvgate.clock import Clock
 from kvgate.state.base import MemberRecord, StateStore
 from kvgate.state.base import ReplicaState as MemberState
 from registry.schema import Backend
 from registry.snapshot import Snapshot
 from router.block_index import BlockIndex, BlockIndexes
+from router.engine_tokenizers import EngineTokenizers, KvChain
 from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
-from router.prompt_tokens import PromptTokenizer
-from router.sources import LoadReport, fetch_tokenizer, parse_metrics, replica_url, watch_stream
+from router.sources import LoadReport, parse_metrics, replica_url, watch_stream
 from router.upstream import header_safe
 from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE_TOKENS = 16
-# A model's engines that did not answer GetTokenizer (starting up, unreachable) are asked again after this
-# long, doubling to TOKENIZER_RETRY_MAX_S while none can say (an engine without the RPC mid-upgrade, say).
-TOKENIZER_RETRY_S = 2.0
-TOKENIZER_RETRY_MAX_S = 60.0
-
-
-@dataclass(frozen=True)
-class KvChain:
-    """How a model's prompts map onto its engines' KV blocks: the engines' tokenizer and block size."""
-
-    tokenizer: PromptTokenizer
-    block_size_tokens: int
 
 
 def _auth_headers(tracked: _Tracked) -> dict[str, str] | None:
@@ -220,10 +206,7 @@ class ReplicaTracker:
         self.prefixes = PrefixIndexes(prefix_chunk_chars)
         self.blocks = BlockIndexes()  # exact, from kvgate engines' KV block events
         self.in_flight_chains = InFlightChains()  # the prefix chains of requests in flight, per replica
-        self._kv_chains: dict[str, KvChain] = {}  # per model, once one of its engines sent its tokenizer
-        self._chain_sources: dict[str, str] = {}  # the model's registry source when its chain was fetched
-        self._refetch_after: dict[str, float] = {}  # per model: no refetch on disagreement before this (clock)
-        self._tokenizer_tasks: dict[str, asyncio.Task[None]] = {}
+        self.tokenizers = EngineTokenizers(clock, self._engines_of, self._source_of)  # per model: its KvChain
         self._chars_per_token: dict[str, CharsPerToken] = {}  # per model, learnt from responses
         self._replicas: dict[str, _Tracked] = {}
         self._sorted_by_model: dict[str, tuple[_Tracked, ...]] = {}  # cleared when a replica comes or goes
@@ -265,21 +248,13 @@ class ReplicaTracker:
             tracked.block_size_tokens, tracked.max_loaded_adapters, tracked.prefix_chunk_chars = (
                 self._model_knobs(tracked.model))
             self._ensure_index(tracked)
-        for name in list(self._kv_chains):  # a model whose weights changed may tokenize differently: ask again
-            doc = snapshot.models.get(name)
-            if doc is None or self._chain_sources.get(name) != doc.spec.source:
-                del self._kv_chains[name]
-                self._chain_sources.pop(name, None)
-                for tracked in self._replicas.values():
-                    if tracked.model == name and tracked.grpc_target:
-                        self._want_tokenizer(name, prefer=tracked.grpc_target)
-                        break
+        self.tokenizers.after_reload()
         self._notify()
 
     async def close(self) -> None:
         """Cancel every background task and close the HTTP session if the tracker made it. Idempotent."""
         self._closed = True
-        tasks = [t for r in self._replicas.values() for t in r.tasks] + list(self._tokenizer_tasks.values())
+        tasks = [t for r in self._replicas.values() for t in r.tasks] + self.tokenizers.tasks()
         if self._member_task is not None:
             tasks.append(self._member_task)
         for task in tasks:
@@ -317,7 +292,7 @@ class ReplicaTracker:
         stream is down meanwhile counts as holding nothing (it is likely dying: its health check or a
         failed request takes it out), rather than sending the whole model back to a text index that was
         not kept while it routed on blocks. A fleet that mixes in a foreign server is routed on text."""
-        chain = self._kv_chains.get(model)
+        chain = self.tokenizers.get(model)
         if chain is None:
             return None
         synced = False
@@ -483,7 +458,7 @@ class ReplicaTracker:
             tracked.tasks.append(asyncio.create_task(watch_stream(
                 tracked.grpc_target, self._clock, lambda report: self._apply_stream(rid, report),
                 lambda: self.blocks.disconnected(rid), include_kv_events=True), name=f"kvgate-stream-{rid}"))
-            self._want_tokenizer(tracked.model)
+            self.tokenizers.want(tracked.model)
         elif tracked.backend is not Backend.OPENAI:
             # vllm, sglang, and members without a gRPC target (foreign backends) publish /metrics.
             tracked.tasks.append(asyncio.create_task(self._scrape_loop(tracked), name=f"kvgate-scrape-{rid}"))
@@ -574,58 +549,22 @@ class ReplicaTracker:
         self._apply_load(replica_id, report)
 
     # ------------------------------------------------------------------------------ tokenizers
+
     def tokens_disagree(self, model: str, replica_id: str) -> None:
-        """A response's usage.prompt_tokens differed from the gateway's count for a prompt it routed on KV
-        blocks: the tokenizer it holds is not the engines' (weights changed under a replica, a stale fetch
-        during a rolling change). Drop it, so the model routes on text, and fetch again from that engine, at
-        most once a minute (an engine that counts differently for good then stays on text between tries)."""
-        if self._kv_chains.pop(model, None) is None:
-            return
-        log.warning("model %s: replica %s counted a prompt differently from this gateway's tokenizer; "
-                    "routing on text until its tokenizer is fetched again", model, replica_id)
+        """A response's usage.prompt_tokens differed from the gateway's count for a prompt routed on KV
+        blocks: the model routes on text until its tokenizer is fetched again (`EngineTokenizers.disagree`)."""
         tracked = self._replicas.get(replica_id)
-        now = self._clock.now()
-        wait_s = max(self._refetch_after.get(model, now) - now, 0.0)
-        self._refetch_after[model] = now + wait_s + TOKENIZER_RETRY_MAX_S
-        self._want_tokenizer(model, prefer=tracked.grpc_target if tracked else None, wait_s=wait_s)
+        if self.tokenizers.disagree(model, prefer=tracked.grpc_target if tracked else None):
+            log.warning("model %s: replica %s counted a prompt differently from this gateway's tokenizer; "
+                        "routing on text until its tokenizer is fetched again", model, replica_id)
 
-    def _want_tokenizer(self, model: str, prefer: str | None = None, wait_s: float = 0.0) -> None:
-        """Fetch the model's engine tokenizer (from `prefer` first, else whichever engine answers), until
-        one arrives; at most one fetch task per model."""
-        task = self._tokenizer_tasks.get(model)
-        if model in self._kv_chains or (task is not None and not task.done()):
-            return
-        self._tokenizer_tasks[model] = asyncio.create_task(self._fetch_tokenizer(model, prefer, wait_s),
-                                                           name=f"kvgate-tokenizer-{model}")
+    def _engines_of(self, model: str) -> list[str]:
+        """The gRPC targets of the model's kvgate engines, in the order they were tracked."""
+        return [r.grpc_target for r in self._replicas.values() if r.model == model and r.grpc_target]
 
-    async def _fetch_tokenizer(self, model: str, prefer: str | None, wait_s: float) -> None:
-        delay_s = TOKENIZER_RETRY_S
-        if wait_s > 0:
-            await self._clock.sleep(wait_s)
-        while model not in self._kv_chains:
-            targets = sorted({r.grpc_target for r in self._replicas.values() if r.model == model and r.grpc_target},
-                             key=lambda t: t != prefer)
-            if not targets:
-                return  # no engine left to ask; the next one to join asks again
-            for target in targets:
-                try:
-                    fetched = await fetch_tokenizer(target)
-                    chain = KvChain(PromptTokenizer(fetched[0]), fetched[1]) if fetched is not None else None
-                except grpc.aio.AioRpcError as exc:
-                    log.debug("GetTokenizer %s: %s", target, exc.code().name)
-                    continue
-                except Exception:  # a tokenizer that fails its own checks: this task must not die of it
-                    log.warning("GetTokenizer %s: unusable answer", target, exc_info=True)
-                    continue
-                if chain is None:
-                    continue  # this engine cannot say; another may
-                self._kv_chains[model] = chain
-                doc = self._snapshot.models.get(model) if self._snapshot is not None else None
-                self._chain_sources[model] = doc.spec.source if doc is not None else ""
-                log.info("model %s: routing on its engines' KV blocks (block size %d)", model, chain.block_size_tokens)
-                return
-            await self._clock.sleep(delay_s)
-            delay_s = min(delay_s * 2, TOKENIZER_RETRY_MAX_S)
+    def _source_of(self, model: str) -> str:
+        doc = self._snapshot.models.get(model) if self._snapshot is not None else None
+        return doc.spec.source if doc is not None else ""
 
     async def _scrape_loop(self, tracked: _Tracked) -> None:
         while True:

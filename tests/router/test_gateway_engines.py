@@ -320,13 +320,13 @@ async def test_a_tokenizer_that_counts_differently_from_the_engine_is_dropped_an
     back to text and the engine's tokenizer is fetched again."""
     from kvgate.tokenizer import Tokenizer
     from router.prompt_tokens import PromptTokenizer, prompt_token_ids
-    from router.replicas import KvChain
+    from router.engine_tokenizers import KvChain
     from tests.engine.builtin_cache import smollm2_dir
 
     async with gateway(tmp_path, engines) as gw:
         await on_kv_blocks(gw)
         right = gw.tracker.kv_chain(SERVED)
-        gw.tracker._kv_chains[SERVED] = KvChain(PromptTokenizer(Tokenizer.from_dir(smollm2_dir())), 16)
+        gw.tracker.tokenizers.put(SERVED, KvChain(PromptTokenizer(Tokenizer.from_dir(smollm2_dir())), 16))
         body = {"model": SERVED, "messages": [{"role": "user", "content": LONG_PROMPT[:400]}],
                 "max_tokens": 1}
         assert len(prompt_token_ids(body, gw.tracker.kv_chain(SERVED).tokenizer)) != len(
