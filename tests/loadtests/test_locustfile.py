@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from tests.router.test_gateway import gateway
+from tests.router.sim_gateway import gateway
 
 
 def locust_command() -> list[str]:

@@ -1,129 +1,31 @@
-"""The gateway end to end: the official openai SDK -> kvgate router -> simulated replicas on real sockets.
-
-Replicas are `loadtests.sim_replica` servers (an LRU prefix cache that reports cached_tokens, and
-failure injection), declared as a registry model's static replicas; the gateway runs with the real
-`ReplicaTracker`. Health checks run once at start and then every 60 s, so a failure mode switched on
-afterwards is seen by requests (and the proxy's retries), not hidden by a health check.
+"""The gateway end to end: the official openai SDK -> kvgate router -> simulated replicas on real sockets
+(`tests.router.sim_gateway`): the API, affinity and the prefix index, bad input, waiting at zero replicas,
+/v1/models, /admin/stats and /metrics. Replicas that misbehave: test_gateway_failures.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
-import openai
 import pytest
 from aiohttp import web
 
 from kvgate.clock import RealClock
-from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
-from loadtests.sim_replica_model import SchedulerSpec
+from loadtests.sim_replica import SimReplicaConfig, start_sim_replica
 from registry.loader import load_registry
-from kvgate.state.base import StateStore
 from kvgate.state.memory import MemoryStateStore
 from router.app import GatewaySettings
 from router.observations import OBSERVATIONS_COLLECTION
 from router.openings import MIN_REQUESTS
 from router.prefix_index import CACHE_EVIDENCE_MIN
-from router import proxy as proxy_module
 from router.proxy import REPLICA_HEADER
-from router.replicas import ReplicaTracker
 from tests.gateway_harness import eventually, running_gateway
-
-FAST_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=2000.0)
-LONG_PROMPT = "You are a careful assistant for the kvgate project. " * 40  # ~2,000 chars: 31 chunks of 64
-OTHER_LONG_PROMPT = "Answer in French, briefly, and cite the design document. " * 36
-
-POOL = """apiVersion: kvgate/v1
-kind: Pool
-metadata: {name: here}
-spec:
-  provider: local
-  offers: [{instance_type: cpu, gpu_kind: cpu, gpu_count: 0, price_usd_per_hour: 0}]
-"""
-
-
-def write_registry(root: Path, urls: list[str], routing: str = "", backend: str = "openai") -> None:
-    static = ", ".join(f"{{url: '{u}', backend: {backend}}}" for u in urls)
-    (root / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
-kind: Model
-metadata: {{name: m}}
-spec:
-  source: builtin:tiny-llama
-  routing: {{prefix_chunk_chars: 64, max_retries: 2, static_replicas: [{static}] {routing}}}
----
-apiVersion: kvgate/v1
-kind: Adapter
-metadata: {{name: sql}}
-spec: {{base_model: m, source: /adapters/sql, rank: 8}}
----
-apiVersion: kvgate/v1
-kind: Model
-metadata: {{name: cold}}
-spec:
-  source: builtin:tiny-llama
-  routing: {{max_queued_requests: 1}}
-  scaling: {{min_replicas: 0, max_queue_wait_s: 0.3}}
----
-{POOL}""")
-
-
-@dataclass
-class Gateway:
-    url: str
-    tracker: ReplicaTracker
-    sims: list[SimReplicaServer]
-    client: openai.AsyncOpenAI
-
-    async def stats(self, sim: SimReplicaServer) -> dict:
-        async with aiohttp.ClientSession() as s, s.get(sim.url + "/stats") as r:
-            return await r.json()
-
-    async def fail(self, sim: SimReplicaServer, **spec: object) -> None:
-        async with aiohttp.ClientSession() as s, s.post(sim.url + "/admin/fail", json=spec) as r:
-            assert r.status == 200, await r.text()
-
-    async def post(self, path: str, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict, str]:
-        async with aiohttp.ClientSession() as s, s.post(self.url + path, data=data, headers=headers) as r:
-            return r.status, dict(r.headers), await r.text()
-
-
-@contextlib.asynccontextmanager
-async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
-                  settings: GatewaySettings | None = None, sim_spec: SchedulerSpec = FAST_SIM,
-                  other_urls: tuple[str, ...] = (), store: StateStore | None = None,
-                  backend: str = "openai") -> AsyncIterator[Gateway]:
-    sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec))
-            for _ in range(num_replicas)]
-    write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing, backend)
-    try:
-        async with running_gateway(tmp_path, settings, store, prefix_chunk_chars=64) as (url, tracker):
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10.0)
-            await asyncio.sleep(0.1)  # the first health checks pass before any failure mode is switched on
-            try:
-                yield Gateway(url, tracker, sims, client)
-            finally:
-                await client.close()
-    finally:
-        for sim in sims:
-            await sim.close()
-
-
-async def admin_replica(gw: Gateway, replica_id: str) -> dict:
-    """The replica's entry in the gateway's /admin/stats."""
-    async with aiohttp.ClientSession() as s, s.get(gw.url + "/admin/stats") as r:
-        stats = await r.json()
-    return next(r for r in stats["models"]["m"]["replicas"] if r["replica_id"] == replica_id)
-
-
-def chat(content: str, **extra: object) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+from tests.router.sim_gateway import FAST_SIM, LONG_PROMPT, OTHER_LONG_PROMPT, POOL, admin_replica, chat, drain_stream, gateway, hand_written_replica, write_registry
 
 
 async def test_non_streamed_chat_passes_through_the_sdk(tmp_path: Path) -> None:
@@ -144,57 +46,6 @@ async def test_streamed_chat_and_completions_pass_through_the_sdk(tmp_path: Path
         assert len([c async for c in text]) == 3
 
 
-@contextlib.asynccontextmanager
-async def hand_written_replica(**posts: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                               ) -> AsyncIterator[str]:
-    """A replica of handlers written in the test (`chat_completions=...`, `completions=...`), with a /health
-    that passes; yields its URL."""
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    app = web.Application()
-    for name, handler in posts.items():
-        app.router.add_post("/v1/" + name.replace("chat_", "chat/"), handler)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        host, port = runner.addresses[0][:2]
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
-
-
-def _answer_with_usage(usage: str) -> bytes:
-    return ('{"id": "x", "object": "chat.completion", "choices": [], "usage": ' + usage + "}").encode()
-
-
-@pytest.mark.parametrize("body", [
-    _answer_with_usage('{"prompt_tokens": "many", "prompt_tokens_details": {"cached_tokens": -5}}'),  # not counts
-    _answer_with_usage('{"prompt_tokens": 1e30, "prompt_tokens_details": {"cached_tokens": 1e30}}'),
-    _answer_with_usage(f'{{"prompt_tokens": {10**30}, "prompt_tokens_details": {{"cached_tokens": {10**30}}}}}'),
-    _answer_with_usage('{"prompt_tokens": 3, "extra": ' + "[" * 3000 + "]" * 3000 + "}"),  # past json's recursion limit
-])
-async def test_a_replicas_impossible_usage_neither_fails_the_request_nor_skews_the_hit_figures(
-        tmp_path: Path, body: bytes, caplog: pytest.LogCaptureFixture) -> None:
-    async def answer(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=body, content_type="application/json")
-
-    async with hand_written_replica(chat_completions=answer) as url:
-        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
-            for _ in range(2):
-                status, _, text = await gw.post("/v1/chat/completions", json.dumps(chat("hello " * 50)).encode())
-                assert status == 200 and text.encode() == body  # passed through as the replica sent it
-            async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
-                exported = await r.text()
-    realised = [float(line.split()[-1]) for line in exported.splitlines()
-                if line.startswith('kvgate_router_prefix_realised_tokens_total{model="m"}')]
-    assert all(0 <= value <= 2 * 300 for value in realised)  # two prompts of ~300 characters, at most all cached
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-
-
 async def test_a_prompt_whose_tokens_are_mostly_not_its_text_keeps_its_realised_cached_tokens(tmp_path: Path) -> None:
     async def answer(request: web.Request) -> web.Response:  # two images: thousands of tokens, few characters
         await request.read()
@@ -209,20 +60,6 @@ async def test_a_prompt_whose_tokens_are_mostly_not_its_text_keeps_its_realised_
                 exported = await r.text()
             assert gw.tracker.chars_per_token_of("m") > 3  # 5,400 tokens for ~30 characters teach nothing
     assert 'kvgate_router_prefix_realised_tokens_total{model="m"} 5300.0' in exported
-
-
-async def test_an_answer_too_big_to_hold_is_a_502_not_a_gateway_out_of_memory(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proxy_module, "MAX_ANSWER_BYTES", 64 * 1024)
-
-    async def answer(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=b'{"pad": "' + b"x" * 200_000 + b'"}', content_type="application/json")
-
-    async with hand_written_replica(chat_completions=answer) as url:
-        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
-            status, _, text = await gw.post("/v1/chat/completions", json.dumps(chat("x")).encode())
-    assert status == 502 and "over 65536 bytes" in json.loads(text)["error"]["message"]
 
 
 async def test_a_server_run_with_an_api_key_gets_it_from_the_gateways_environment(
@@ -390,31 +227,6 @@ async def test_a_replica_that_says_prefix_caching_is_off_never_gets_a_predicted_
         assert (await admin_replica(gw, replica_id))["prefix_caching"] == "off"
 
 
-async def test_a_failing_replica_is_retried_elsewhere_and_never_twice(tmp_path: Path) -> None:
-    async with gateway(tmp_path) as gw:
-        await gw.fail(gw.sims[0], mode="error500")
-        await gw.fail(gw.sims[1], mode="refuse")
-        for i in range(6):
-            before = [(await gw.stats(s))["num_failures_injected"] for s in gw.sims[:2]]
-            raw = await gw.client.chat.completions.with_raw_response.create(**chat(f"distinct prompt {i} " * 20))
-            assert raw.headers[REPLICA_HEADER] == gw.sims[2].url
-            after = [(await gw.stats(s))["num_failures_injected"] for s in gw.sims[:2]]
-            assert all(a - b <= 1 for a, b in zip(after, before)), "a failed replica was tried twice"
-        # every attempt's prefix chain left the in-flight count, the failed ones too
-        assert [gw.tracker.in_flight_chains.num_hashes(s.url) for s in gw.sims] == [0, 0, 0]
-
-
-async def test_when_every_replica_fails_the_upstream_error_passes_through(tmp_path: Path) -> None:
-    async with gateway(tmp_path, num_replicas=2) as gw:
-        for sim in gw.sims:
-            await gw.fail(sim, mode="error500")
-        with pytest.raises(openai.InternalServerError) as caught:
-            await gw.client.chat.completions.create(**chat("doomed"))
-        assert caught.value.status_code == 500
-        assert "injected failure" in caught.value.message
-        assert sum([(await gw.stats(s))["num_failures_injected"] for s in gw.sims]) == 2
-
-
 async def test_a_replicas_answer_keeps_its_own_content_type(tmp_path: Path) -> None:
     async def plain_400(request: web.Request) -> web.Response:
         return web.Response(status=400, text="prompt too long", content_type="text/plain")
@@ -429,41 +241,6 @@ async def test_a_replicas_answer_keeps_its_own_content_type(tmp_path: Path) -> N
             body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 4}).encode()
             status, headers, text = await gw.post("/v1/completions", body)  # a 5xx, passed on after the retries
             assert (status, headers["Content-Type"], text) == (503, "text/html; charset=utf-8", "<h1>overloaded</h1>")
-
-
-async def test_a_stream_that_dies_mid_way_ends_with_an_error_event_then_done(tmp_path: Path) -> None:
-    async with gateway(tmp_path, num_replicas=1) as gw:
-        await gw.fail(gw.sims[0], mode="die_mid_stream", die_after_chunks=2)
-        body = json.dumps(chat("die", stream=True, max_tokens=8)).encode()
-        status, headers, text = await asyncio.wait_for(gw.post("/v1/chat/completions", body), 5.0)
-        assert status == 200
-        events = [e for e in text.split("\n\n") if e]
-        assert len(events) == 4  # two chunks from the replica, the error, [DONE]
-        assert json.loads(events[2].removeprefix("data: "))["error"]["code"] == "stream_broken"
-        assert events[3] == "data: [DONE]"
-        with pytest.raises(openai.APIError):  # the SDK surfaces it instead of hanging
-            await asyncio.wait_for(_drain(await gw.client.chat.completions.create(**chat("die"), stream=True)), 5.0)
-
-
-async def _drain(stream: openai.AsyncStream) -> None:
-    async for _ in stream:
-        pass
-
-
-async def test_a_stalled_replica_is_left_after_the_first_byte_timeout(tmp_path: Path) -> None:
-    async with gateway(tmp_path, num_replicas=2, routing=", first_byte_timeout_s: 0.3") as gw:
-        await gw.fail(gw.sims[0], mode="stall")
-        for i in range(3):
-            raw = await gw.client.chat.completions.with_raw_response.create(**chat(f"stall {i}"))
-            assert raw.headers[REPLICA_HEADER] == gw.sims[1].url
-
-
-async def test_a_stall_with_nowhere_to_retry_is_a_504(tmp_path: Path) -> None:
-    async with gateway(tmp_path, num_replicas=1, routing=", first_byte_timeout_s: 0.3") as gw:
-        await gw.fail(gw.sims[0], mode="stall")
-        status, _, text = await gw.post("/v1/chat/completions", json.dumps(chat("x")).encode())
-        assert status == 504
-        assert json.loads(text)["error"]["code"] == "upstream_timeout"
 
 
 @pytest.mark.parametrize("body,status,code", [
@@ -572,7 +349,7 @@ async def test_metrics_expose_the_router_series(tmp_path: Path) -> None:
     async with gateway(tmp_path, num_replicas=1) as gw:
         stream = await gw.client.chat.completions.create(**chat(LONG_PROMPT), stream=True,
                                                          stream_options={"include_usage": True})
-        await _drain(stream)
+        await drain_stream(stream)
         await gw.client.chat.completions.create(**chat(LONG_PROMPT))
         async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
             text = await r.text()
@@ -608,21 +385,6 @@ async def test_a_replica_that_left_loses_its_metric_series_after_the_grace_perio
             await asyncio.sleep(0.05)
         assert f'replica="{kept.url}"' in await exported()
         assert left.url not in gw.tracker.replica_ids()
-
-
-async def test_a_client_that_goes_away_aborts_the_upstream_request(tmp_path: Path) -> None:
-    slow = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=20.0)  # 200 tokens: 10 s
-    async with gateway(tmp_path, num_replicas=1, sim_spec=slow) as gw:
-        async with aiohttp.ClientSession() as s:
-            r = await s.post(gw.url + "/v1/chat/completions", json=chat("bye " * 50, stream=True, max_tokens=200))
-            await r.content.readline()
-            r.close()  # the client leaves after the first event
-        for _ in range(100):
-            if (await gw.stats(gw.sims[0]))["num_aborted"] >= 1:
-                break
-            await asyncio.sleep(0.05)
-        assert (await gw.stats(gw.sims[0]))["num_aborted"] == 1
-        assert gw.tracker.in_flight_chains.num_hashes(gw.sims[0].url) == 0  # no longer counted in flight
 
 
 async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_the_end(tmp_path: Path) -> None:
