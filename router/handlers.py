@@ -241,7 +241,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text, content_type = request.app[METRICS_KEY].render()
+    metrics = request.app[METRICS_KEY]
+    metrics.set_replica_counts(request.app[TRACKER_KEY].replica_counts())
+    text, content_type = metrics.render()
     return web.Response(body=text, headers={"Content-Type": content_type})
 
 

@@ -4,7 +4,7 @@ gateways in one process, or one per test, never share counts)."""
 from __future__ import annotations
 
 import collections
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -64,6 +64,11 @@ class RouterMetrics:
                                ["model"], registry=r)
         self.queue_depth = Gauge("kvgate_router_queue_depth", "Requests waiting for a replica of the model.",
                                  ["model"], registry=r)
+        # Set from the tracker at each scrape (`set_replica_counts`): alert on ready == 0, or unlisted > 0 (the
+        # replicas' membership records lapsed: is the autoscaler down?).
+        self.replicas = Gauge("kvgate_router_replicas", "Replicas the gateway knows, by state: ready, unlisted "
+                              "(serving though its membership record lapsed), starting, draining, unhealthy.",
+                              ["model", "state"], registry=r)
         for name in ("requests", "decisions", "decision_seconds", "ttft_seconds", "prefix_predicted_tokens",
                      "prefix_realised_tokens", "in_flight", "queue_depth"):
             setattr(self, name, _Labelled(getattr(self, name)))
@@ -93,6 +98,12 @@ class RouterMetrics:
             del self._gone_since[rid]
             removed.append(rid)
         return removed
+
+    def set_replica_counts(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Replace the `kvgate_router_replicas` series with `counts` ((model, state) -> replicas)."""
+        self.replicas.clear()
+        for (model, state), n in counts.items():
+            self.replicas.labels(model, state).set(n)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -515,6 +515,23 @@ class ReplicaTracker:
                         now - tracked.unlisted_since, "grace over" if keep else "no longer passing health checks")
         self._drop(tracked.replica_id)
 
+    def replica_counts(self) -> dict[tuple[str, str], int]:
+        """(model, state) -> replicas, for `kvgate_router_replicas`. One state each: "starting" (a member
+        not yet READY), "draining", "unhealthy" (failing health checks, or ejected), "unlisted" (routable,
+        though its membership record lapsed) or "ready"."""
+        counts: dict[tuple[str, str], int] = {}
+        for tracked in self._replicas.values():
+            if tracked.member_state is MemberState.STARTING:
+                state = "starting"
+            elif tracked.draining:
+                state = "draining"
+            elif not tracked.healthy:
+                state = "unhealthy"
+            else:
+                state = "ready" if tracked.unlisted_since is None else "unlisted"
+            counts[(tracked.model, state)] = counts.get((tracked.model, state), 0) + 1
+        return counts
+
     def unlisted_for_s(self, replica_id: str) -> float | None:
         """How long a member has been kept since it left the membership list; None when it is listed (or
         static, or unknown)."""

@@ -358,6 +358,13 @@ async def test_metrics_expose_the_router_series(tmp_path: Path) -> None:
                      "kvgate_router_prefix_predicted_tokens_total", "kvgate_router_prefix_realised_tokens_total",
                      "kvgate_router_in_flight", "kvgate_router_queue_depth"):
             assert name in text, name
+        assert 'kvgate_router_replicas{model="m",state="ready"} 1.0' in text
+        await gw.sims[0].close()
+        gw.tracker._apply_health(gw.sims[0].url, False)  # what the next health check finds
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+            after = await r.text()
+        assert 'kvgate_router_replicas{model="m",state="unhealthy"} 1.0' in after
+        assert 'state="ready"' not in after
         assert f'kvgate_router_requests_total{{model="m",outcome="success",replica="{gw.sims[0].url}"}} 2.0' in text
         realised = next(line for line in text.splitlines()
                         if line.startswith('kvgate_router_prefix_realised_tokens_total{model="m"}'))

@@ -255,6 +255,7 @@ async def test_a_ready_member_whose_heartbeat_lapses_keeps_serving_while_it_pass
         await clock.advance(5.0)  # the record has expired, nothing renewed it
         assert await store.list_members() == []
         assert tracker.num_ready("m") == 1 and tracker.unlisted_for_s("m-1") == pytest.approx(1.0)
+        assert tracker.replica_counts() == {("m", "unlisted"): 1}
         assert tracker.prefixes.get("m-1").match_length((1, 2)) == 2  # what it learnt is kept
         await store.put_member(member(sim.url, MemberState.READY), ttl_s=5)  # a new leader publishes it
         await clock.advance(1.0)
@@ -283,7 +284,7 @@ async def test_members_that_leave_the_list_unready_or_with_no_grace_are_dropped_
     async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=60.0) as tracker:
         await store.put_member(member(sim.url, MemberState.STARTING), ttl_s=2)  # never became READY
         await clock.advance(1.0)
-        assert len(tracker.view("m").replicas) == 1
+        assert len(tracker.view("m").replicas) == 1 and tracker.replica_counts() == {("m", "starting"): 1}
         await clock.advance(2.0)
         assert tracker.view("m").replicas == ()
     async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=60.0,
