@@ -67,6 +67,9 @@ class SimReplicaConfig:
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
     failure: FailureSpec = field(default_factory=FailureSpec)
     default_max_tokens: int = 16
+    # A prompt plus max_tokens past this is refused with 400, as vLLM refuses one past max_model_len; without
+    # it, a request asking for 10**30 tokens kept a batch slot for good.
+    max_model_len_tokens: int = 131_072
     max_loras: int = 8  # only reported in vllm:lora_requests_info
     # KV-events mode (module docstring): count and hash prompts with this directory's tokenizer (a model
     # directory holding tokenizer.json) as a kvgate engine does...
@@ -234,6 +237,10 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             return _error_response(400, "a kvgate engine does not take this prompt (a non-text content part, "
                                         "or a batch of several prompts)")
         num_tokens, hashes = prompt
+    if num_tokens + req.max_tokens > config.max_model_len_tokens:
+        return _error_response(400, f"This model's maximum context length is {config.max_model_len_tokens} tokens. "
+                                    f"However, you requested {num_tokens + req.max_tokens} tokens ({num_tokens} in "
+                                    f"the messages, {req.max_tokens} in the completion).", "max_tokens")
     failure = request.app[FAILURE_KEY]
     fail = failure.take()
     if fail is FailMode.REFUSE:
@@ -516,6 +523,8 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimReplicaC
     p.add_argument("--max-prefill-tokens-per-step", type=int, default=d_sched.max_prefill_tokens_per_step)
     p.add_argument("--no-prefix-caching", action="store_true", help="keep nothing computed (every prompt misses)")
     p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--max-model-len-tokens", type=int, default=SimReplicaConfig.max_model_len_tokens,
+                   help="a prompt plus max_tokens past this gets 400, as from vLLM (default: %(default)s)")
     p.add_argument("--fail", choices=[m.value for m in FailMode], default="none")
     p.add_argument("--fail-after-n", type=int, default=d_fail.fail_after_n)
     p.add_argument("--slow-first-byte-s", type=float, default=d_fail.slow_first_byte_s)
@@ -531,6 +540,7 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimReplicaC
         p.error("--grpc-port needs --tokenizer-dir")
     config = SimReplicaConfig(
         model=a.model, adapters=tuple(a.adapter), default_max_tokens=a.default_max_tokens,
+        max_model_len_tokens=a.max_model_len_tokens,
         scheduler=SchedulerSpec(a.kv_capacity_tokens, a.prefill_tokens_per_s, a.decode_tokens_per_s, a.max_batch,
                                 a.max_prefill_tokens_per_step, not a.no_prefix_caching),
         failure=FailureSpec(FailMode(a.fail), a.fail_after_n, a.slow_first_byte_s, a.die_after_chunks),

@@ -155,6 +155,17 @@ async def test_unknown_model_is_a_404_openai_error(serve):
     await client.close()
 
 
+async def test_a_request_past_the_context_length_is_a_400_openai_error(serve):
+    """As vLLM refuses a prompt plus max_tokens past max_model_len; an unbounded max_tokens held a batch slot
+    for good."""
+    server = await serve()
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 131072 tokens"):
+        await client.completions.create(model="sim", prompt="hi", max_tokens=10**30)
+    assert (await client.completions.create(model="sim", prompt="hi", max_tokens=2)).usage.completion_tokens == 2
+    await client.close()
+
+
 # --- prefix cache ---------------------------------------------------------------------------------------
 
 
