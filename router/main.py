@@ -58,10 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --state: the key prefix in Redis, the same as the autoscaler's --key-prefix "
                              "(default: %(default)s)")
     parser.add_argument("--member-grace-s", type=seconds, default=600.0,
-                        help="with --state: a replica whose membership record lapses while it is READY and passing "
-                             "health checks (the autoscaler restarting or failing over, Redis restarted empty) keeps "
-                             "taking requests this long, until a health check fails or it is listed again; 0 drops "
-                             "it at once (default: 600)")
+                        help="with --state: a replica whose membership record lapses while it is READY (the "
+                             "autoscaler restarting or failing over, Redis restarted empty) stays in rotation this "
+                             "long, until it fails three health checks in a row or is listed again; 0 drops it at "
+                             "once (default: 600)")
     parser.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
                         help="token /admin/* requires (default: $KVGATE_ADMIN_TOKEN; unset: open)")
     parser.add_argument("--gateway-id", default="",

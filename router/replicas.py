@@ -11,12 +11,15 @@ Routable = a live member in state READY (static replicas always are), passing he
 ejected, and not draining (by membership or by its own stream).
 
 Membership is eventually consistent, and the data path must outlive the control path. A member that
-leaves the list while READY and passing its health checks (its heartbeat lapsed: the autoscaler crashed,
-restarts, fails over to a standby after the lease TTL, or Redis restarted empty) stays routable, for up
-to `member_grace_s`, until a health check fails, it is ejected, or it is listed again; Envoy treats hosts
-that leave service discovery the same way. A member that leaves while STARTING or DRAINING, or that is
-failing, is dropped at once. The autoscaler marks a replica DRAINING before it stops it, so a deliberate
-scale-down is never held on to. An unreachable store changes nothing: the last known members stay.
+leaves the list while READY (its heartbeat lapsed: the autoscaler crashed, restarts, fails over to a standby
+after the lease TTL, or Redis restarted empty) stays tracked, and routable whenever it is, for up to
+`member_grace_s` or until it is listed again; Envoy treats hosts that leave service discovery the same way.
+A failed health check or an ejection takes it out of rotation as it would a listed replica; it is dropped
+after UNLISTED_DROP_AFTER_CHECKS failed checks in a row (a replica that is gone). A member that leaves while
+STARTING or DRAINING is dropped at once: the autoscaler marks a replica DRAINING before it stops it on
+scale-down. Replicas it unpublishes without that (a preempted node, a replica that failed) are gone, and
+their health checks fail within a few intervals. An unreachable store changes nothing: the last known
+members stay.
 
 Ejection (passive): `eject_after_failures` failures reported in a row eject a replica for
 `eject_for_s`; after that it stays out until a health check passes (the probe), then takes traffic
@@ -53,6 +56,10 @@ from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE_TOKENS = 16
+# A member kept after its membership record lapsed is dropped after this many failed health checks in a row
+# (~6 s at the default 2 s interval): one slow check, under load, must not drop a replica nothing re-adds.
+UNLISTED_DROP_AFTER_CHECKS = 3
+REPLICA_STATES = ("ready", "unlisted", "starting", "draining", "unhealthy")  # replica_counts()
 
 
 def _auth_headers(tracked: _Tracked) -> dict[str, str] | None:
@@ -94,6 +101,7 @@ class _Tracked:
     authorization: str | None = None  # the Authorization header value the replica asks of its clients
     health_ok: bool = True  # optimistic until the first check, so a READY member is routable at once
     consecutive_failures: int = 0
+    failed_checks: int = 0  # health checks failed in a row
     ejected_until: float | None = None  # set while ejected; cleared by a passing probe after it
     unlisted_since: float | None = None  # a READY member missing from the membership list since (clock)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -395,8 +403,6 @@ class ReplicaTracker:
             tracked.ejected_until = self._clock.now() + self._eject_for_s
             log.warning("replica %s ejected for %.1f s after %d failures in a row", replica_id,
                         self._eject_for_s, tracked.consecutive_failures)
-            if tracked.unlisted_since is not None:
-                self._unlisted(tracked)
             self._notify()
 
     # ------------------------------------------------------------------------------ bookkeeping
@@ -498,10 +504,12 @@ class ReplicaTracker:
                 self._unlisted(tracked)
 
     def _unlisted(self, tracked: _Tracked) -> None:
-        """A member missing from the membership list: kept while it was READY, still accepts requests and
-        `member_grace_s` has not run out since it went missing; dropped otherwise (module docstring)."""
+        """A member missing from the membership list: kept while it was READY, is not draining, has not failed
+        UNLISTED_DROP_AFTER_CHECKS health checks in a row and `member_grace_s` has not run out since it went
+        missing; dropped otherwise (module docstring)."""
         now = self._clock.now()
-        keep = tracked.member_state is MemberState.READY and tracked.accepts_requests
+        keep = (tracked.member_state is MemberState.READY and not tracked.draining
+                and tracked.failed_checks < UNLISTED_DROP_AFTER_CHECKS)
         if tracked.unlisted_since is None:
             if keep and self._member_grace_s > 0:
                 tracked.unlisted_since = now
@@ -511,15 +519,19 @@ class ReplicaTracker:
         elif keep and now - tracked.unlisted_since < self._member_grace_s:
             return
         else:
+            why = "grace over" if keep else "draining" if tracked.draining else (
+                f"{tracked.failed_checks} failed health checks in a row")
             log.warning("replica %s dropped %.1f s after it left the membership list (%s)", tracked.replica_id,
-                        now - tracked.unlisted_since, "grace over" if keep else "no longer passing health checks")
+                        now - tracked.unlisted_since, why)
         self._drop(tracked.replica_id)
 
     def replica_counts(self) -> dict[tuple[str, str], int]:
         """(model, state) -> replicas, for `kvgate_router_replicas`. One state each: "starting" (a member
         not yet READY), "draining", "unhealthy" (failing health checks, or ejected), "unlisted" (routable,
-        though its membership record lapsed) or "ready"."""
-        counts: dict[tuple[str, str], int] = {}
+        though its membership record lapsed) or "ready". Every registry model has every state, 0 included,
+        so that an alert on ready == 0 finds a series when it matters."""
+        models = set(self._snapshot.models) if self._snapshot is not None else set()
+        counts = {(model, state): 0 for model in models for state in REPLICA_STATES}
         for tracked in self._replicas.values():
             if tracked.member_state is MemberState.STARTING:
                 state = "starting"
@@ -619,11 +631,12 @@ class ReplicaTracker:
             return
         before = tracked.accepts_requests
         tracked.health_ok = ok
+        tracked.failed_checks = 0 if ok else tracked.failed_checks + 1
         if ok and tracked.ejected_until is not None and self._clock.now() >= tracked.ejected_until:
             log.info("replica %s passed its probe after ejection", replica_id)
             tracked.ejected_until = None
             tracked.consecutive_failures = 0
-        if tracked.unlisted_since is not None and not tracked.accepts_requests:
+        if tracked.unlisted_since is not None and tracked.failed_checks >= UNLISTED_DROP_AFTER_CHECKS:
             self._unlisted(tracked)  # nothing lists it and it stopped answering: gone
         elif tracked.accepts_requests != before:
             self._notify()

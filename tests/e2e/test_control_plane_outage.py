@@ -33,7 +33,7 @@ metadata: {{name: tiny-llama}}
 spec:
   source: builtin:tiny-llama
   engine: {{max_model_len_tokens: 512, kv_cache_bytes: 32MiB}}
-  scaling: {{min_replicas: 1, max_replicas: 1, max_queue_wait_s: 2}}
+  scaling: {{min_replicas: 1, max_replicas: 1, max_queue_wait_s: 5}}
 ---
 apiVersion: kvgate/v1
 kind: Pool

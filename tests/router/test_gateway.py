@@ -364,7 +364,8 @@ async def test_metrics_expose_the_router_series(tmp_path: Path) -> None:
         async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
             after = await r.text()
         assert 'kvgate_router_replicas{model="m",state="unhealthy"} 1.0' in after
-        assert 'state="ready"' not in after
+        assert 'kvgate_router_replicas{model="m",state="ready"} 0.0' in after  # an alert on ready == 0 fires
+        assert 'kvgate_router_replicas{model="cold",state="ready"} 0.0' in after  # a model with no replica too
         assert f'kvgate_router_requests_total{{model="m",outcome="success",replica="{gw.sims[0].url}"}} 2.0' in text
         realised = next(line for line in text.splitlines()
                         if line.startswith('kvgate_router_prefix_realised_tokens_total{model="m"}'))
