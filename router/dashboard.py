@@ -15,7 +15,9 @@ Prometheus' `histogram_quantile` does (so p99 is only as fine as `router.metrics
 The prefix-hit rates divide cached prompt tokens by the gateway's prompt-token *estimate* (characters
 over the model's characters per token, which the gateway learns from responses' `usage.prompt_tokens`;
 4 until the first response): predicted tokens are in the same units, realised ones are what the
-replicas report, so the realised rate is an approximation while the estimate settles, capped at 1.
+replicas report, so the realised rate is an approximation while the estimate settles, capped at 1. The
+realised rate is over the prompts whose responses reported cached tokens (vLLM does only when run with
+`--enable-prompt-tokens-details`), and None when none did: a replica that says nothing is not a 0% hit.
 
 Everything but `Dashboard`'s three coroutines is synchronous and takes time as an argument.
 """
@@ -56,6 +58,7 @@ class ModelTotals:
     prompt_tokens: float = 0.0  # cumulative: estimated prompt tokens of arriving requests
     predicted_tokens: float = 0.0  # cumulative: prompt tokens predicted cached at routing time
     realised_tokens: float = 0.0  # cumulative: cached_tokens the replicas reported
+    reported_prompt_tokens: float = 0.0  # cumulative: estimated prompt tokens of the responses that reported them
     ttft_bounds: tuple[float, ...] = ()  # the TTFT histogram's finite bucket upper bounds, seconds
     ttft_counts: tuple[float, ...] = ()  # cumulative histogram counts, one per bound and +Inf last
     decisions: Mapping[str, float] = field(default_factory=dict)  # cumulative, by reason
@@ -124,7 +127,8 @@ def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float,
 
 def window_stats(older: ModelTotals, newer: ModelTotals, seconds: float) -> WindowStats:
     """A model's rates between two totals `seconds` apart. Differences below zero (a counter that
-    restarted) count as zero. Hit rates are cached tokens over estimated prompt tokens, capped at 1."""
+    restarted) count as zero. Hit rates are cached tokens over estimated prompt tokens, capped at 1: the
+    predicted one over every arriving prompt, the realised one over the prompts whose responses said."""
     def grew(new: float, old: float) -> float:
         return max(new - old, 0.0)
 
@@ -137,7 +141,8 @@ def window_stats(older: ModelTotals, newer: ModelTotals, seconds: float) -> Wind
     p99 = histogram_quantile(0.99, newer.ttft_bounds, ttft) if ttft else None
     prompt = grew(newer.prompt_tokens, older.prompt_tokens)
     predicted = min(grew(newer.predicted_tokens, older.predicted_tokens) / prompt, 1.0) if prompt else None
-    realised = min(grew(newer.realised_tokens, older.realised_tokens) / prompt, 1.0) if prompt else None
+    reported = grew(newer.reported_prompt_tokens, older.reported_prompt_tokens)
+    realised = min(grew(newer.realised_tokens, older.realised_tokens) / reported, 1.0) if reported else None
     decisions = {reason: grew(total, older.decisions.get(reason, 0.0)) * per_s
                  for reason, total in newer.decisions.items()}
     return WindowStats(seconds=seconds, request_rate=grew(newer.requests, older.requests) * per_s,
@@ -253,9 +258,11 @@ def collect_totals(metrics: RouterMetrics, model_names: Iterable[str], prompt_to
     requests: dict[str, float] = collections.Counter()
     predicted: dict[str, float] = collections.Counter()
     realised: dict[str, float] = collections.Counter()
+    reported: dict[str, float] = collections.Counter()
     decisions: dict[str, dict[str, float]] = collections.defaultdict(dict)
     for target, family in ((requests, metrics.requests), (predicted, metrics.prefix_predicted_tokens),
-                           (realised, metrics.prefix_realised_tokens)):
+                           (realised, metrics.prefix_realised_tokens),
+                           (reported, metrics.prefix_reported_prompt_tokens)):
         for metric in family.collect():
             for s in metric.samples:
                 if s.name.endswith("_total"):
@@ -278,6 +285,7 @@ def collect_totals(metrics: RouterMetrics, model_names: Iterable[str], prompt_to
         totals[name] = ModelTotals(
             requests=requests.get(name, 0.0), prompt_tokens=prompt_tokens.get(name, 0.0),
             predicted_tokens=predicted.get(name, 0.0), realised_tokens=realised.get(name, 0.0),
+            reported_prompt_tokens=reported.get(name, 0.0),
             ttft_bounds=tuple(le for le, _ in sorted(ttft.get(name, [])) if math.isfinite(le)),
             ttft_counts=tuple(count for _, count in sorted(ttft.get(name, []))),
             decisions=dict(decisions.get(name, {})), queue_depth=queue_depth, in_flight=in_flight, ready=ready,

@@ -60,6 +60,11 @@ class RouterMetrics:
         self.prefix_realised_tokens = Counter("kvgate_router_prefix_realised_tokens",
                                               "Prompt tokens the replicas reported as cached (cached_tokens).",
                                               ["model"], registry=r)
+        # vLLM reports cached_tokens only when run with --enable-prompt-tokens-details: the realised rate is
+        # realised over this, never over prompts whose responses said nothing.
+        self.prefix_reported_prompt_tokens = Counter(
+            "kvgate_router_prefix_reported_prompt_tokens",
+            "Prompt tokens (estimate) of the responses that reported cached_tokens.", ["model"], registry=r)
         self.in_flight = Gauge("kvgate_router_in_flight", "Requests between arrival and response end.",
                                ["model"], registry=r)
         self.queue_depth = Gauge("kvgate_router_queue_depth", "Requests waiting for a replica of the model.",
@@ -70,7 +75,7 @@ class RouterMetrics:
                               "(serving though its membership record lapsed), starting, draining, unhealthy.",
                               ["model", "state"], registry=r)
         for name in ("requests", "decisions", "decision_seconds", "ttft_seconds", "prefix_predicted_tokens",
-                     "prefix_realised_tokens", "in_flight", "queue_depth"):
+                     "prefix_realised_tokens", "prefix_reported_prompt_tokens", "in_flight", "queue_depth"):
             setattr(self, name, _Labelled(getattr(self, name)))
         # Per model, the `requests` counts of replicas whose series were removed (`retire_replicas`), so that
         # totals read from the series (the dashboard's) never go down.

@@ -372,26 +372,28 @@ class Proxy:
                 self.tracker.learn_prompt_size(model, route.num_prompt_chars, prompt_tokens)
             if route.hash_tokens and prompt_tokens != route.estimated_prompt_tokens:
                 self.tracker.tokens_disagree(model, replica_id)  # its hashes cannot match the engine's either
-        if cached_tokens is None:
+        predicted = min(decision.predicted_match_chunks, len(route.prefix_hashes))
+        chars_per_token = self.tracker.chars_per_token_of(model)
+        if route.hash_tokens:  # exact counts
+            predicted_tokens = route.estimated_prompt_tokens - route.uncached_tokens(predicted)
+        else:
+            predicted_tokens = int(min(predicted * route.chunk_chars, route.num_prompt_chars) / chars_per_token)
+        self.metrics.prefix_predicted_tokens.labels(model).inc(predicted_tokens)
+        if cached_tokens is None:  # a replica that does not say (vLLM without --enable-prompt-tokens-details)
             return
         # No more of a prompt is cached than the prompt: what the replica counted, else the gateway's count.
         cached_tokens = min(cached_tokens, route.estimated_prompt_tokens if prompt_tokens is None else prompt_tokens)
-        predicted = min(decision.predicted_match_chunks, len(route.prefix_hashes))
-        if route.hash_tokens:  # exact counts; the replica's events, not this response, keep the index right
-            predicted_tokens = route.estimated_prompt_tokens - route.uncached_tokens(predicted)
+        if route.hash_tokens:  # the replica's events, not this response, keep the index right
             self.tracker.blocks.tally(replica_id, predicted_tokens, cached_tokens)
         else:
-            chars_per_token = self.tracker.chars_per_token_of(model)
-            predicted_chars = min(predicted * route.chunk_chars, route.num_prompt_chars)
-            predicted_tokens = int(predicted_chars / chars_per_token)
             index = self.tracker.prefixes.get(replica_id)
             if index is not None:  # None: the replica was forgotten meanwhile
                 cached_before = index.caches()
                 index.correct(route.prefix_hashes, predicted, cached_tokens, chars_per_token)
                 if index.caches() != cached_before:
                     self._log_caching_judgement(replica_id, index)
-        self.metrics.prefix_predicted_tokens.labels(model).inc(predicted_tokens)
         self.metrics.prefix_realised_tokens.labels(model).inc(cached_tokens)
+        self.metrics.prefix_reported_prompt_tokens.labels(model).inc(route.estimated_prompt_tokens)
 
 
 class _EventStream(web.StreamResponse):

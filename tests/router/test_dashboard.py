@@ -46,8 +46,10 @@ def test_an_empty_histogram_has_no_quantile_and_bad_arguments_raise() -> None:
 
 def test_window_rates_come_from_the_difference_of_two_totals() -> None:
     older = ModelTotals(requests=10, prompt_tokens=1000, predicted_tokens=400, realised_tokens=300,
-                        ttft_bounds=(0.1, 1.0), ttft_counts=(5, 10, 10), decisions={"prefix_hit": 4})
+                        reported_prompt_tokens=1000, ttft_bounds=(0.1, 1.0), ttft_counts=(5, 10, 10),
+                        decisions={"prefix_hit": 4})
     newer = ModelTotals(requests=30, prompt_tokens=3000, predicted_tokens=1600, realised_tokens=1300,
+                        reported_prompt_tokens=3000,
                         ttft_bounds=(0.1, 1.0), ttft_counts=(5, 30, 30),
                         decisions={"prefix_hit": 14, "load_fallback": 10, "rendezvous": 0})
     stats = window_stats(older, newer, seconds=4.0)
@@ -68,8 +70,19 @@ def test_window_with_no_traffic_has_no_quantiles_or_hit_rates_and_resets_count_a
 
 
 def test_realised_hit_rate_is_capped_at_one_when_replicas_count_more_tokens_than_the_estimate() -> None:
-    stats = window_stats(ModelTotals(), ModelTotals(prompt_tokens=100, realised_tokens=130), seconds=1.0)
+    stats = window_stats(ModelTotals(), ModelTotals(prompt_tokens=100, realised_tokens=130, reported_prompt_tokens=100),
+                         seconds=1.0)
     assert stats.realised_hit_rate == 1.0
+
+
+def test_the_realised_hit_rate_counts_only_prompts_whose_responses_reported_cached_tokens() -> None:
+    """vLLM leaves out usage.prompt_tokens_details unless run with --enable-prompt-tokens-details: those
+    prompts are not 0% hits, they are unknown."""
+    silent = window_stats(ModelTotals(), ModelTotals(prompt_tokens=1000, predicted_tokens=600), seconds=1.0)
+    assert silent.predicted_hit_rate == pytest.approx(0.6) and silent.realised_hit_rate is None
+    half = window_stats(ModelTotals(), ModelTotals(prompt_tokens=1000, predicted_tokens=600, realised_tokens=250,
+                                                   reported_prompt_tokens=500), seconds=1.0)
+    assert half.realised_hit_rate == pytest.approx(0.5)  # 250 of the 500 that were reported on
 
 
 # ------------------------------------------------------------------------------------ the history
@@ -92,6 +105,7 @@ def _traffic(metrics: RouterMetrics, dash: Dashboard, n: int, ttft_s: float) -> 
         dash.note_request("a", 100)
     metrics.prefix_predicted_tokens.labels("a").inc(40 * n)
     metrics.prefix_realised_tokens.labels("a").inc(30 * n)
+    metrics.prefix_reported_prompt_tokens.labels("a").inc(100 * n)
 
 
 async def test_samples_on_a_fake_clock_give_one_point_per_interval_with_rates() -> None:

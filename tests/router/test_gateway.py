@@ -25,7 +25,9 @@ from router.openings import MIN_REQUESTS
 from router.prefix_index import CACHE_EVIDENCE_MIN
 from router.proxy import REPLICA_HEADER
 from tests.gateway_harness import eventually, running_gateway
-from tests.router.sim_gateway import FAST_SIM, LONG_PROMPT, OTHER_LONG_PROMPT, POOL, admin_replica, chat, drain_stream, gateway, hand_written_replica, write_registry
+from tests.router.sim_gateway import (
+    FAST_SIM, LONG_PROMPT, OTHER_LONG_PROMPT, POOL, admin_replica, answer_with_usage, chat, drain_stream, gateway,
+    hand_written_replica, write_registry)
 
 
 async def test_non_streamed_chat_passes_through_the_sdk(tmp_path: Path) -> None:
@@ -370,6 +372,31 @@ async def test_metrics_expose_the_router_series(tmp_path: Path) -> None:
         realised = next(line for line in text.splitlines()
                         if line.startswith('kvgate_router_prefix_realised_tokens_total{model="m"}'))
         assert float(realised.split()[-1]) > 0
+
+
+async def test_a_replica_that_does_not_report_cached_tokens_leaves_the_realised_rate_unknown_not_zero(
+        tmp_path: Path) -> None:
+    """vLLM leaves usage.prompt_tokens_details out unless run with --enable-prompt-tokens-details. The gateway
+    still counts what it predicted; it counts nothing as realised, and no prompt as reported on."""
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=answer_with_usage('{"prompt_tokens": 500, "completion_tokens": 1}'),
+                            content_type="application/json")
+
+    async with hand_written_replica(chat_completions=answer) as url:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
+            for _ in range(3):  # the second and third are predicted hits on the one replica
+                status, _, _ = await gw.post("/v1/chat/completions", json.dumps(chat(LONG_PROMPT)).encode())
+                assert status == 200
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                exported = await r.text()
+
+    def total(name: str) -> float:
+        lines = [line for line in exported.splitlines() if line.startswith(f'{name}_total{{model="m"}}')]
+        return float(lines[0].split()[-1]) if lines else 0.0
+    assert total("kvgate_router_prefix_predicted_tokens") > 500  # two prompts mostly predicted cached
+    assert total("kvgate_router_prefix_realised_tokens") == 0
+    assert total("kvgate_router_prefix_reported_prompt_tokens") == 0  # the realised rate's denominator
 
 
 async def test_a_replica_that_left_loses_its_metric_series_after_the_grace_period(tmp_path: Path) -> None:

@@ -96,7 +96,8 @@ async def test_a_stream_that_dies_mid_way_ends_with_an_error_event_then_done(tmp
         assert json.loads(events[2].removeprefix("data: "))["error"]["code"] == "stream_broken"
         assert events[3] == "data: [DONE]"
         with pytest.raises(openai.APIError):  # the SDK surfaces it instead of hanging
-            await asyncio.wait_for(drain_stream(await gw.client.chat.completions.create(**chat("die"), stream=True)), 5.0)
+            stream = await gw.client.chat.completions.create(**chat("die"), stream=True)
+            await asyncio.wait_for(drain_stream(stream), 5.0)
 
 
 async def test_a_stalled_replica_is_left_after_the_first_byte_timeout(tmp_path: Path) -> None:
