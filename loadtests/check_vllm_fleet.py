@@ -9,7 +9,8 @@ streamed request with `stream_options.include_usage`. It reports:
 - what the gateway read from each server's /metrics (KV blocks and block size from
   `vllm:cache_config_info`, prefix caching on or off), from /admin/stats;
 - affinity: the share of repeated system prompts sent to the replica that served the first;
-- the cached tokens vLLM reported on repeats, and the dashboard's predicted and realised hit rates.
+- the cached tokens vLLM reported on repeats, and the gateway's predicted and realised prefix-hit rates over
+  the whole run (its `kvgate_router_prefix_*_total` counters).
 
 vLLM puts `usage.prompt_tokens_details.cached_tokens` in responses only with
 `--enable-prompt-tokens-details`; `--no-prompt-tokens-details` runs the servers as vLLM's defaults do,
@@ -24,8 +25,10 @@ Prints a summary and writes JSON to loadtests/.work/check_vllm_fleet.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,8 +58,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
         except OSError:
             if proc.poll() is not None:
                 raise SystemExit(f"{url} exited with {proc.returncode}; its log: {log}") from None
@@ -76,6 +79,15 @@ def start_vllm(python: Path, model_dir: Path, port: int, core: int, details: boo
     return proc, log
 
 
+def counter_totals(metrics_text: str) -> dict[str, float]:
+    """The gateway's kvgate_router_prefix_*_total counters for MODEL, by name without the prefix."""
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("kvgate_router_prefix_") and f'{{model="{MODEL}"}}' in line and "_total" in line:
+            out[line.split("{")[0].removeprefix("kvgate_router_prefix_")] = float(line.split()[-1])
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--servers", type=int, default=2, help="vLLM servers (default: 2)")
@@ -92,6 +104,7 @@ def main() -> int:
     python = vllm_python(WORK)
     details = not args.no_prompt_tokens_details
     procs: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the servers
     try:
         urls = []
         for i in range(args.servers):
@@ -136,11 +149,13 @@ def main() -> int:
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as response:
             events = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
-        time.sleep(2.5)  # a dashboard sample after the traffic
         stats, _ = get_json(gateway + "/admin/stats")
+        with urllib.request.urlopen(gateway + "/metrics", timeout=30) as response:
+            totals = counter_totals(response.read().decode())
     finally:
-        for proc in procs:
-            stop_process_group(proc)
+        for proc in reversed(procs):  # the router first, then every server whatever happens to one
+            with contextlib.suppress(Exception):
+                stop_process_group(proc)
 
     first = {r["prompt"]: r["replica"] for r in rows if r["round"] == 0}
     repeats = [r for r in rows if r["round"] > 0]
@@ -149,17 +164,22 @@ def main() -> int:
     model = stats["models"][MODEL]
     replicas = [{k: r[k] for k in ("replica_id", "healthy", "kv_blocks_total", "prefix_caching",
                                    "prefix_capacity_chunks", "outcomes")} for r in model["replicas"]]
+    stream_usage = [json.loads(e.removeprefix("data: ")).get("usage") for e in events if e != "data: [DONE]"]
+    stream_prompt = next((u["prompt_tokens"] for u in stream_usage if u), 0)
+    prompt = sum(r["prompt_tokens"] or 0 for r in rows) + stream_prompt  # every answer the counters saw
+    reported = totals.get("reported_prompt_tokens_total", 0.0)
+    rates = {"predicted_hit_rate": totals.get("predicted_tokens_total", 0.0) / prompt if prompt else None,
+             "realised_hit_rate": totals.get("realised_tokens_total", 0.0) / reported if reported else None}
     result = {"servers": args.servers, "prompt_tokens_details": details, "requests": rows,
               "repeats_to_first_replica": f"{same} of {len(repeats)}", "repeat_cached_tokens": cached,
-              "stream_events": len(events), "stream_ends_with_done": events[-1] == "data: [DONE]",
-              "replicas": replicas, "window": model.get("window")}
+              "stream_events": len(events), "stream_ends_with_done": bool(events) and events[-1] == "data: [DONE]",
+              "replicas": replicas, "gateway_counters": totals, **rates}
     print(f"replicas as the gateway reads them: {json.dumps(replicas)}")
     print(f"repeated system prompts to the replica that served the first: {same} of {len(repeats)}")
     print(f"cached tokens vLLM reported on repeats: {cached}")
     print(f"streamed: {len(events)} events, ending with [DONE]: {result['stream_ends_with_done']}")
-    window = model.get("window") or {}
-    print(f"dashboard window: predicted hit rate {window.get('predicted_hit_rate')}, "
-          f"realised {window.get('realised_hit_rate')}")
+    print(f"the gateway's prefix-hit rates over the {len(rows) + 1} requests: predicted "
+          f"{rates['predicted_hit_rate']}, realised {rates['realised_hit_rate']} (None: no response said)")
     Path(args.out).write_text(json.dumps(result, indent=2))
     print("wrote", args.out)
     return 0

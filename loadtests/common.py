@@ -3,6 +3,7 @@ percentiles."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -38,14 +39,17 @@ def free_port() -> int:
 
 
 def stop_process_group(proc: subprocess.Popen) -> None:
-    """SIGINT to the process group of a server started with start_new_session=True, SIGKILL after 10 s."""
+    """SIGINT to the process group of a server started with start_new_session=True, SIGKILL after 10 s. A group
+    whose leader has exited gets SIGKILL, for the children it may have left (vLLM's engine core)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def vllm_python(work: Path) -> Path:

@@ -64,7 +64,8 @@ class RouterMetrics:
         # realised over this, never over prompts whose responses said nothing.
         self.prefix_reported_prompt_tokens = Counter(
             "kvgate_router_prefix_reported_prompt_tokens",
-            "Prompt tokens (estimate) of the responses that reported cached_tokens.", ["model"], registry=r)
+            "Prompt tokens of the responses that reported cached_tokens (theirs, else the gateway's estimate).",
+            ["model"], registry=r)
         self.in_flight = Gauge("kvgate_router_in_flight", "Requests between arrival and response end.",
                                ["model"], registry=r)
         self.queue_depth = Gauge("kvgate_router_queue_depth", "Requests waiting for a replica of the model.",

@@ -393,7 +393,8 @@ class Proxy:
                 if index.caches() != cached_before:
                     self._log_caching_judgement(replica_id, index)
         self.metrics.prefix_realised_tokens.labels(model).inc(cached_tokens)
-        self.metrics.prefix_reported_prompt_tokens.labels(model).inc(route.estimated_prompt_tokens)
+        self.metrics.prefix_reported_prompt_tokens.labels(model).inc(
+            route.estimated_prompt_tokens if prompt_tokens is None else prompt_tokens)
 
 
 class _EventStream(web.StreamResponse):

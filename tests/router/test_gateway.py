@@ -397,6 +397,7 @@ async def test_a_replica_that_does_not_report_cached_tokens_leaves_the_realised_
     assert total("kvgate_router_prefix_predicted_tokens") > 500  # two prompts mostly predicted cached
     assert total("kvgate_router_prefix_realised_tokens") == 0
     assert total("kvgate_router_prefix_reported_prompt_tokens") == 0  # the realised rate's denominator
+    assert "# TYPE kvgate_router_prefix_reported_prompt_tokens_total counter" in exported  # registered
 
 
 async def test_a_replica_that_left_loses_its_metric_series_after_the_grace_period(tmp_path: Path) -> None:
