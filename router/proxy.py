@@ -39,7 +39,7 @@ from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.view import ReplicaView
 
 if TYPE_CHECKING:
-    from router.replicas import AttemptLease
+    from router.tracked_replica import AttemptLease
 
 log = logging.getLogger(__name__)
 

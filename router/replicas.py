@@ -1,9 +1,9 @@
 """The gateway's live view of replicas: who exists, who is healthy, how loaded each one is.
 
-    registry static_replicas ─┐                    ┌─ kvgate backend: gRPC WatchState stream (sources.py)
-    store.list_members() ─────┼─> _Tracked records ┼─ vllm / sglang / member w/o gRPC: GET /metrics
-       (every poll_interval_s)│   (one per replica)└─ every replica: GET /health every health_interval_s
-    gateway attempts/reports ─┘
+    registry static_replicas ─┐                           ┌─ kvgate backend: gRPC WatchState stream (sources.py)
+    store.list_members() ─────┼─> TrackedReplica records ─┼─ vllm / sglang / member w/o gRPC: GET /metrics
+       (every poll_interval_s)│   (one per replica,       └─ every replica: GET /health every health_interval_s
+    gateway attempts/reports ─┘    tracked_replica.py)
                                         └──> view(model): frozen ReplicaStates for the policies
 
 Replica ids: a static replica's id is its URL; a member's id is its membership record's replica_id.
@@ -36,7 +36,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -45,13 +44,14 @@ from kvgate.state.base import MemberRecord, StateStore
 from kvgate.state.base import ReplicaState as MemberState
 from registry.schema import Backend
 from registry.snapshot import Snapshot
-from router.block_index import BlockIndex, BlockIndexes
+from router.block_index import BlockIndexes
 from router.engine_tokenizers import EngineTokenizers, KvChain
 from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
 from router.sources import LoadReport, parse_metrics, replica_url, watch_stream
+from router.tracked_replica import AttemptLease, TrackedReplica
 from router.upstream import header_safe
-from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView
+from router.view import InFlightChains, ReplicaView
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +60,6 @@ DEFAULT_BLOCK_SIZE_TOKENS = 16
 # (~6 s at the default 2 s interval): one slow check, under load, must not drop a replica nothing re-adds.
 UNLISTED_DROP_AFTER_CHECKS = 3
 REPLICA_STATES = ("ready", "unlisted", "starting", "draining", "unhealthy")  # replica_counts()
-
-
-def _auth_headers(tracked: _Tracked) -> dict[str, str] | None:
-    return {"Authorization": tracked.authorization} if tracked.authorization else None
 
 
 def bearer_from_env(variable: str, url: str, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -75,120 +71,6 @@ def bearer_from_env(variable: str, url: str, environ: Mapping[str, str] = os.env
                     "is not set" if not key else "does not hold a printable ASCII key")
         return None
     return f"Bearer {key}"
-
-
-@dataclass
-class _Tracked:
-    """Mutable record of one replica; lives only inside the tracker."""
-
-    replica_id: str
-    model: str
-    url: str
-    backend: Backend
-    grpc_target: str | None
-    member_state: MemberState | None  # None: a static replica from the registry
-    block_size_tokens: int
-    max_loaded_adapters: int
-    prefix_chunk_chars: int  # the model's routing.prefix_chunk_chars: the cut its prefix index counts in
-    load: LoadReport = field(default_factory=LoadReport)
-    in_flight: int = 0
-    pending_prefill_tokens: int = 0  # see ReplicaState.pending_prefill_tokens
-    # Requests this gateway finished there since the last load report: that report still counts them
-    # (an engine sends a snapshot at most every ~50 ms), so they come off its waiting + running until
-    # the next one. Without it, sequential requests see a phantom load of 1 on the replica that just
-    # served them and the load bound pushes a prefix hit elsewhere.
-    num_ended_since_report: int = 0
-    authorization: str | None = None  # the Authorization header value the replica asks of its clients
-    health_ok: bool = True  # optimistic until the first check, so a READY member is routable at once
-    consecutive_failures: int = 0
-    failed_checks: int = 0  # health checks failed in a row
-    ejected_until: float | None = None  # set while ejected; cleared by a passing probe after it
-    unlisted_since: float | None = None  # a READY member missing from the membership list since (clock)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    # The ReplicaState last built, until a field changes (__setattr__ drops it): every request's view
-    # reads each replica of its model, and all but the one or two it touched are as they were. At 64
-    # replicas, building them all anew took 230 us per request (docs/benchmarks.md).
-    _state: ReplicaState | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        object.__setattr__(self, name, value)
-        if name != "_state":
-            object.__setattr__(self, "_state", None)
-
-    @property
-    def source_key(self) -> tuple[str, Backend, str | None]:
-        """What the readers were started for; a change restarts them."""
-        return (self.url, self.backend, self.grpc_target)
-
-    @property
-    def healthy(self) -> bool:
-        return (self.health_ok and self.ejected_until is None
-                and self.member_state in (None, MemberState.READY, MemberState.DRAINING))
-
-    @property
-    def draining(self) -> bool:
-        return self.load.draining or self.member_state is MemberState.DRAINING
-
-    @property
-    def accepts_requests(self) -> bool:
-        """`state().accepts_requests` without building the state (asked per request by `kv_chain`)."""
-        return self.healthy and not self.draining
-
-    def state(self) -> ReplicaState:
-        if self._state is None:
-            self._state = self._build_state()
-        return self._state
-
-    def _build_state(self) -> ReplicaState:
-        healthy, draining = self.healthy, self.draining
-        ended = self.num_ended_since_report
-        num_running = max(self.load.num_running - ended, 0)  # what ended was running, or else waiting
-        num_waiting = max(self.load.num_waiting - max(ended - self.load.num_running, 0), 0)
-        return ReplicaState(
-            replica_id=self.replica_id, url=self.url, model=self.model, healthy=healthy, draining=draining,
-            in_flight=self.in_flight, num_waiting=num_waiting, num_running=num_running,
-            pending_prefill_tokens=self.pending_prefill_tokens,
-            kv_blocks_free=self.load.kv_blocks_free, kv_blocks_total=self.load.kv_blocks_total,
-            block_size_tokens=self.load.block_size_tokens or self.block_size_tokens,
-            adapters_loaded=self.load.adapters_loaded, max_loaded_adapters=self.max_loaded_adapters)
-
-
-class AttemptLease:
-    """What one attempt counts at its replica (`ReplicaTracker.start_attempt`), taken off once each.
-
-    It holds the replica's record and indexes as they were when the attempt started, not its id: when
-    the replica is re-registered under the same id meanwhile (a member restarted on a new port, a
-    static replica's backend changed), the new record starts from zero and this attempt's end takes
-    nothing from the requests counted there since."""
-
-    def __init__(self, tracked: _Tracked | None, chains: ChainHold | None, blocks: BlockIndex | None,
-                 prefix_hashes: tuple[int, ...], prefill_tokens: int) -> None:
-        self._tracked, self._chains, self._blocks = tracked, chains, blocks
-        self._hashes, self._prefill_tokens = prefix_hashes, prefill_tokens
-        self._prefilled = self._ended = False
-
-    def prefilled(self) -> None:
-        """The first token came (or the attempt ended without one): its prompt no longer waits."""
-        if self._prefilled:
-            return
-        self._prefilled = True
-        if self._tracked is not None:
-            self._tracked.pending_prefill_tokens = max(0, self._tracked.pending_prefill_tokens - self._prefill_tokens)
-
-    def end(self) -> None:
-        """The attempt is over: no longer in flight, its chain no longer shared there, and its predicted
-        blocks retire at the replica's second report from now (block_index)."""
-        if self._ended:
-            return
-        self._ended = True
-        self.prefilled()
-        if self._tracked is not None:
-            self._tracked.in_flight = max(0, self._tracked.in_flight - 1)
-            self._tracked.num_ended_since_report += 1
-        if self._chains is not None:
-            self._chains.release()
-        if self._blocks is not None:
-            self._blocks.retire(self._hashes)
 
 
 class ReplicaTracker:
@@ -216,8 +98,8 @@ class ReplicaTracker:
         self.in_flight_chains = InFlightChains()  # the prefix chains of requests in flight, per replica
         self.tokenizers = EngineTokenizers(clock, self._engines_of, self._source_of)  # per model: its KvChain
         self._chars_per_token: dict[str, CharsPerToken] = {}  # per model, learnt from responses
-        self._replicas: dict[str, _Tracked] = {}
-        self._sorted_by_model: dict[str, tuple[_Tracked, ...]] = {}  # cleared when a replica comes or goes
+        self._replicas: dict[str, TrackedReplica] = {}
+        self._sorted_by_model: dict[str, tuple[TrackedReplica, ...]] = {}  # cleared when a replica comes or goes
         self._snapshot: Snapshot | None = None
         self._started = False
         self._closed = False
@@ -284,7 +166,7 @@ class ReplicaTracker:
         return ReplicaView(tuple(r.state() for r in self._of_model(model)), self.blocks if blocks else self.prefixes,
                            self.in_flight_chains)
 
-    def _of_model(self, model: str) -> tuple[_Tracked, ...]:
+    def _of_model(self, model: str) -> tuple[TrackedReplica, ...]:
         """The records of `model`'s replicas, sorted by id as ReplicaView wants them."""
         records = self._sorted_by_model.get(model)
         if records is None:
@@ -415,7 +297,7 @@ class ReplicaTracker:
         return (doc.spec.engine.block_size_tokens, doc.spec.engine.max_loaded_adapters,
                 doc.spec.routing.prefix_chunk_chars)
 
-    def _ensure_index(self, tracked: _Tracked) -> None:
+    def _ensure_index(self, tracked: TrackedReplica) -> None:
         """Create or resize the replica's prefix index to its KV capacity in its model's chunks (none for a
         server that says it keeps no prefix cache)."""
         self.prefixes.ensure(tracked.replica_id, tracked.load.kv_blocks_total,
@@ -438,7 +320,7 @@ class ReplicaTracker:
         if tracked is not None:
             self._drop(replica_id)
         block_size, max_adapters, chunk_chars = self._model_knobs(model)
-        tracked = _Tracked(replica_id, model, url.rstrip("/"), backend, grpc_target, member_state,
+        tracked = TrackedReplica(replica_id, model, url.rstrip("/"), backend, grpc_target, member_state,
                            block_size, max_adapters, chunk_chars)
         self._replicas[replica_id] = tracked
         self._sorted_by_model.clear()
@@ -458,7 +340,7 @@ class ReplicaTracker:
         self.in_flight_chains.forget_replica(replica_id)
         self._notify()
 
-    def _start_readers(self, tracked: _Tracked) -> None:
+    def _start_readers(self, tracked: TrackedReplica) -> None:
         rid = tracked.replica_id
         if tracked.grpc_target:
             tracked.tasks.append(asyncio.create_task(watch_stream(
@@ -503,7 +385,7 @@ class ReplicaTracker:
             if tracked.member_state is not None and replica_id not in seen:
                 self._unlisted(tracked)
 
-    def _unlisted(self, tracked: _Tracked) -> None:
+    def _unlisted(self, tracked: TrackedReplica) -> None:
         """A member missing from the membership list: kept while it was READY, is not draining, has not failed
         UNLISTED_DROP_AFTER_CHECKS health checks in a row and `member_grace_s` has not run out since it went
         missing; dropped otherwise (module docstring)."""
@@ -595,12 +477,12 @@ class ReplicaTracker:
         doc = self._snapshot.models.get(model) if self._snapshot is not None else None
         return doc.spec.source if doc is not None else ""
 
-    async def _scrape_loop(self, tracked: _Tracked) -> None:
+    async def _scrape_loop(self, tracked: TrackedReplica) -> None:
         while True:
             try:
                 url = replica_url(tracked.url, "/metrics")
                 async with self._http_session().get(url, timeout=self._timeout(),
-                                                     headers=_auth_headers(tracked)) as response:
+                                                     headers=tracked.auth_headers()) as response:
                     text = await response.text() if response.status == 200 else None
                 if text is not None:
                     self._apply_load(tracked.replica_id, parse_metrics(text))
@@ -610,12 +492,12 @@ class ReplicaTracker:
                 log.debug("scrape %s/metrics failed: %r", tracked.url, exc)
             await self._clock.sleep(self._poll_interval_s)
 
-    async def _health_loop(self, tracked: _Tracked) -> None:
+    async def _health_loop(self, tracked: TrackedReplica) -> None:
         while True:
             try:
                 url = replica_url(tracked.url, "/health")
                 async with self._http_session().get(url, timeout=self._timeout(),
-                                                     headers=_auth_headers(tracked)) as response:
+                                                     headers=tracked.auth_headers()) as response:
                     ok = response.status == 200
             except asyncio.CancelledError:
                 raise

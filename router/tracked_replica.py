@@ -1,0 +1,132 @@
+"""One replica as the gateway tracks it (`TrackedReplica`), and what one attempt counts there until it ends
+(`AttemptLease`). `router.replicas.ReplicaTracker` keeps the records; the view policies read is their
+frozen `ReplicaState`."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from kvgate.state.base import ReplicaState as MemberState
+from registry.schema import Backend
+from router.block_index import BlockIndex
+from router.sources import LoadReport
+from router.view import ChainHold, ReplicaState
+
+
+@dataclass
+class TrackedReplica:
+    """Mutable record of one replica; only `ReplicaTracker` changes it (and an attempt's `AttemptLease`)."""
+
+    replica_id: str
+    model: str
+    url: str
+    backend: Backend
+    grpc_target: str | None
+    member_state: MemberState | None  # None: a static replica from the registry
+    block_size_tokens: int
+    max_loaded_adapters: int
+    prefix_chunk_chars: int  # the model's routing.prefix_chunk_chars: the cut its prefix index counts in
+    load: LoadReport = field(default_factory=LoadReport)
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0  # see ReplicaState.pending_prefill_tokens
+    # Requests this gateway finished there since the last load report: that report still counts them
+    # (an engine sends a snapshot at most every ~50 ms), so they come off its waiting + running until
+    # the next one. Without it, sequential requests see a phantom load of 1 on the replica that just
+    # served them and the load bound pushes a prefix hit elsewhere.
+    num_ended_since_report: int = 0
+    authorization: str | None = None  # the Authorization header value the replica asks of its clients
+    health_ok: bool = True  # optimistic until the first check, so a READY member is routable at once
+    consecutive_failures: int = 0
+    failed_checks: int = 0  # health checks failed in a row
+    ejected_until: float | None = None  # set while ejected; cleared by a passing probe after it
+    unlisted_since: float | None = None  # a READY member missing from the membership list since (clock)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # The ReplicaState last built, until a field changes (__setattr__ drops it): every request's view
+    # reads each replica of its model, and all but the one or two it touched are as they were. At 64
+    # replicas, building them all anew took 230 us per request (docs/benchmarks.md).
+    _state: ReplicaState | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name != "_state":
+            object.__setattr__(self, "_state", None)
+
+    @property
+    def source_key(self) -> tuple[str, Backend, str | None]:
+        """What the readers were started for; a change restarts them."""
+        return (self.url, self.backend, self.grpc_target)
+
+    @property
+    def healthy(self) -> bool:
+        return (self.health_ok and self.ejected_until is None
+                and self.member_state in (None, MemberState.READY, MemberState.DRAINING))
+
+    @property
+    def draining(self) -> bool:
+        return self.load.draining or self.member_state is MemberState.DRAINING
+
+    @property
+    def accepts_requests(self) -> bool:
+        """`state().accepts_requests` without building the state (asked per request by `kv_chain`)."""
+        return self.healthy and not self.draining
+
+    def auth_headers(self) -> dict[str, str] | None:
+        """The headers its health checks and scrapes send: its Authorization, if it asks for one."""
+        return {"Authorization": self.authorization} if self.authorization else None
+
+    def state(self) -> ReplicaState:
+        if self._state is None:
+            self._state = self._build_state()
+        return self._state
+
+    def _build_state(self) -> ReplicaState:
+        healthy, draining = self.healthy, self.draining
+        ended = self.num_ended_since_report
+        num_running = max(self.load.num_running - ended, 0)  # what ended was running, or else waiting
+        num_waiting = max(self.load.num_waiting - max(ended - self.load.num_running, 0), 0)
+        return ReplicaState(
+            replica_id=self.replica_id, url=self.url, model=self.model, healthy=healthy, draining=draining,
+            in_flight=self.in_flight, num_waiting=num_waiting, num_running=num_running,
+            pending_prefill_tokens=self.pending_prefill_tokens,
+            kv_blocks_free=self.load.kv_blocks_free, kv_blocks_total=self.load.kv_blocks_total,
+            block_size_tokens=self.load.block_size_tokens or self.block_size_tokens,
+            adapters_loaded=self.load.adapters_loaded, max_loaded_adapters=self.max_loaded_adapters)
+
+
+class AttemptLease:
+    """What one attempt counts at its replica (`ReplicaTracker.start_attempt`), taken off once each.
+
+    It holds the replica's record and indexes as they were when the attempt started, not its id: when
+    the replica is re-registered under the same id meanwhile (a member restarted on a new port, a
+    static replica's backend changed), the new record starts from zero and this attempt's end takes
+    nothing from the requests counted there since."""
+
+    def __init__(self, tracked: TrackedReplica | None, chains: ChainHold | None, blocks: BlockIndex | None,
+                 prefix_hashes: tuple[int, ...], prefill_tokens: int) -> None:
+        self._tracked, self._chains, self._blocks = tracked, chains, blocks
+        self._hashes, self._prefill_tokens = prefix_hashes, prefill_tokens
+        self._prefilled = self._ended = False
+
+    def prefilled(self) -> None:
+        """The first token came (or the attempt ended without one): its prompt no longer waits."""
+        if self._prefilled:
+            return
+        self._prefilled = True
+        if self._tracked is not None:
+            self._tracked.pending_prefill_tokens = max(0, self._tracked.pending_prefill_tokens - self._prefill_tokens)
+
+    def end(self) -> None:
+        """The attempt is over: no longer in flight, its chain no longer shared there, and its predicted
+        blocks retire at the replica's second report from now (block_index)."""
+        if self._ended:
+            return
+        self._ended = True
+        self.prefilled()
+        if self._tracked is not None:
+            self._tracked.in_flight = max(0, self._tracked.in_flight - 1)
+            self._tracked.num_ended_since_report += 1
+        if self._chains is not None:
+            self._chains.release()
+        if self._blocks is not None:
+            self._blocks.retire(self._hashes)
