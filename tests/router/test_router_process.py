@@ -133,7 +133,11 @@ async def test_replicas_keep_serving_when_their_membership_lapses_or_redis_goes_
                          log_path=log_path):
                 await store.put_member(MemberRecord(replica_id="m-1", model="m", url=sim.url,
                                                     state=MemberState.READY), ttl_s=3.0)
-                assert (await chat(url))[0] == 200  # a request waits (up to 1 s) for the first membership poll
+                deadline = time.monotonic() + 10
+                while not (await http_get(url + "/admin/stats"))[1]["models"]["m"]["replicas"]:
+                    assert time.monotonic() < deadline, "the member never showed up"
+                    await asyncio.sleep(0.1)  # the gateway polls the store every second
+                assert (await chat(url))[0] == 200
                 deadline = time.monotonic() + 10
                 while await store.list_members():  # the record lapses: nobody renews it
                     assert time.monotonic() < deadline
