@@ -49,7 +49,7 @@ from router.engine_tokenizers import EngineTokenizers, KvChain
 from router.features import CharsPerToken
 from router.prefix_index import PrefixIndexes
 from router.sources import LoadReport, parse_metrics, replica_url, watch_stream
-from router.tracked_replica import AttemptLease, TrackedReplica
+from router.tracked_replica import REPLICA_STATES, AttemptLease, TrackedReplica
 from router.upstream import header_safe
 from router.view import InFlightChains, ReplicaView
 
@@ -59,7 +59,6 @@ DEFAULT_BLOCK_SIZE_TOKENS = 16
 # A member kept after its membership record lapsed is dropped after this many failed health checks in a row
 # (~6 s at the default 2 s interval): one slow check, under load, must not drop a replica nothing re-adds.
 UNLISTED_DROP_AFTER_CHECKS = 3
-REPLICA_STATES = ("ready", "unlisted", "starting", "draining", "unhealthy")  # replica_counts()
 
 
 def bearer_from_env(variable: str, url: str, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -392,38 +391,30 @@ class ReplicaTracker:
         now = self._clock.now()
         keep = (tracked.member_state is MemberState.READY and not tracked.draining
                 and tracked.failed_checks < UNLISTED_DROP_AFTER_CHECKS)
-        if tracked.unlisted_since is None:
-            if keep and self._member_grace_s > 0:
-                tracked.unlisted_since = now
-                log.warning("replica %s left the membership list while serving; routing to it while its health "
-                            "checks pass, for up to %.0f s", tracked.replica_id, self._member_grace_s)
-                return
-        elif keep and now - tracked.unlisted_since < self._member_grace_s:
+        since = tracked.unlisted_since
+        if since is None and keep and self._member_grace_s > 0:
+            tracked.unlisted_since = now
+            log.warning("replica %s left the membership list while serving; routing to it while its health "
+                        "checks pass, for up to %.0f s", tracked.replica_id, self._member_grace_s)
             return
-        else:
+        if since is not None and keep and now - since < self._member_grace_s:
+            return
+        if since is not None:
             why = "grace over" if keep else "draining" if tracked.draining else (
                 f"{tracked.failed_checks} failed health checks in a row")
             log.warning("replica %s dropped %.1f s after it left the membership list (%s)", tracked.replica_id,
-                        now - tracked.unlisted_since, why)
+                        now - since, why)
         self._drop(tracked.replica_id)
 
     def replica_counts(self) -> dict[tuple[str, str], int]:
-        """(model, state) -> replicas, for `kvgate_router_replicas`. One state each: "starting" (a member
-        not yet READY), "draining", "unhealthy" (failing health checks, or ejected), "unlisted" (routable,
-        though its membership record lapsed) or "ready". Every registry model has every state, 0 included,
-        so that an alert on ready == 0 finds a series when it matters."""
+        """(model, state) -> replicas, for `kvgate_router_replicas`, one state each (`routing_state`). Every
+        registry model has every state, 0 included, so that an alert on ready == 0 finds a series when it
+        matters."""
         models = set(self._snapshot.models) if self._snapshot is not None else set()
         counts = {(model, state): 0 for model in models for state in REPLICA_STATES}
         for tracked in self._replicas.values():
-            if tracked.member_state is MemberState.STARTING:
-                state = "starting"
-            elif tracked.draining:
-                state = "draining"
-            elif not tracked.healthy:
-                state = "unhealthy"
-            else:
-                state = "ready" if tracked.unlisted_since is None else "unlisted"
-            counts[(tracked.model, state)] = counts.get((tracked.model, state), 0) + 1
+            key = (tracked.model, tracked.routing_state)
+            counts[key] = counts.get(key, 0) + 1
         return counts
 
     def unlisted_for_s(self, replica_id: str) -> float | None:
@@ -512,7 +503,6 @@ class ReplicaTracker:
         if tracked is None:
             return
         before = tracked.accepts_requests
-        tracked.health_ok = ok
         tracked.failed_checks = 0 if ok else tracked.failed_checks + 1
         if ok and tracked.ejected_until is not None and self._clock.now() >= tracked.ejected_until:
             log.info("replica %s passed its probe after ejection", replica_id)

@@ -13,6 +13,8 @@ from router.block_index import BlockIndex
 from router.sources import LoadReport
 from router.view import ChainHold, ReplicaState
 
+REPLICA_STATES = ("ready", "unlisted", "starting", "draining", "unhealthy")  # TrackedReplica.routing_state
+
 
 @dataclass
 class TrackedReplica:
@@ -36,9 +38,8 @@ class TrackedReplica:
     # served them and the load bound pushes a prefix hit elsewhere.
     num_ended_since_report: int = 0
     authorization: str | None = None  # the Authorization header value the replica asks of its clients
-    health_ok: bool = True  # optimistic until the first check, so a READY member is routable at once
     consecutive_failures: int = 0
-    failed_checks: int = 0  # health checks failed in a row
+    failed_checks: int = 0  # health checks failed in a row; 0 until the first, so a READY member is routable at once
     ejected_until: float | None = None  # set while ejected; cleared by a passing probe after it
     unlisted_since: float | None = None  # a READY member missing from the membership list since (clock)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -58,6 +59,11 @@ class TrackedReplica:
         return (self.url, self.backend, self.grpc_target)
 
     @property
+    def health_ok(self) -> bool:
+        """Its last health check passed (or none has run yet)."""
+        return self.failed_checks == 0
+
+    @property
     def healthy(self) -> bool:
         return (self.health_ok and self.ejected_until is None
                 and self.member_state in (None, MemberState.READY, MemberState.DRAINING))
@@ -70,6 +76,19 @@ class TrackedReplica:
     def accepts_requests(self) -> bool:
         """`state().accepts_requests` without building the state (asked per request by `kv_chain`)."""
         return self.healthy and not self.draining
+
+    @property
+    def routing_state(self) -> str:
+        """One of REPLICA_STATES, for `kvgate_router_replicas`: "starting" (a member not yet READY), "draining",
+        "unhealthy" (failing health checks, or ejected), "unlisted" (routable, though its membership record
+        lapsed) or "ready"."""
+        if self.member_state is MemberState.STARTING:
+            return "starting"
+        if self.draining:
+            return "draining"
+        if not self.healthy:
+            return "unhealthy"
+        return "ready" if self.unlisted_since is None else "unlisted"
 
     def auth_headers(self) -> dict[str, str] | None:
         """The headers its health checks and scrapes send: its Authorization, if it asks for one."""

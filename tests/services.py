@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,6 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+
+def kvgate_command() -> list[str]:
+    """The `kvgate` command of the interpreter running the tests (its venv's script, else `-m kvgate.cli`)."""
+    script = Path(sys.executable).with_name("kvgate")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvgate.cli"]
 
 
 def free_loopback_port() -> int:

@@ -17,26 +17,7 @@ from autoscaler.loop import Autoscaler, AutoscalerSettings, FixedSnapshot, provi
 from kvgate.clock import RealClock
 from kvgate.state import MemoryStateStore
 from registry import load_registry
-
-REGISTRY = """\
-apiVersion: kvgate/v1
-kind: Model
-metadata: {{name: tiny-llama}}
-spec:
-  source: builtin:tiny-llama
-  engine: {{max_model_len_tokens: 512, kv_cache_bytes: 32MiB}}
-  scaling: {{min_replicas: 1, max_replicas: 1}}
----
-apiVersion: kvgate/v1
-kind: Pool
-metadata: {{name: local}}
-spec:
-  provider: local
-  max_nodes: 1
-  node_boot_s: 0
-  offers: [{{instance_type: local-slot, gpu_kind: cpu, gpu_count: 0, price_usd_per_hour: 0}}]
-  local: {{host: 127.0.0.1, work_dir: "{work_dir}"}}
-"""
+from tests.registry_docs import local_pool, tiny_llama
 
 
 async def ready_members(store: MemoryStateStore, timeout_s: float) -> list:
@@ -51,7 +32,7 @@ async def ready_members(store: MemoryStateStore, timeout_s: float) -> list:
 
 async def test_a_restarted_autoscaler_adopts_the_running_local_replica(tmp_path: Path) -> None:
     (tmp_path / "registry").mkdir()
-    (tmp_path / "registry" / "r.yaml").write_text(REGISTRY.format(work_dir=tmp_path / "work"))
+    (tmp_path / "registry" / "r.yaml").write_text(tiny_llama() + local_pool(tmp_path / "work"))
     snapshot = FixedSnapshot(load_registry(tmp_path / "registry"))
     clock = RealClock()
     store = MemoryStateStore(clock)

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -24,32 +23,12 @@ import aiohttp
 
 from kvgate.clock import RealClock
 from kvgate.state import RedisStateStore
-from tests.services import free_loopback_port, http_answers, running
-
-REGISTRY = """\
-apiVersion: kvgate/v1
-kind: Model
-metadata: {{name: tiny-llama}}
-spec:
-  source: builtin:tiny-llama
-  engine: {{max_model_len_tokens: 512, kv_cache_bytes: 32MiB}}
-  scaling: {{min_replicas: 1, max_replicas: 1, max_queue_wait_s: 5}}
----
-apiVersion: kvgate/v1
-kind: Pool
-metadata: {{name: local}}
-spec:
-  provider: local
-  max_nodes: 1
-  node_boot_s: 0
-  offers: [{{instance_type: local-slot, gpu_kind: cpu, gpu_count: 0, price_usd_per_hour: 0}}]
-  local: {{host: 127.0.0.1, work_dir: "{work_dir}"}}
-"""
+from tests.registry_docs import local_pool, tiny_llama
+from tests.services import free_loopback_port, http_answers, kvgate_command, running
 
 
 def kvgate(*args: str) -> list[str]:
-    script = Path(sys.executable).with_name("kvgate")
-    return [str(script), *args] if script.exists() else [sys.executable, "-m", "kvgate.cli", *args]
+    return [*kvgate_command(), *args]
 
 
 async def chat(session: aiohttp.ClientSession, url: str) -> int:
@@ -69,7 +48,8 @@ async def until(condition, timeout_s: float, what: str) -> None:
 async def test_a_killed_autoscaler_costs_no_request_while_its_replica_runs(tmp_path: Path, redis_url: str) -> None:
     work_dir = tmp_path / "work"
     (tmp_path / "registry").mkdir()
-    (tmp_path / "registry" / "r.yaml").write_text(REGISTRY.format(work_dir=work_dir))
+    registry = tiny_llama("min_replicas: 1, max_replicas: 1, max_queue_wait_s: 5") + local_pool(work_dir)
+    (tmp_path / "registry" / "r.yaml").write_text(registry)
     prefix = f"outage-{uuid.uuid4().hex[:8]}:"
     state = ["--state", redis_url, "--key-prefix", prefix]
     autoscale = kvgate("autoscaler", "--registry", str(tmp_path / "registry"), *state, "--cluster", "outage",

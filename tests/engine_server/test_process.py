@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +20,7 @@ import pytest
 
 from engine.builtin import CACHE_DIR_ENV
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
-from tests.services import free_loopback_port
+from tests.services import free_loopback_port, kvgate_command
 from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir
 from tests.engine.peft_files import write_peft_dir
 
@@ -52,11 +51,6 @@ class Replica:
     def metric(self, name: str) -> float:
         _, text = self.get("/metrics")
         return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
-
-
-def kvgate_command() -> list[str]:
-    script = Path(sys.executable).with_name("kvgate")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvgate.cli"]
 
 
 def start_replica(tmp_path: Path, *extra: str) -> Replica:

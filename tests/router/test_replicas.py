@@ -292,14 +292,23 @@ async def test_a_ready_member_whose_heartbeat_lapses_keeps_serving_while_it_pass
         assert tracker.view("m").replicas == () and tracker.prefixes.get("m-1") is None
 
 
+@contextlib.asynccontextmanager
+async def unlisted_member(sim: SimReplicaServer, **knobs: object) -> AsyncIterator[tuple[ReplicaTracker, FakeClock]]:
+    """A tracker (membership polled every 1 s, health checked every 10 s) whose READY member "m-1" (`sim`)
+    has just left the list: its 2 s record was not renewed."""
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=10.0,
+                        **knobs) as tracker:
+        await store.put_member(member(sim.url, MemberState.READY), ttl_s=2)
+        await clock.advance(3.0)
+        yield tracker, clock
+
+
 async def test_an_unlisted_member_is_dropped_after_three_failed_health_checks_in_a_row(sim) -> None:
     """One failed check (a slow /health under load) only takes it out of rotation, as for a listed replica:
     nothing would re-add it while the autoscaler is away. Three in a row: it is gone."""
-    clock = FakeClock()
-    store = MemoryStateStore(clock)
-    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=10.0) as tracker:
-        await store.put_member(member(sim.url, MemberState.READY), ttl_s=2)
-        await clock.advance(3.0)
+    async with unlisted_member(sim) as (tracker, clock):
         assert tracker.unlisted_for_s("m-1") is not None and tracker.num_ready("m") == 1
         await sim.close()  # the node went with the autoscaler
         for failed in (1, 2):
@@ -311,12 +320,7 @@ async def test_an_unlisted_member_is_dropped_after_three_failed_health_checks_in
 
 
 async def test_an_unlisted_member_that_is_ejected_comes_back_after_its_probe(sim) -> None:
-    clock = FakeClock()
-    store = MemoryStateStore(clock)
-    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=10.0,
-                        eject_for_s=5.0) as tracker:
-        await store.put_member(member(sim.url, MemberState.READY), ttl_s=2)
-        await clock.advance(3.0)
+    async with unlisted_member(sim, eject_for_s=5.0) as (tracker, clock):
         for _ in range(3):
             tracker.report_failure("m-1")  # three requests in a row failed there: ejected
         assert tracker.num_ready("m") == 0 and tracker.unlisted_for_s("m-1") is not None

@@ -7,7 +7,6 @@ import contextlib
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,14 +23,10 @@ from kvgate.state.base import MemberRecord
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.redis_store import RedisStateStore
 from router.proxy import REPLICA_HEADER
-from tests.services import free_loopback_port, http_answers, redis_server, running
+from tests.registry_docs import local_pool
+from tests.services import free_loopback_port, http_answers, kvgate_command, redis_server, running
 
 SLOW_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=20.0)  # 40 tokens: a 2 s stream
-
-
-def kvgate_command() -> list[str]:
-    script = Path(sys.executable).with_name("kvgate")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvgate.cli"]
 
 
 async def http_get(url: str) -> tuple[int, dict]:
@@ -98,13 +93,6 @@ spec:
   source: builtin:tiny-llama
   scaling: {max_queue_wait_s: 1}
 ---
-apiVersion: kvgate/v1
-kind: Pool
-metadata: {name: local}
-spec:
-  provider: local
-  offers: [{instance_type: local-slot, gpu_kind: cpu, gpu_count: 0, price_usd_per_hour: 0}]
-  local: {host: 127.0.0.1, work_dir: WORK}
 """
 
 
@@ -120,7 +108,7 @@ async def test_replicas_keep_serving_when_their_membership_lapses_or_redis_goes_
     goes away, a replica that still answers keeps getting requests; once it stops answering it is dropped."""
     sim = await start_sim_replica(SimReplicaConfig(model="m"))
     (tmp_path / "registry").mkdir()
-    (tmp_path / "registry" / "models.yaml").write_text(MEMBERS_ONLY.replace("WORK", str(tmp_path / "work")))
+    (tmp_path / "registry" / "models.yaml").write_text(MEMBERS_ONLY + local_pool(tmp_path / "work"))
     port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"
     with redis_server(tmp_path) as state:
