@@ -84,6 +84,16 @@ def member_record(replica: ReplicaHandle, pool: str | None, draining: bool) -> M
                         grpc_target=replica.grpc_target, state=state, node_id=replica.node_id, pool=pool)
 
 
+def retired_record(replica: ReplicaHandle, pool: str | None) -> MemberRecord:
+    """The record that takes `replica` out of routing for good (it failed, or its node is going): DRAINING,
+    whatever the provider says of it. Gateways stop sending to a DRAINING member at their next poll and
+    drop it as soon as its record goes; a READY record that merely vanished they keep while its health
+    checks pass (`router.replicas`: an autoscaler that lapses must not empty them)."""
+    return MemberRecord(replica_id=replica.id, model=replica.model, url=replica.url,
+                        grpc_target=replica.grpc_target, state=MemberState.DRAINING, node_id=replica.node_id,
+                        pool=pool)
+
+
 def node_statuses(nodes: Iterable[Node], replicas: Iterable[ReplicaHandle]) -> list[NodeStatus]:
     """The dashboard's node rows: each node with the ids of the replicas on it."""
     on_node: dict[str, list[str]] = {}

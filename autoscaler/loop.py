@@ -21,7 +21,9 @@ One tick:
 5. **Actuate**: create/delete nodes through the reconciler (claims first), start replicas, drain
    replicas (DRAINING in the membership record, then `stop_replica` after `drain_notice_s`).
 6. **Publish**: membership records (TTL'd heartbeats) for routers, and the status record for the
-   dashboard.
+   dashboard. A replica taken out for good without a drain (it failed, its node was preempted or is
+   being deleted, the provider no longer lists it) gets one last record, DRAINING, that then lapses:
+   gateways keep a READY member whose record merely vanished, as long as its health checks pass.
 
 Stopping (SIGTERM) releases the lease and leaves every node and replica running: the next
 autoscaler adopts them through their claims. Nothing is deleted on the way out, because a restart
@@ -38,10 +40,11 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autoscaler.claims import ClaimConflict, ClaimStore
-from autoscaler.fleet import Backoff, autoscaled_models, cold_start_s, member_record, model_observation, node_statuses
+from autoscaler.fleet import (Backoff, autoscaled_models, cold_start_s, member_record, model_observation, node_statuses,
+                             retired_record)
 from autoscaler.observe import read_gateway_totals
 from autoscaler.planner import (
     CreateNode,
@@ -77,7 +80,8 @@ from autoscaler.status import (
     cost_per_hour,
 )
 from kvgate.clock import Clock
-from kvgate.state import StateStore, StateStoreError
+from kvgate.state import MemberRecord, StateStore, StateStoreError
+from kvgate.state import ReplicaState as MemberState
 from providers.base import NodeState, Offering, Provider, ProviderError, ReplicaHandle, ReplicaState, replica_spec_for
 from registry.snapshot import Snapshot
 
@@ -148,7 +152,7 @@ class Autoscaler:
         self._failed_seen: set[str] = set()  # failed replicas already reported (and backed off)
         self._preempted_seen: set[str] = set()  # interrupted nodes already reported
         self._draining: dict[str, _Draining] = {}
-        self._published: set[str] = set()
+        self._published: dict[str, MemberRecord] = {}  # replica id -> the record this term last put out
         self._offerings: dict[str, tuple[float, list[Offering]]] = {}
         self._events: tuple[Event, ...] = ()
         self._unschedulable: dict[str, str] = {}
@@ -199,11 +203,13 @@ class Autoscaler:
         pool_of = {node.id: node.pool for node in fleet.nodes}
 
         async def stop(replica: ReplicaHandle) -> None:
-            await self._store.remove_member(replica.id)
+            # DRAINING while it finishes what it holds: gateways send it nothing new, then drop it with the record.
+            await self._retire(retired_record(replica, pool_of[replica.node_id]))
             try:
                 await self._providers[pool_of[replica.node_id]].stop_replica(replica.id, self.settings.drain_timeout_s)
             except ProviderError as exc:
                 events.append(self._event(replica.model, EventKind.PROVIDER_ERROR, f"stop {replica.id}: {exc}"))
+            await self._unpublish(replica.id)
 
         await asyncio.gather(*(stop(r) for r in fleet.replicas if r.node_id in pool_of))
         for node in fleet.nodes:
@@ -345,7 +351,7 @@ class Autoscaler:
                 return None
             for replica in fleet.replicas:
                 if replica.node_id == action.node_id:
-                    await self._unpublish(replica.id)
+                    await self._retire(retired_record(replica, node.pool if node is not None else None))
                     self._forget_drain(replica.id)
             try:
                 events.extend(await self._reconciler.delete_node(action.node_id, fleet, action.reason))
@@ -390,7 +396,7 @@ class Autoscaler:
         record = member_record(handle, node.pool, draining=False)
         if record is not None:
             await self._store.put_member(record, self.settings.member_ttl_s)
-            self._published.add(handle.id)
+            self._published[handle.id] = record
         return handle.id
 
     async def _handle_failed(self, fleet: Fleet, pool_of: Mapping[str, str], now: float,
@@ -410,7 +416,7 @@ class Autoscaler:
             if replica.state is not ReplicaState.FAILED or replica.id in self._failed_seen:
                 continue
             self._failed_seen.add(replica.id)  # pruned below once the provider stops listing it
-            await self._unpublish(replica.id)
+            await self._retire(retired_record(replica, pool_of.get(replica.node_id)))
             self._forget_drain(replica.id)
             if replica.node_id in interrupted:
                 continue  # the node was preempted: not the replica's fault, no back-off
@@ -472,13 +478,26 @@ class Autoscaler:
                 continue
             present.add(replica.id)
             await self._store.put_member(record, self.settings.member_ttl_s)
-            self._published.add(replica.id)
-        for gone in sorted(self._published - present):
-            await self._unpublish(gone)
+            self._published[replica.id] = record
+        for gone in sorted(self._published.keys() - present):  # the provider no longer lists it
+            last = self._published[gone]
+            if last.state is MemberState.DRAINING:
+                await self._unpublish(gone)
+            else:
+                await self._retire(replace(last, state=MemberState.DRAINING))
+
+    async def _retire(self, record: MemberRecord) -> None:
+        """Take a replica out of routing for good: its record, DRAINING, is put out once more for
+        `member_ttl_s` and left to lapse. Gateways stop sending to it at their next poll and drop it when
+        the record goes. Removing a READY record instead would leave it in rotation until its health
+        checks fail, since gateways keep a READY member whose record merely vanished (`router.replicas`)."""
+        await self._store.put_member(record, self.settings.member_ttl_s)
+        self._published.pop(record.replica_id, None)  # not renewed: it lapses
 
     async def _unpublish(self, replica_id: str) -> None:
+        """Remove the record now: for a replica gateways already saw DRAINING (drop it at once)."""
         await self._store.remove_member(replica_id)
-        self._published.discard(replica_id)
+        self._published.pop(replica_id, None)
 
     async def _drop_stale_members(self, fleet: Fleet) -> None:
         # A previous leader may have died with records out for replicas that are gone; they would

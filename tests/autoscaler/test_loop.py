@@ -8,6 +8,7 @@ on demand. The fake provider's replicas become ready `replica_start_latency_s` a
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,50 @@ async def test_a_preempted_spot_node_is_replaced_on_demand_without_backoff(tmp_p
     assert node.id in preempted["message"] and "spot interruption" in preempted["message"]
 
 
+async def member_states(store, clock: FakeClock, replica_id: str, seen: list) -> None:
+    """One tick's look, as a gateway polls: the replica's membership state, None once it has no record."""
+    await observe(store, clock, in_flight=2)
+    seen.append(dict(await members(store)).get(replica_id))
+
+
+def assert_retired(seen: list, member_ttl_s: int = 10) -> None:
+    """READY, then DRAINING (gateways stop sending to it at their next poll) until the record lapses, then
+    gone; never READY again, and never a READY record that merely vanished, which gateways would keep in
+    rotation while its health checks pass (router.replicas)."""
+    assert seen[0] == "ready"
+    draining = [i for i, state in enumerate(seen) if state == "draining"]
+    assert draining and draining == list(range(1, draining[-1] + 1)), seen
+    assert member_ttl_s - 1 <= len(draining) <= member_ttl_s, seen
+    assert set(seen[draining[-1] + 1:]) == {None}, seen
+
+
+async def test_a_preempted_replica_is_published_draining_until_its_record_lapses(tmp_path: Path, store, clock) -> None:
+    snapshot = load_test_registry(tmp_path, allow_spot=True)
+    provider = FakeProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock, replica_start_latency_s=3)
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 6, lambda: observe(store, clock, in_flight=2))
+    [node], [replica] = await provider.list(), await provider.list_replicas()
+    provider.preempt(node.id)
+    seen: list = []
+
+    await run_ticks(autoscaler, clock, 16, lambda: member_states(store, clock, replica.id, seen))
+
+    assert_retired(seen)
+
+
+async def test_a_ready_replica_the_provider_stops_listing_is_published_draining(snapshot, store, clock,
+                                                                                provider) -> None:
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 6, lambda: observe(store, clock, in_flight=2))
+    [replica] = await provider.list_replicas()
+    del provider.cloud.replicas[replica.id]  # gone behind the autoscaler's back: a reclaimed VM, a deleted pod
+    seen: list = []
+
+    await run_ticks(autoscaler, clock, 16, lambda: member_states(store, clock, replica.id, seen))
+
+    assert_retired(seen)
+
+
 async def test_the_running_cost_accrues_per_tick(snapshot, store, clock, provider) -> None:
     autoscaler = make_autoscaler(snapshot, store, clock, provider)
     await run_ticks(autoscaler, clock, 91, lambda: observe(store, clock, in_flight=2))
@@ -213,3 +258,19 @@ async def test_release_fleet_stops_every_replica_and_deletes_every_node(snapshot
     assert await store.list_members() == [] and await store.list_records("claims") == []
     assert [e.kind.value for e in events] == ["node_delete"] * 3
     assert len(calls(provider, "stop_replica")) == 3
+
+
+async def test_release_fleet_publishes_each_replica_draining_while_it_stops(snapshot, store, clock) -> None:
+    provider = SlowStopProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock,
+                                replica_start_latency_s=3)
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 8, lambda: observe(store, clock, queued=9))  # 3 replicas, 3 nodes
+    await autoscaler.stop()
+
+    release = asyncio.create_task(autoscaler.release_fleet())
+    await clock.advance(5)  # each stop takes 20 s (drains in parallel); a record lives member_ttl_s (10 s)
+
+    assert {state for _, state in await members(store)} == {"draining"} and len(await members(store)) == 3
+    await clock.advance(20)
+    await release
+    assert await store.list_members() == [] and await provider.list_replicas() == []
