@@ -153,6 +153,7 @@ class Autoscaler:
         self._preempted_seen: set[str] = set()  # interrupted nodes already reported
         self._draining: dict[str, _Draining] = {}
         self._published: dict[str, MemberRecord] = {}  # replica id -> the record this term last put out
+        self._retired_this_tick: set[str] = set()  # replicas retired (published DRAINING) in the tick running now
         self._offerings: dict[str, tuple[float, list[Offering]]] = {}
         self._events: tuple[Event, ...] = ()
         self._unschedulable: dict[str, str] = {}
@@ -203,7 +204,8 @@ class Autoscaler:
         pool_of = {node.id: node.pool for node in fleet.nodes}
 
         async def stop(replica: ReplicaHandle) -> None:
-            # DRAINING while it finishes what it holds: gateways send it nothing new, then drop it with the record.
+            # DRAINING while it finishes what it holds: gateways send it nothing new (the record may lapse
+            # before a long stop ends; gateways drop a DRAINING member whose record goes).
             await self._retire(retired_record(replica, pool_of[replica.node_id]))
             try:
                 await self._providers[pool_of[replica.node_id]].stop_replica(replica.id, self.settings.drain_timeout_s)
@@ -256,6 +258,7 @@ class Autoscaler:
 
     async def _lead(self, events: list[Event]) -> TickReport:
         now, wall = self._clock.now(), self._clock.wall()
+        self._retired_this_tick = set()
         snapshot = self._snapshots.current
         self._ensure_providers(snapshot, events)
         if self._fresh_term:
@@ -322,7 +325,7 @@ class Autoscaler:
                                     len(actions) - actions.index(action))
                         break
                     renewed_at = self._clock.now()
-                started = await self._perform(action, snapshot, fleet, now, wall, events)
+                started = await self._perform(action, snapshot, fleet, now, wall, events, stopped)
                 if started is not None:
                     just_started.add(started)
 
@@ -334,7 +337,7 @@ class Autoscaler:
     # -- actions ---------------------------------------------------------------------------------
 
     async def _perform(self, action: NodeAction, snapshot: Snapshot, fleet: Fleet, now: float, wall: float,
-                       events: list[Event]) -> str | None:
+                       events: list[Event], stopped: set[str]) -> str | None:
         """Perform one planner action; returns the id of a replica it started, if any."""
         if isinstance(action, CreateNode):
             result = await self._reconciler.create_node(action.claim)
@@ -350,9 +353,12 @@ class Autoscaler:
                 # would cut their in-flight requests. It asks again next tick, after the drain.
                 return None
             for replica in fleet.replicas:
-                if replica.node_id == action.node_id:
+                if replica.node_id != action.node_id:
+                    continue
+                if replica.state in (ReplicaState.STARTING, ReplicaState.READY) and replica.id not in stopped:
+                    # FAILED ones were retired by _handle_failed; stopped ones were drained first.
                     await self._retire(retired_record(replica, node.pool if node is not None else None))
-                    self._forget_drain(replica.id)
+                self._forget_drain(replica.id)
             try:
                 events.extend(await self._reconciler.delete_node(action.node_id, fleet, action.reason))
             except ProviderError as exc:  # the claim stays DELETING; reconcile re-drives it
@@ -471,7 +477,7 @@ class Autoscaler:
         # Replicas started this tick are not in this tick's listing; their record is already out.
         present = set(just_started)
         for replica in fleet.replicas:
-            if replica.id in stopped:
+            if replica.id in stopped or replica.id in self._retired_this_tick:
                 continue
             record = member_record(replica, pool_of.get(replica.node_id), draining=replica.id in self._draining)
             if record is None:
@@ -479,12 +485,11 @@ class Autoscaler:
             present.add(replica.id)
             await self._store.put_member(record, self.settings.member_ttl_s)
             self._published[replica.id] = record
-        for gone in sorted(self._published.keys() - present):  # the provider no longer lists it
+        for gone in sorted(self._published.keys() - present):
             last = self._published[gone]
-            if last.state is MemberState.DRAINING:
-                await self._unpublish(gone)
-            else:
-                await self._retire(replace(last, state=MemberState.DRAINING))
+            if last.pool in fleet.unreachable_pools:
+                continue  # not listed this tick, not known gone: the record stays until it is, or lapses
+            await self._retire(replace(last, state=MemberState.DRAINING))  # the provider no longer lists it
 
     async def _retire(self, record: MemberRecord) -> None:
         """Take a replica out of routing for good: its record, DRAINING, is put out once more for
@@ -493,19 +498,24 @@ class Autoscaler:
         checks fail, since gateways keep a READY member whose record merely vanished (`router.replicas`)."""
         await self._store.put_member(record, self.settings.member_ttl_s)
         self._published.pop(record.replica_id, None)  # not renewed: it lapses
+        self._retired_this_tick.add(record.replica_id)  # nor put out again by this tick's (older) listing
 
     async def _unpublish(self, replica_id: str) -> None:
-        """Remove the record now: for a replica gateways already saw DRAINING (drop it at once)."""
+        """Remove the record now: for a replica whose drain has ended (gateways saw it DRAINING)."""
         await self._store.remove_member(replica_id)
         self._published.pop(replica_id, None)
 
     async def _drop_stale_members(self, fleet: Fleet) -> None:
-        # A previous leader may have died with records out for replicas that are gone; they would
-        # expire by TTL anyway, this makes it immediate. Only our pools' records are touched.
+        # A previous leader may have left records out for replicas that are gone since: retire them now
+        # rather than at their TTL. Only our pools' records, and only of pools listed this tick.
         live = {r.id for r in fleet.replicas}
         for member in await self._store.list_members():
-            if member.pool in self._providers and member.replica_id not in live:
-                await self._store.remove_member(member.replica_id)
+            if (member.pool in self._providers and member.pool not in fleet.unreachable_pools
+                    and member.replica_id not in live):
+                if member.state is MemberState.DRAINING:
+                    await self._unpublish(member.replica_id)
+                else:
+                    await self._retire(replace(member, state=MemberState.DRAINING))
 
     async def _resume_status(self) -> None:
         # The dashboard's running cost and event log continue across leaders.

@@ -66,7 +66,7 @@ class Fleet:
     nodes: tuple[Node, ...]  # live (not TERMINATED), owned nodes of reachable pools, by id
     replicas: tuple[ReplicaHandle, ...]  # every replica the reachable providers list, by id
     claims: Mapping[str, ClaimRecord]  # claim id -> record, after this round's repairs
-    unreachable_pools: tuple[str, ...] = ()
+    unreachable_pools: tuple[str, ...] = ()  # pools whose nodes or replicas could not be listed this round
     events: tuple[Event, ...] = ()
     insufficient: tuple[InsufficientCapacity, ...] = ()  # re-driven claims that hit a stockout
 
@@ -179,12 +179,13 @@ class Reconciler:
         for pool in sorted(listed):
             try:
                 replicas.extend(await self._providers[pool].list_replicas())
-            except ProviderError as exc:
+            except ProviderError as exc:  # its replicas are unknown this round, not gone
+                unreachable.append(pool)
                 scratch.events.append(self._event(None, EventKind.PROVIDER_ERROR,
                                                   f"pool {pool}: list_replicas failed: {exc}"))
         return Fleet(nodes=tuple(sorted(live, key=lambda n: n.id)),
                      replicas=tuple(sorted(replicas, key=lambda r: r.id)),
-                     claims=dict(claims), unreachable_pools=tuple(unreachable),
+                     claims=dict(claims), unreachable_pools=tuple(sorted(unreachable)),
                      events=tuple(scratch.events), insufficient=tuple(scratch.insufficient))
 
     # -- actions ---------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ after the lease TTL, or Redis restarted empty) stays tracked, and routable whene
 A failed health check or an ejection takes it out of rotation as it would a listed replica; it is dropped
 after UNLISTED_DROP_AFTER_CHECKS failed checks in a row (a replica that is gone). A member that leaves while
 STARTING or DRAINING is dropped at once: the autoscaler marks a replica DRAINING before it stops it on
-scale-down. Replicas it unpublishes without that (a preempted node, a replica that failed) are gone, and
-their health checks fail within a few intervals. An unreachable store changes nothing: the last known
-members stay.
+scale-down, and publishes one it takes out for good without a drain (a replica that failed, a preempted or
+deleted node, one its provider no longer lists) DRAINING once more and lets that record lapse. An unreachable
+store changes nothing: the last known members stay.
 
 Ejection (passive): `eject_after_failures` failures reported in a row eject a replica for
 `eject_for_s`; after that it stays out until a health check passes (the probe), then takes traffic

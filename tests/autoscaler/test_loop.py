@@ -9,6 +9,7 @@ on demand. The fake provider's replicas become ready `replica_start_latency_s` a
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from autoscaler.status import STATUS_COLLECTION, STATUS_ID
 from kvgate.clock import FakeClock
 from kvgate.state import MemoryStateStore
 from tests.autoscaler.fleet_helpers import load_test_registry, make_autoscaler, members, observe
+from providers.base import ReplicaState
 from providers.fake import FakeProvider
 
 
@@ -190,6 +192,55 @@ async def test_a_ready_replica_the_provider_stops_listing_is_published_draining(
     seen: list = []
 
     await run_ticks(autoscaler, clock, 16, lambda: member_states(store, clock, replica.id, seen))
+
+    assert_retired(seen)
+
+
+async def test_a_replica_that_fails_while_serving_is_published_draining_until_its_record_lapses(
+        snapshot, store, clock, provider) -> None:
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 6, lambda: observe(store, clock, in_flight=2))
+    [replica] = await provider.list_replicas()
+    record = provider.cloud.replicas[replica.id]
+    record.handle = replace(record.handle, state=ReplicaState.FAILED, reason="engine exited: CUDA error")
+    seen: list = []
+
+    await run_ticks(autoscaler, clock, 16, lambda: member_states(store, clock, replica.id, seen))
+
+    assert_retired(seen)
+
+
+@pytest.mark.parametrize("method, ticks", [("list_replicas", 1), ("list", 3)])
+async def test_a_pool_that_cannot_be_listed_keeps_its_replicas_in_rotation(
+        snapshot, store, clock, provider, method: str, ticks: int) -> None:
+    """A failed listing says nothing about the replicas: their records are neither retired nor
+    removed, and nothing is planned on the partial view (a second replica would be a double buy)."""
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(autoscaler, clock, 6, lambda: observe(store, clock, in_flight=2))
+    [replica] = await provider.list_replicas()
+    starts = len(calls(provider, "start_replica"))
+    provider.fail_next(ticks, methods=[method])
+    seen: list = []
+
+    reports = await run_ticks(autoscaler, clock, ticks + 3, lambda: member_states(store, clock, replica.id, seen))
+
+    assert seen == ["ready"] * (ticks + 3)
+    assert len(calls(provider, "start_replica")) == starts and len(await provider.list_replicas()) == 1
+    status = (await store.get_record(STATUS_COLLECTION, STATUS_ID)).data
+    assert any(f"{method} failed" in e["message"] for e in status["events"]) and reports[0].error is None
+
+
+async def test_a_new_leader_retires_a_ready_record_left_for_a_replica_that_is_gone(
+        snapshot, store, clock, provider) -> None:
+    first = make_autoscaler(snapshot, store, clock, provider)
+    await run_ticks(first, clock, 6, lambda: observe(store, clock, in_flight=2))
+    [replica] = await provider.list_replicas()
+    await first.stop()  # hands the lease over at once; its READY record is still out
+    del provider.cloud.replicas[replica.id]  # gone before the next leader lists it
+    second = make_autoscaler(snapshot, store, clock, provider, holder="b")
+    seen: list = []
+
+    await run_ticks(second, clock, 16, lambda: member_states(store, clock, replica.id, seen))
 
     assert_retired(seen)
 
