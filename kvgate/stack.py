@@ -160,9 +160,7 @@ def failed_models_of(status: Mapping[str, Any] | None) -> set[str]:
 async def serve(settings: UpSettings, clock: Clock | None = None) -> int:
     """Run the stack until SIGINT/SIGTERM; returns the exit status (0 after a clean stop, 1 when the
     registry is invalid, the port is taken or a model cannot be prepared: nothing is left running)."""
-    from aiohttp import web
-
-    from router.app import GatewaySettings, build_app
+    from router.app import GatewaySettings, build_app, gateway_runner
     from router.replicas import ReplicaTracker  # grpc: imported only when serving
     from registry.watch import RegistryWatcher
 
@@ -187,8 +185,8 @@ async def serve(settings: UpSettings, clock: Clock | None = None) -> int:
     store = MemoryStateStore(clock)
     tracker = ReplicaTracker(clock=clock, store=store, poll_interval_s=_PROGRESS_POLL_S)
     gateway = GatewaySettings(admin_token=settings.admin_token, gateway_id="kvgate-up")
-    runner = web.AppRunner(build_app(gateway, tracker, watcher, clock, store), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=settings.drain_timeout_s)
+    runner = gateway_runner(build_app(gateway, tracker, watcher, clock, store),
+                            shutdown_timeout_s=settings.drain_timeout_s)
     await runner.setup()
     try:
         await _listen(runner, settings.host, settings.port)

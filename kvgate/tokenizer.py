@@ -191,14 +191,20 @@ class NotJsonText(ValueError):
 
 def loads_json_text(raw: bytes) -> Any:
     """A request body parsed as JSON text: strictly UTF-8 (RFC 8259), so neither a UTF-16 body nor a surrogate
-    in the bytes gets through, and nested within the parser's reach. The gateway and the engine both read
+    in the bytes gets through, without NaN or Infinity, and nested within the parser's reach. The gateway and the engine both read
     bodies with it. Raises NotJsonText; a lone surrogate *escape* is `lone_surrogate_in`'s to find."""
     try:
-        return json.loads(raw.decode("utf-8"))
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        return json.loads(raw.decode("utf-8"), parse_constant=_not_json_constant)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN or Infinity
         raise NotJsonText(f"not valid JSON: {exc}") from exc
     except RecursionError as exc:  # arrays or objects nested past the interpreter's recursion limit
         raise NotJsonText("nested too deeply to parse") from exc
+
+
+def _not_json_constant(name: str) -> Any:
+    """`json.loads` takes NaN, Infinity and -Infinity, which JSON does not have (RFC 8259): a server behind the
+    gateway may parse them, choke on them, or sample with a NaN temperature."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def lone_surrogate_in(raw: bytes, value: Any) -> bool:

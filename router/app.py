@@ -53,6 +53,14 @@ class StaticSnapshot:
     current: Snapshot
 
 
+def gateway_runner(app: web.Application, shutdown_timeout_s: float) -> web.AppRunner:
+    """How every gateway is served: a client that goes away cancels its handler (and so its upstream
+    request), no access log (the metrics count every answer), and idle client connections closed after the
+    settings' `keepalive_timeout_s`."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s,
+                         keepalive_timeout=app[SETTINGS_KEY].keepalive_timeout_s)
+
+
 def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSource, clock: Clock,
               store: StateStore | None = None) -> web.Application:
     """The gateway app. Nothing starts until the app does (tracker, client session, registry follow,

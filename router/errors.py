@@ -18,7 +18,7 @@ class GatewayError(Exception):
     """A request the gateway refuses or cannot serve, carrying everything the error object needs."""
 
     def __init__(self, status: int, message: str, *, type: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -26,6 +26,7 @@ class GatewayError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.close = close  # end the connection after the answer: the request's body was not (all) read
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -56,7 +57,10 @@ def bad_gateway(message: str) -> GatewayError:
 
 
 def error_response(error: GatewayError) -> web.Response:
-    return web.json_response(error.body(), status=error.status, headers=error.headers)
+    response = web.json_response(error.body(), status=error.status, headers=error.headers)
+    if error.close:
+        response.force_close()
+    return response
 
 
 def sse_error_event(message: str, code: str) -> bytes:

@@ -160,8 +160,10 @@ def _render_prompt(prompt: object) -> str:
     raise ValueError(f"prompt must be a string, token ids or a list of them; got {type(prompt).__name__}")
 
 
-def canonical_prompt(body: Mapping[str, object]) -> str:
-    """The canonical text of a chat or completions request body, deterministic for equal bodies.
+def canonical_prompt(body: Mapping[str, object], chat: bool | None = None) -> str:
+    """The canonical text of a chat or completions request body, deterministic for equal bodies. `chat`
+    says which endpoint it came to (True: `messages`, False: `prompt`, whatever else the body holds, as
+    the replica reads it); None: `messages` when present, else `prompt`.
 
     Chat (`messages`): the tool definitions, if any, as canonical JSON first (chat templates put them in
     the system prompt), then every message as "\\x1e" + role + "\\x1f" + content, with name, tool_call_id
@@ -169,13 +171,13 @@ def canonical_prompt(body: Mapping[str, object]) -> str:
     Raises ValueError when the body has neither, or they have the wrong shape (the handler validates
     first, so this is a programming error there).
     """
-    if "messages" in body:
+    if "messages" in body and chat is not False:
         messages = body["messages"]
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise ValueError("messages must be a list of message objects")
         head = _RECORD + "tools" + _UNIT + _canonical_json(body["tools"]) if body.get("tools") else ""
         return head + "".join(_render_message(m) for m in messages)
-    if "prompt" in body:
+    if "prompt" in body and chat is not True:
         return _render_prompt(body["prompt"])
     raise ValueError("the body has neither 'messages' (chat) nor 'prompt' (completions)")
 
@@ -228,15 +230,17 @@ def _max_tokens(body: Mapping[str, object]) -> int | None:
 def build_route_request(body: Mapping[str, object], model: str, adapter: str | None,
                         chunk_chars: int, request_seq: int,
                         chars_per_token: float = CHARS_PER_TOKEN, affinity_depth_chars: int = 0,
-                        token_ids: Sequence[int] | None = None, block_size_tokens: int = 0) -> RouteRequest:
+                        token_ids: Sequence[int] | None = None, block_size_tokens: int = 0,
+                        chat: bool | None = None) -> RouteRequest:
     """The RouteRequest of a validated chat or completions body. Raises ValueError as
     `canonical_prompt` and `prefix_hashes` do. `affinity_depth_chars` (the registry's
     routing.affinity_depth_chars) sets the affinity key's depth; 0 or less than a chunk: the first chunk.
 
     With `token_ids` (the prompt as the engine tokenizes it, `prompt_tokens.prompt_token_ids`) and the
     engine's `block_size_tokens`, the chain is the engine's KV block chain and the token count exact;
-    the affinity depth is then `affinity_depth_chars` at the model's characters per token, in blocks."""
-    text = canonical_prompt(body)
+    the affinity depth is then `affinity_depth_chars` at the model's characters per token, in blocks.
+    `chat`: as for `canonical_prompt`."""
+    text = canonical_prompt(body, chat)
     if token_ids is not None and block_size_tokens > 0:
         blocks = tuple(hash_blocks(token_ids, block_size_tokens, adapter))
         depth = max(round(affinity_depth_chars / chars_per_token / block_size_tokens), 1)

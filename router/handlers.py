@@ -11,9 +11,11 @@ import hmac
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_urldispatcher import _default_expect_handler  # the 100 Continue itself; stable since aiohttp 2
 
 from kvgate.tokenizer import NotJsonText, loads_json_text, lone_surrogate_in
 from registry.schema import RoutingPolicy
@@ -32,8 +34,13 @@ log = logging.getLogger("kvgate.router")
 # Prompts longer than this (characters) are tokenized on a worker thread: 4,096 characters of new text take
 # ~1-2 ms to encode, and the tokenizer releases the GIL meanwhile (kvgate.tokenizer), so the loop serves on.
 TOKENIZE_INLINE_MAX_CHARS = 4_096
+# Bodies larger than this are parsed, validated and cut into features on a worker thread: 8 MB of token ids
+# take ~0.7 s of CPU, which on the loop would stall every stream and health check meanwhile. The thread holds
+# the GIL too, but hands it back every few milliseconds, so the loop serves on at a lower rate.
+OFF_LOOP_MIN_BYTES = 1 << 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 @web.middleware
@@ -62,8 +69,8 @@ async def tag_request_id(request: web.Request, response: web.StreamResponse) -> 
 
 def install_routes(app: web.Application) -> None:
     app.on_response_prepare.append(tag_request_id)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_within_limit)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_within_limit)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -87,13 +94,40 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _inference(request, chat=False)
 
 
+async def expect_within_limit(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue`: a body its Content-Length puts over the limit is refused (413) before the client
+    sends it, instead of a 100 Continue; anything else as aiohttp answers it."""
+    limit = request.app[SETTINGS_KEY].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return error_response(_too_large(limit))
+    return await _default_expect_handler(request)
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"the request body is over the gateway's limit of {limit} bytes",
+                        type="RequestTooLargeError", code="request_too_large", close=True)
+
+
 async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    settings = request.app[SETTINGS_KEY]
+    if request.content_length is not None and request.content_length > settings.max_body_bytes:
+        raise _too_large(settings.max_body_bytes)  # at once: not after reading it (Expect: 100-continue too)
     try:
-        raw = await request.read()
+        async with asyncio.timeout(settings.body_timeout_s or None):  # 0: no limit
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        limit = request.app[SETTINGS_KEY].max_body_bytes
-        raise GatewayError(413, f"the request body is over the gateway's limit of {limit} bytes",
-                           type="RequestTooLargeError", code="request_too_large") from exc
+        raise _too_large(settings.max_body_bytes) from exc
+    except TimeoutError as exc:  # a stalled client, or a chunked body that broke after its first chunk
+        raise GatewayError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s",
+                           type="RequestTimeoutError", code="body_timeout", close=True) from exc
+    except (BadHttpMessage, web.RequestPayloadError) as exc:  # a Content-Encoding that does not decode, a bad chunk
+        detail = str(exc).splitlines()[-1].strip()  # aiohttp's text: "400, message:\n  Can not decode ..."
+        raise GatewayError(400, f"the request body could not be read: {detail}", type="BadRequestError",
+                           code="invalid_body", close=True) from exc
+    return raw, await _off_loop(len(raw), _parse_json, raw)
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = loads_json_text(raw)
     except NotJsonText as exc:
@@ -103,7 +137,14 @@ async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     if lone_surrogate_in(raw, body):
         raise bad_request("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not "
                           "text", code="invalid_json")
-    return raw, body
+    return body
+
+
+async def _off_loop(body_bytes: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, on a worker thread for a body of OFF_LOOP_MIN_BYTES or more."""
+    if body_bytes >= OFF_LOOP_MIN_BYTES:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def validate_inference_body(body: dict[str, Any], chat: bool) -> str:
@@ -180,7 +221,7 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
     clock = app[CLOCK_KEY]
     arrived_at = clock.now()
     raw, body = await _read_json(request)
-    name = validate_inference_body(body, chat)
+    name = await _off_loop(len(raw), validate_inference_body, body, chat)
     snapshot = _snapshot(request)
     try:
         resolved = snapshot.resolve(name)
@@ -195,13 +236,16 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
     chain = tracker.kv_chain(model) if routing.policy is RoutingPolicy.CACHE_AWARE and routing.kv_events else None
     token_ids = await _engine_token_ids(body, chain.tokenizer, chat) if chain is not None else None
     try:
-        route = build_route_request(body, model, adapter.metadata.name if adapter else None,
-                                    routing.prefix_chunk_chars, sequence[model],
-                                    chars_per_token=tracker.chars_per_token_of(model),
-                                    affinity_depth_chars=routing.affinity_depth_chars, token_ids=token_ids,
-                                    block_size_tokens=chain.block_size_tokens if chain is not None else 0)
+        route = await _off_loop(len(raw), build_route_request, body, model,
+                                adapter.metadata.name if adapter else None, routing.prefix_chunk_chars,
+                                sequence[model], chars_per_token=tracker.chars_per_token_of(model),
+                                affinity_depth_chars=routing.affinity_depth_chars, token_ids=token_ids,
+                                block_size_tokens=chain.block_size_tokens if chain is not None else 0,
+                                chat=chat)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+    except RecursionError as exc:  # parsed, but too deep to render (the parser's reach is a little deeper)
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from exc
     route = app[OPENINGS_KEY].stamp(route, routing.policy)
     app[DASHBOARD_KEY].note_request(model, route.estimated_prompt_tokens)
     queue_wait_s = model_doc.spec.scaling.max_queue_wait_s or app[SETTINGS_KEY].default_queue_wait_s
@@ -252,7 +296,8 @@ def _check_admin(request: web.Request) -> None:
     if not token:
         return
     given = request.headers.get("Authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+    # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the bytes they were.
+    if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {token}".encode()):
         raise GatewayError(401, "this endpoint needs 'Authorization: Bearer <admin token>'",
                            type="AuthenticationError", code="invalid_admin_token",
                            headers={"WWW-Authenticate": "Bearer"})

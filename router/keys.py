@@ -20,6 +20,8 @@ class GatewaySettings:
     """Gateway-wide settings (per-model knobs live in the registry)."""
 
     max_body_bytes: int = 8 * 1024 * 1024  # a request body over this gets 413
+    body_timeout_s: float = 60.0  # a request body not all read this long after its headers gets 408
+    keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3,630)
     admin_token: str | None = None  # when set, /admin/* needs `Authorization: Bearer <token>`
     default_queue_wait_s: float = 30.0  # wait at zero replicas when the model sets no max_queue_wait_s
     dashboard_sample_interval_s: float = 2.0  # one history sample per this many seconds ...

@@ -21,7 +21,7 @@ from kvgate.clock import RealClock
 from kvgate.state import open_state_store
 from registry.problems import RegistryInvalid
 from registry.watch import RegistryWatcher
-from router.app import build_app
+from router.app import build_app, gateway_runner
 from router.keys import DRAIN_KEY, Drain, GatewaySettings
 
 log = logging.getLogger("kvgate.router")
@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "requests get 503; a second signal cuts it short (default: 30)")
     parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes,
                         help="a request body over this gets 413 (default: %(default)s, 8 MiB)")
+    parser.add_argument("--body-timeout-s", type=seconds, default=GatewaySettings.body_timeout_s,
+                        help="a request body not all read this long after its headers gets 408 and the "
+                             "connection closed; 0: no limit (default: %(default)g)")
+    parser.add_argument("--keepalive-timeout-s", type=seconds, default=GatewaySettings.keepalive_timeout_s,
+                        help="an idle client connection is closed after this (default: %(default)g)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         type=str.upper, help="(default: INFO)")
     return parser
@@ -89,9 +94,10 @@ async def serve(args: argparse.Namespace) -> int:
     store = open_state_store(args.state, clock, prefix=args.key_prefix) if args.state else None
     tracker = ReplicaTracker(clock=clock, store=store, member_grace_s=args.member_grace_s)
     settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None,
-                               gateway_id=args.gateway_id)
+                               gateway_id=args.gateway_id, body_timeout_s=args.body_timeout_s,
+                               keepalive_timeout_s=args.keepalive_timeout_s)
     app = build_app(settings, tracker, watcher, clock, store)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = gateway_runner(app, shutdown_timeout_s=1.0)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     gc.collect()

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from kvgate.clock import Clock
 from registry.schema import Routing
@@ -223,6 +223,9 @@ class Proxy:
             raise AttemptFailed("timeout", f"replica {replica_id}: no answer in time ({type(exc).__name__})") from exc
         except UpstreamError as exc:
             raise AttemptFailed("connect_error", f"replica {replica_id}: {exc}") from exc
+        except asyncio.CancelledError:  # the client went away while the replica had not answered
+            self._count(preq.route.model, replica_id, "client_gone")
+            raise
         finished = False
         try:
             if upstream.status >= 500:
@@ -234,7 +237,11 @@ class Proxy:
                 remaining_s = routing.first_byte_timeout_s - (self.clock.now() - started)
                 response = await self._stream(request, preq, upstream, replica_id, decision, remaining_s, lease)
             else:
-                response = await self._buffered(preq, upstream, replica_id, decision)
+                try:
+                    response = await self._buffered(preq, upstream, replica_id, decision)
+                except asyncio.CancelledError:  # the client went away before the whole answer came
+                    self._count(preq.route.model, replica_id, "client_gone")
+                    raise
             finished = True
             return response
         finally:
@@ -284,6 +291,9 @@ class Proxy:
         upstream read, never a growing buffer)."""
         try:
             first = await upstream.read(first_byte_s)
+        except asyncio.CancelledError:  # the client went away before the first event
+            self._count(preq.route.model, replica_id, "client_gone")
+            raise
         except TimeoutError as exc:
             raise AttemptFailed("timeout", f"replica {replica_id}: no first event in time") from exc
         except UpstreamError as exc:
@@ -293,6 +303,8 @@ class Proxy:
         model = preq.route.model
         response = _EventStream(status=upstream.status, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", REPLICA_HEADER: replica_id})
+        if request.version < HttpVersion11:
+            response.force_close()  # no chunked framing before HTTP/1.1: the stream ends with the connection
         relay = SseRelay()
         try:
             await response.prepare(request)

@@ -12,7 +12,7 @@ from aiohttp import web
 from kvgate.clock import RealClock
 from kvgate.state.base import StateStore
 from registry.watch import RegistryWatcher
-from router.app import GatewaySettings, build_app
+from router.app import GatewaySettings, build_app, gateway_runner
 from router.replicas import ReplicaTracker
 
 
@@ -25,8 +25,8 @@ async def running_gateway(registry_dir: Path, settings: GatewaySettings | None =
     clock = RealClock()
     watcher = await RegistryWatcher.open(registry_dir, clock)
     tracker = ReplicaTracker(clock=clock, **{"poll_interval_s": 60.0, "health_interval_s": 60.0, **tracker_knobs})
-    runner = web.AppRunner(build_app(settings or GatewaySettings(), tracker, watcher, clock, store),
-                           handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+    runner = gateway_runner(build_app(settings or GatewaySettings(), tracker, watcher, clock, store),
+                            shutdown_timeout_s=0.5)
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()

@@ -136,3 +136,12 @@ def test_chars_per_token_learns_from_reported_prompt_tokens() -> None:
     estimate.observe(100_000, 1)  # absurd ratio: clamped to 16, moves it 0.1 x (16 - 1.5) at most
     assert estimate.value == pytest.approx(1.5 + 0.1 * 14.5, abs=0.01)
     assert estimate.num_observed == 102
+
+
+def test_the_endpoint_says_which_field_is_the_prompt() -> None:
+    """A completions body that also carries `messages` is routed on its prompt, as the replica reads it (and
+    a chat body on its messages)."""
+    body = {"prompt": "the prompt", "messages": [{"role": "user", "content": "other"}]}
+    assert canonical_prompt(body, chat=False) == canonical_prompt({"prompt": "the prompt"})
+    assert canonical_prompt(body, chat=True) == canonical_prompt({"messages": body["messages"]})
+    assert canonical_prompt({"prompt": "p", "messages": 5}, chat=False) == canonical_prompt({"prompt": "p"})

@@ -259,6 +259,8 @@ async def test_a_replicas_answer_keeps_its_own_content_type(tmp_path: Path) -> N
     (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "invalid_json"),  # no text
     (b'{"model": "m", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', 400, "invalid_json"),  # nor this
     ('{"model": "m", "messages": [{"role": "user", "content": "x"}]}'.encode("utf-16"), 400, "invalid_json"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "invalid_json"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": -Infinity}', 400, "invalid_json"),
 ])
 async def test_bad_input_gets_an_openai_error_object(tmp_path: Path, body: bytes, status: int, code: str) -> None:
     async with gateway(tmp_path, num_replicas=1, settings=GatewaySettings(max_body_bytes=4096)) as gw:
