@@ -113,8 +113,11 @@ async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     if request.content_length is not None and request.content_length > settings.max_body_bytes:
         raise _too_large(settings.max_body_bytes)  # at once: not after reading it (Expect: 100-continue too)
     try:
-        async with asyncio.timeout(settings.body_timeout_s or None):  # 0: no limit
+        if request.content.is_eof():  # it came with the headers, as most do: no timer needed
             raw = await request.read()
+        else:
+            async with asyncio.timeout(settings.body_timeout_s or None):  # 0: no limit
+                raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise _too_large(settings.max_body_bytes) from exc
     except TimeoutError as exc:  # a stalled client, or a chunked body that broke after its first chunk

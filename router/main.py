@@ -73,10 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes,
                         help="a request body over this gets 413 (default: %(default)s, 8 MiB)")
     parser.add_argument("--body-timeout-s", type=seconds, default=GatewaySettings.body_timeout_s,
-                        help="a request body not all read this long after its headers gets 408 and the "
-                             "connection closed; 0: no limit (default: %(default)g)")
+                        help="a request body not all read this long after its headers gets 408; 0: no limit "
+                             "(default: %(default)g)")
     parser.add_argument("--keepalive-timeout-s", type=seconds, default=GatewaySettings.keepalive_timeout_s,
-                        help="an idle client connection is closed after this (default: %(default)g)")
+                        help="an idle client connection (one that sent nothing, or all of its requests are "
+                             "answered) is closed after this; 0: once it has answered (default: %(default)g)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         type=str.upper, help="(default: INFO)")
     return parser
