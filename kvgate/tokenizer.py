@@ -17,6 +17,7 @@ wants a BOS writes `{{ bos_token }}` itself, so it is never doubled.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -191,7 +192,8 @@ class NotJsonText(ValueError):
 
 def loads_json_text(raw: bytes) -> Any:
     """A request body parsed as JSON text: strictly UTF-8 (RFC 8259), so neither a UTF-16 body nor a surrogate
-    in the bytes gets through, without NaN or Infinity, and nested within the parser's reach. The gateway and the engine both read
+    in the bytes gets through, without NaN, Infinity or a number past a float's range, and nested within the
+    parser's reach. The gateway and the engine both read
     bodies with it. Raises NotJsonText; a lone surrogate *escape* is `lone_surrogate_in`'s to find."""
     try:
         return _STRICT_JSON.decode(raw.decode("utf-8"))
@@ -207,8 +209,16 @@ def _not_json_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; one that overflows (1e999) is no more a number than Infinity is."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a float's range")
+    return value
+
+
 # One decoder for every body: json.loads with a keyword builds a new one per call (~1 us). It keeps no state.
-_STRICT_JSON = json.JSONDecoder(parse_constant=_not_json_constant)
+_STRICT_JSON = json.JSONDecoder(parse_constant=_not_json_constant, parse_float=_finite_float)
 
 
 def lone_surrogate_in(raw: bytes, value: Any) -> bool:

@@ -3,8 +3,8 @@
 The app owns its pool of upstream connections (`router.upstream`), its metrics registry and its wait
 queues; it starts the replica tracker on startup and closes it on cleanup (`cleanup_ctx`), and follows
 registry reloads when the registry source can be subscribed to (a `registry.watch.RegistryWatcher`). Serve
-it with an `AppRunner(app, handler_cancellation=True)` so a client that goes away cancels its upstream
-request (`router.main` does).
+it with `gateway_runner(app, ...)`, so that a client that goes away cancels its upstream request and idle
+connections close (`router.main` and `kvgate up` do).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class GatewayError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
-        self.close = close  # end the connection after the answer: the request's body was not (all) read
+        self.close = close  # no keep-alive after the answer (aiohttp may still read an unread body for up to 10 s)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -179,7 +179,9 @@ def canonical_prompt(body: Mapping[str, object], chat: bool | None = None) -> st
         return head + "".join(_render_message(m) for m in messages)
     if "prompt" in body and chat is not True:
         return _render_prompt(body["prompt"])
-    raise ValueError("the body has neither 'messages' (chat) nor 'prompt' (completions)")
+    if chat is None:
+        raise ValueError("the body has neither 'messages' (chat) nor 'prompt' (completions)")
+    raise ValueError(f"the body has no {'messages' if chat else 'prompt'!r}")
 
 
 def chain_root(adapter: str | None) -> int:

@@ -35,8 +35,8 @@ log = logging.getLogger("kvgate.router")
 # ~1-2 ms to encode, and the tokenizer releases the GIL meanwhile (kvgate.tokenizer), so the loop serves on.
 TOKENIZE_INLINE_MAX_CHARS = 4_096
 # Bodies larger than this are parsed, validated and cut into features on a worker thread: 8 MB of token ids
-# take ~0.7 s of CPU, which on the loop would stall every stream and health check meanwhile. The thread holds
-# the GIL too, but hands it back every few milliseconds, so the loop serves on at a lower rate.
+# take ~0.5 s of CPU. The thread holds the GIL too: json's C parser for all of its ~0.1 s, the Python that
+# validates and hashes only a few milliseconds at a time, so the loop serves on through most of it.
 OFF_LOOP_MIN_BYTES = 1 << 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -111,7 +111,7 @@ def _too_large(limit: int) -> GatewayError:
 async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     settings = request.app[SETTINGS_KEY]
     if request.content_length is not None and request.content_length > settings.max_body_bytes:
-        raise _too_large(settings.max_body_bytes)  # at once: not after reading it (Expect: 100-continue too)
+        raise _too_large(settings.max_body_bytes)  # at once, not after reading it
     try:
         if request.content.is_eof():  # it came with the headers, as most do: no timer needed
             raw = await request.read()
@@ -123,8 +123,9 @@ async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     except TimeoutError as exc:  # a stalled client, or a chunked body that broke after its first chunk
         raise GatewayError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s",
                            type="RequestTimeoutError", code="body_timeout", close=True) from exc
-    except (BadHttpMessage, web.RequestPayloadError) as exc:  # a Content-Encoding that does not decode, a bad chunk
+    except (BadHttpMessage, web.RequestPayloadError) as exc:  # a Content-Encoding that does not decode
         detail = str(exc).splitlines()[-1].strip()  # aiohttp's text: "400, message:\n  Can not decode ..."
+        request.content.feed_eof()  # nothing more to read: else aiohttp reads on, meets it again and logs an ERROR
         raise GatewayError(400, f"the request body could not be read: {detail}", type="BadRequestError",
                            code="invalid_body", close=True) from exc
     return raw, await _off_loop(len(raw), _parse_json, raw)
@@ -184,14 +185,13 @@ def _is_prompt(prompt: object) -> bool:
     return isinstance(prompt, list) and all(isinstance(p, str) or token_ids(p) for p in prompt)
 
 
-async def _engine_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer, chat: bool) -> list[int] | None:
-    """The prompt's tokens as its engines compute them (`prompt_tokens`); a long prompt on a thread, so
-    that the event loop, serving every stream, does not wait for the tokenizer."""
+async def _engine_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer, chat: bool,
+                            body_bytes: int) -> list[int] | None:
+    """The prompt's tokens as its engines compute them (`prompt_tokens`); a long prompt (judged by the body's
+    size, which bounds it) on a thread, so that the event loop, serving every stream, does not wait for the
+    tokenizer."""
     try:
-        source = body.get("messages") if chat else body.get("prompt")
-        size = (sum(len(str(m.get("content", ""))) for m in source if isinstance(m, dict))
-                if chat and isinstance(source, list) else len(str(source)))
-        if size > TOKENIZE_INLINE_MAX_CHARS:
+        if body_bytes > TOKENIZE_INLINE_MAX_CHARS:
             return await asyncio.to_thread(prompt_token_ids, body, tokenizer, chat)
         return prompt_token_ids(body, tokenizer, chat)
     except Exception:  # a template that trips on odd input: route on text; the engine answers the request itself
@@ -237,7 +237,7 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
     sequence[model] += 1
     tracker = app[TRACKER_KEY]
     chain = tracker.kv_chain(model) if routing.policy is RoutingPolicy.CACHE_AWARE and routing.kv_events else None
-    token_ids = await _engine_token_ids(body, chain.tokenizer, chat) if chain is not None else None
+    token_ids = await _engine_token_ids(body, chain.tokenizer, chat, len(raw)) if chain is not None else None
     try:
         route = await _off_loop(len(raw), build_route_request, body, model,
                                 adapter.metadata.name if adapter else None, routing.prefix_chunk_chars,

@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a request body not all read this long after its headers gets 408; 0: no limit "
                              "(default: %(default)g)")
     parser.add_argument("--keepalive-timeout-s", type=seconds, default=GatewaySettings.keepalive_timeout_s,
-                        help="an idle client connection (one that sent nothing, or all of its requests are "
-                             "answered) is closed after this; 0: once it has answered (default: %(default)g)")
+                        help="an idle client connection (one that sent nothing or part of its headers, or "
+                             "whose requests are all answered) is closed after this (default: %(default)g)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         type=str.upper, help="(default: INFO)")
     return parser

@@ -23,7 +23,7 @@ from kvgate.state import MemberRecord, MemoryStateStore, ReplicaState
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
 from loadtests.sim_replica_model import SchedulerSpec
 from registry.watch import RegistryWatcher
-from router.app import GatewaySettings, build_app
+from router.app import GatewaySettings, build_app, gateway_runner
 from router.replicas import ReplicaTracker
 
 MODEL = "tiny-llama"  # the name a `kvgate engine` on builtin:tiny-llama serves, so sims and engines mix
@@ -128,8 +128,7 @@ async def dashboard_stack(tmp_path: Path, *, num_replicas: int = 2, admin_token:
         tracker = ReplicaTracker(clock=clock, store=store, poll_interval_s=0.25, health_interval_s=5.0,
                                  prefix_chunk_chars=64)
         settings = GatewaySettings(admin_token=admin_token, dashboard_sample_interval_s=sample_interval_s)
-        runner = web.AppRunner(build_app(settings, tracker, watcher, clock, store), handler_cancellation=True,
-                               access_log=None, shutdown_timeout=0.5)
+        runner = gateway_runner(build_app(settings, tracker, watcher, clock, store), shutdown_timeout_s=0.5)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         host, port = runner.addresses[0][:2]

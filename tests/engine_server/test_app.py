@@ -159,6 +159,8 @@ async def test_errors_are_openai_error_objects_with_their_status(engine: AsyncLL
             ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
              400, "invalid_json"),  # the same surrogate as UTF-8 bytes: not UTF-8
             ("/v1/completions", '{"model": "tiny", "prompt": "x"}'.encode("utf-16"), 400, "invalid_json"),
+            ("/v1/completions", b'{"model": "tiny", "prompt": "x", "user": NaN}', 400, "invalid_json"),  # not JSON
+            ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": 1e999}', 400, "invalid_json"),  # inf
         ]
         for path, body, status, code in cases:
             response = await client.post(path, data=body, headers={"Content-Type": "application/json"})

@@ -261,6 +261,7 @@ async def test_a_replicas_answer_keeps_its_own_content_type(tmp_path: Path) -> N
     ('{"model": "m", "messages": [{"role": "user", "content": "x"}]}'.encode("utf-16"), 400, "invalid_json"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "invalid_json"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": -Infinity}', 400, "invalid_json"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 1e999}', 400, "invalid_json"),
 ])
 async def test_bad_input_gets_an_openai_error_object(tmp_path: Path, body: bytes, status: int, code: str) -> None:
     async with gateway(tmp_path, num_replicas=1, settings=GatewaySettings(max_body_bytes=4096)) as gw:

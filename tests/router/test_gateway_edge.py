@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 
 from router import handlers
 from router.keys import GatewaySettings
-from tests.router.sim_gateway import chat, gateway
+from tests.router.sim_gateway import chat, gateway, hand_written_replica
 
 CHAT = json.dumps(chat("hello")).encode()
 
@@ -67,12 +70,14 @@ async def test_nesting_just_within_the_parsers_reach_is_a_400_not_a_500(tmp_path
         assert statuses[700] == 200 and statuses[1099] == 400
 
 
-async def test_a_body_that_does_not_decode_is_a_400(tmp_path: Path) -> None:
+async def test_a_body_that_does_not_decode_is_a_400(tmp_path: Path, caplog) -> None:
     async with gateway(tmp_path, num_replicas=1) as gw:
         for encoding in ("gzip", "deflate", "br"):
             status, headers, text = await gw.post("/v1/chat/completions", CHAT, {"Content-Encoding": encoding})
             assert status == 400, (encoding, text)
             assert json.loads(text)["error"]["code"] == "invalid_body"
+    # Answered, not an error of the gateway's: no ERROR (with a traceback) per such request in its log.
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-500:]
 
 
 async def test_a_body_over_the_limit_is_refused_before_it_is_sent(tmp_path: Path) -> None:
@@ -83,6 +88,8 @@ async def test_a_body_over_the_limit_is_refused_before_it_is_sent(tmp_path: Path
         assert not answer.startswith(b"HTTP/1.1 100"), answer[:80]
         status, error = status_and_error(answer)
         assert status == 413 and error["code"] == "request_too_large"
+        answer = await exchange(gw.url, head("/v1/chat/completions", "Content-Length: 9437184"), timeout_s=1.0)
+        assert status_and_error(answer)[0] == 413  # without Expect too: not after waiting for the body
 
 
 async def test_a_body_that_stalls_gets_408_and_the_connection_closes(tmp_path: Path) -> None:
@@ -92,6 +99,7 @@ async def test_a_body_that_stalls_gets_408_and_the_connection_closes(tmp_path: P
                                 timeout_s=1.5)
         status, error = status_and_error(answer)
         assert status == 408 and error["code"] == "body_timeout"
+        assert b"\r\nConnection: close\r\n" in answer  # the rest of the body is not waited for
         # A chunked body whose second chunk is malformed once the handler reads: an answer, not a hang.
         answer = await exchange(gw.url, head("/v1/chat/completions", "Transfer-Encoding: chunked") + b'5\r\n{"mod\r\n',
                                 then=b"zz\r\nabc\r\n0\r\n\r\n", after_s=0.1, timeout_s=1.5)
@@ -129,18 +137,42 @@ async def test_an_http_1_0_stream_ends_with_the_connection(tmp_path: Path) -> No
         assert not answer.endswith(b"<still open>")
 
 
-async def test_a_client_that_leaves_a_non_streamed_request_is_counted_as_gone(tmp_path: Path) -> None:
-    async with gateway(tmp_path, num_replicas=1) as gw:
-        sim = gw.sims[0]
-        await gw.fail(sim, mode="slow_first_byte", slow_first_byte_s=2.0)
-        request = head("/v1/chat/completions", f"Content-Length: {len(CHAT)}", "Content-Type: application/json")
-        await exchange(gw.url, request + CHAT, timeout_s=0.3)  # leaves while the replica has not answered
+async def client_gone_count(url: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvgate_router_requests_total") and 'outcome="client_gone"' in line)
+
+
+async def test_a_client_that_leaves_before_the_answer_is_counted_as_gone(tmp_path: Path) -> None:
+    """Whether the replica has not answered, has sent the head of a non-streamed answer, or has opened a
+    stream without its first event: the attempt's outcome is client_gone, once."""
+    async def head_then_stall(request: web.Request) -> web.StreamResponse:
+        stream = request.path.endswith("/completions") and not request.path.endswith("chat/completions")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream" if stream else "application/json"})
+        if not stream:
+            response.content_length = 1000
+        await response.prepare(request)
+        if not stream:
+            await response.write(b'{"id": "x", ')
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(0.05)  # until the gateway drops the attempt
+        return response
+
+    request = head("/v1/chat/completions", f"Content-Length: {len(CHAT)}", "Content-Type: application/json")
+    async with gateway(tmp_path, num_replicas=1) as gw:  # a replica that has not answered
+        await gw.fail(gw.sims[0], mode="slow_first_byte", slow_first_byte_s=2.0)
+        await exchange(gw.url, request + CHAT, timeout_s=0.3)
         await asyncio.sleep(0.2)
-        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
-            text = await r.text()
-        gone = [line for line in text.splitlines()
-                if line.startswith("kvgate_router_requests_total") and 'outcome="client_gone"' in line]
-        assert gone and gone[0].endswith(" 1.0"), gone
+        assert await client_gone_count(gw.url) == 1
+    async with hand_written_replica(chat_completions=head_then_stall, completions=head_then_stall) as url:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
+            await exchange(gw.url, request + CHAT, timeout_s=0.3)  # the head of a non-streamed answer came
+            completion = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True}).encode()
+            await exchange(gw.url, head("/v1/completions", f"Content-Length: {len(completion)}") + completion,
+                           timeout_s=0.3)  # a stream opened, no event yet
+            await asyncio.sleep(0.2)
+            assert await client_gone_count(gw.url) == 2
 
 
 async def test_a_large_body_is_read_off_the_loop_with_the_same_answers(tmp_path: Path, monkeypatch) -> None:
@@ -148,12 +180,23 @@ async def test_a_large_body_is_read_off_the_loop_with_the_same_answers(tmp_path:
     `handlers.OFF_LOOP_MIN_BYTES` up run on a worker thread, with the same answers and errors as on the loop.
     (The threshold is lowered here: the simulated replica takes at most 1 MiB.)"""
     monkeypatch.setattr(handlers, "OFF_LOOP_MIN_BYTES", 64 << 10)
+    threads = []
+
+    def build_route_request(*args: object, **kwargs: object) -> object:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real_build(*args, **kwargs)
+
+    real_build = handlers.build_route_request
+    monkeypatch.setattr(handlers, "build_route_request", build_route_request)
     async with gateway(tmp_path, num_replicas=1) as gw:
         ids = [7] * 40_000  # ~120 KB of JSON
         body = json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode()
         assert len(body) > handlers.OFF_LOOP_MIN_BYTES
         status, _, text = await gw.post("/v1/completions", body)
         assert status == 200, text[:300]
+        status, _, text = await gw.post("/v1/completions", json.dumps({"model": "m", "prompt": "hi"}).encode())
+        assert status == 200, text[:300]
+        assert threads == [False, True]  # the large body on a worker thread, the small one on the loop
         for bad, code in ((ids + ["x"], "invalid_type"), (ids + [float("nan")], "invalid_json")):
             body = json.dumps({"model": "m", "prompt": bad, "max_tokens": 1}).encode()
             status, _, text = await gw.post("/v1/completions", body)

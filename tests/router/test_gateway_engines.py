@@ -312,7 +312,7 @@ async def test_token_ids_the_block_hash_cannot_take_are_the_engines_400_not_a_ga
                 body = {"model": SERVED, "prompt": "Hi", "messages": messages, "max_tokens": 1}
                 async with s.post(gw.url + "/v1/completions", json=body) as response:
                     assert response.status == 200, (messages, await response.text())
-                    assert (await response.json())["usage"]["prompt_tokens"] == 3  # "Hi" as the engine tokenizes it, not the messages
+                    assert (await response.json())["usage"]["prompt_tokens"] == 3  # "Hi", not the messages
 
 
 async def test_a_tokenizer_that_counts_differently_from_the_engine_is_dropped_and_fetched_again(
