@@ -193,11 +193,11 @@ class NotJsonText(ValueError):
 def loads_json_text(raw: bytes) -> Any:
     """A request body parsed as JSON text: strictly UTF-8 (RFC 8259), so neither a UTF-16 body nor a surrogate
     in the bytes gets through, without NaN, Infinity or a number past a float's range, and nested within the
-    parser's reach. The gateway and the engine both read
-    bodies with it. Raises NotJsonText; a lone surrogate *escape* is `lone_surrogate_in`'s to find."""
+    parser's reach. The gateway and the engine both read bodies with it. Raises NotJsonText; a lone surrogate
+    *escape* is `lone_surrogate_in`'s to find."""
     try:
         return _STRICT_JSON.decode(raw.decode("utf-8"))
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN or Infinity
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN, Infinity or 1e999
         raise NotJsonText(f"not valid JSON: {exc}") from exc
     except RecursionError as exc:  # arrays or objects nested past the interpreter's recursion limit
         raise NotJsonText("nested too deeply to parse") from exc

@@ -97,9 +97,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def expect_within_limit(request: web.Request) -> web.StreamResponse | None:
     """`Expect: 100-continue`: a body its Content-Length puts over the limit is refused (413) before the client
     sends it, instead of a 100 Continue; anything else as aiohttp answers it."""
-    limit = request.app[SETTINGS_KEY].max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        return error_response(_too_large(limit))
+    refused = _declared_too_large(request)
+    if refused is not None:
+        return error_response(refused)
     return await _default_expect_handler(request)
 
 
@@ -108,10 +108,17 @@ def _too_large(limit: int) -> GatewayError:
                         type="RequestTooLargeError", code="request_too_large", close=True)
 
 
+def _declared_too_large(request: web.Request) -> GatewayError | None:
+    """The 413 for a body whose Content-Length is over the limit, to answer before reading it; else None."""
+    limit = request.app[SETTINGS_KEY].max_body_bytes
+    return _too_large(limit) if request.content_length is not None and request.content_length > limit else None
+
+
 async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     settings = request.app[SETTINGS_KEY]
-    if request.content_length is not None and request.content_length > settings.max_body_bytes:
-        raise _too_large(settings.max_body_bytes)  # at once, not after reading it
+    refused = _declared_too_large(request)
+    if refused is not None:
+        raise refused
     try:
         if request.content.is_eof():  # it came with the headers, as most do: no timer needed
             raw = await request.read()

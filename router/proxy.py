@@ -163,6 +163,9 @@ class Proxy:
                                                predict_blocks=on_blocks)
             try:
                 return await self._attempt(request, preq, replica_id, decision, lease)
+            except asyncio.CancelledError:  # the client went away (handler cancellation), at any point of the attempt
+                self._count(model, replica_id, "client_gone")
+                raise
             except AttemptFailed as failure:
                 self.tracker.report_failure(replica_id)
                 self._count(model, replica_id, failure.outcome)
@@ -223,9 +226,6 @@ class Proxy:
             raise AttemptFailed("timeout", f"replica {replica_id}: no answer in time ({type(exc).__name__})") from exc
         except UpstreamError as exc:
             raise AttemptFailed("connect_error", f"replica {replica_id}: {exc}") from exc
-        except asyncio.CancelledError:  # the client went away while the replica had not answered
-            self._count(preq.route.model, replica_id, "client_gone")
-            raise
         finished = False
         try:
             if upstream.status >= 500:
@@ -237,11 +237,7 @@ class Proxy:
                 remaining_s = routing.first_byte_timeout_s - (self.clock.now() - started)
                 response = await self._stream(request, preq, upstream, replica_id, decision, remaining_s, lease)
             else:
-                try:
-                    response = await self._buffered(preq, upstream, replica_id, decision)
-                except asyncio.CancelledError:  # the client went away before the whole answer came
-                    self._count(preq.route.model, replica_id, "client_gone")
-                    raise
+                response = await self._buffered(preq, upstream, replica_id, decision)
             finished = True
             return response
         finally:
@@ -291,9 +287,6 @@ class Proxy:
         upstream read, never a growing buffer)."""
         try:
             first = await upstream.read(first_byte_s)
-        except asyncio.CancelledError:  # the client went away before the first event
-            self._count(preq.route.model, replica_id, "client_gone")
-            raise
         except TimeoutError as exc:
             raise AttemptFailed("timeout", f"replica {replica_id}: no first event in time") from exc
         except UpstreamError as exc:
@@ -328,11 +321,8 @@ class Proxy:
                 if not chunk:
                     break
         except ConnectionResetError:  # the client went away: the caller's close() aborts the upstream
-            self._count(model, replica_id, "client_gone")
+            self._count(model, replica_id, "client_gone")  # (seen as handler cancellation: counted in forward)
             return response
-        except asyncio.CancelledError:  # the same, seen as handler cancellation
-            self._count(model, replica_id, "client_gone")
-            raise
         except (TimeoutError, UpstreamError) as exc:
             timed_out = isinstance(exc, TimeoutError)
             self.tracker.report_failure(replica_id)
