@@ -1,5 +1,5 @@
 """`python -m autoscaler`: the same as `kvgate autoscaler`."""
 
-from autoscaler.main import main
+from kvgate.autoscaler.main import main
 
 raise SystemExit(main())

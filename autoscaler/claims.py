@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvgate.state import StateStore, StoredRecord, VersionConflict
-from providers.base import CapacityType, NodeClaim, OfferingKey, ReplicaSpec
+from kvgate.providers.base import CapacityType, NodeClaim, OfferingKey, ReplicaSpec
 
 CLAIMS = "claims"
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from autoscaler.observe import GatewayTotals
-from autoscaler.scaler import ModelObservation
-from autoscaler.status import NodeStatus
+from kvgate.autoscaler.observe import GatewayTotals
+from kvgate.autoscaler.scaler import ModelObservation
+from kvgate.autoscaler.status import NodeStatus
 from kvgate.state import MemberRecord
 from kvgate.state import ReplicaState as MemberState
-from providers.base import Node, ReplicaHandle, ReplicaState
-from registry.schema import ModelDoc
-from registry.snapshot import Snapshot
+from kvgate.providers.base import Node, ReplicaHandle, ReplicaState
+from kvgate.registry.schema import ModelDoc
+from kvgate.registry.snapshot import Snapshot
 
 
 def model_observation(model: str, totals: GatewayTotals | None, replicas: Iterable[ReplicaHandle],

@@ -42,11 +42,11 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from autoscaler.claims import ClaimConflict, ClaimStore
-from autoscaler.fleet import (Backoff, autoscaled_models, cold_start_s, member_record, model_observation, node_statuses,
+from kvgate.autoscaler.claims import ClaimConflict, ClaimStore
+from kvgate.autoscaler.fleet import (Backoff, autoscaled_models, cold_start_s, member_record, model_observation, node_statuses,
                              retired_record)
-from autoscaler.observe import read_gateway_totals
-from autoscaler.planner import (
+from kvgate.autoscaler.observe import read_gateway_totals
+from kvgate.autoscaler.planner import (
     CreateNode,
     DeleteNode,
     NodeAction,
@@ -58,8 +58,8 @@ from autoscaler.planner import (
     note_insufficient_capacity,
     plan_nodes,
 )
-from autoscaler.reconciler import FaultHook, Fleet, Reconciler
-from autoscaler.settings import (  # re-exported: the loop's public surface
+from kvgate.autoscaler.reconciler import FaultHook, Fleet, Reconciler
+from kvgate.autoscaler.settings import (  # re-exported: the loop's public surface
     AutoscalerSettings,
     FixedSnapshot,
     ProviderFactory,
@@ -67,8 +67,8 @@ from autoscaler.settings import (  # re-exported: the loop's public surface
     default_holder,
     provider_factory_for,
 )
-from autoscaler.scaler import ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
-from autoscaler.status import (
+from kvgate.autoscaler.scaler import ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
+from kvgate.autoscaler.status import (
     STATUS_COLLECTION,
     STATUS_ID,
     Event,
@@ -82,8 +82,8 @@ from autoscaler.status import (
 from kvgate.clock import Clock
 from kvgate.state import MemberRecord, StateStore, StateStoreError
 from kvgate.state import ReplicaState as MemberState
-from providers.base import NodeState, Offering, Provider, ProviderError, ReplicaHandle, ReplicaState, replica_spec_for
-from registry.snapshot import Snapshot
+from kvgate.providers.base import NodeState, Offering, Provider, ProviderError, ReplicaHandle, ReplicaState, replica_spec_for
+from kvgate.registry.snapshot import Snapshot
 
 __all__ = ["LEASE_NAME", "Autoscaler", "AutoscalerSettings", "FixedSnapshot", "ProviderFactory", "SnapshotSource",
            "TickReport", "default_holder", "provider_factory_for"]

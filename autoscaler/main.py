@@ -16,12 +16,12 @@ import logging
 import signal
 import sys
 
-from autoscaler.argtypes import positive_float
-from autoscaler.loop import Autoscaler, AutoscalerSettings, default_holder, provider_factory_for
+from kvgate.autoscaler.argtypes import positive_float
+from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings, default_holder, provider_factory_for
 from kvgate.clock import RealClock
 from kvgate.state import StateStoreError, open_state_store
-from registry.problems import RegistryInvalid
-from registry.watch import RegistryWatcher
+from kvgate.registry.problems import RegistryInvalid
+from kvgate.registry.watch import RegistryWatcher
 
 log = logging.getLogger("kvgate.autoscaler")
 

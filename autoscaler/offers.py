@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from providers.base import CapacityType, Offering, OfferingKey
-from registry.schema import CPU_KIND, ModelDoc, PoolSpec
+from kvgate.providers.base import CapacityType, Offering, OfferingKey
+from kvgate.registry.schema import CPU_KIND, ModelDoc, PoolSpec
 
 
 def units_per_replica(model: ModelDoc) -> int:

@@ -34,11 +34,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Union
 
-from autoscaler.offers import PoolUsage, cheapest, compatible, node_units, units_per_replica
-from providers.base import (CapacityType, Node, NodeClaim, NodeState, Offering, OfferingKey, ReplicaHandle,
+from kvgate.autoscaler.offers import PoolUsage, cheapest, compatible, node_units, units_per_replica
+from kvgate.providers.base import (CapacityType, Node, NodeClaim, NodeState, Offering, OfferingKey, ReplicaHandle,
                             ReplicaState)
-from registry.schema import ModelDoc
-from registry.snapshot import Snapshot
+from kvgate.registry.schema import ModelDoc
+from kvgate.registry.snapshot import Snapshot
 
 # The claim label that says how many replicas of `claim.model` the node was bought for, so a
 # restarted planner (which lost its memory) still knows the node's room is spoken for.

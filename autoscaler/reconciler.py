@@ -32,10 +32,10 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from autoscaler.claims import ClaimConflict, ClaimPhase, ClaimRecord, ClaimStore
-from autoscaler.status import Event, EventKind
+from kvgate.autoscaler.claims import ClaimConflict, ClaimPhase, ClaimRecord, ClaimStore
+from kvgate.autoscaler.status import Event, EventKind
 from kvgate.clock import Clock
-from providers.base import (
+from kvgate.providers.base import (
     InsufficientCapacity,
     Node,
     NodeClaim,

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from autoscaler.forecast import ForecastSettings, ForecastState, forecast_rate, observe_rate
-from registry.schema import ModelDoc, Scaling
+from kvgate.autoscaler.forecast import ForecastSettings, ForecastState, forecast_rate, observe_rate
+from kvgate.registry.schema import ModelDoc, Scaling
 
 # ceil(16.000000001 / 8) must be 2, not 3: float sums over a window drift in the last bits.
 _EPS = 1e-9

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from autoscaler.observe import DEFAULT_MAX_AGE_S
-from autoscaler.planner import PlannerSettings
+from kvgate.autoscaler.observe import DEFAULT_MAX_AGE_S
+from kvgate.autoscaler.planner import PlannerSettings
 from kvgate.clock import Clock
-from providers.base import Provider
-from registry.schema import PoolDoc
-from registry.snapshot import Snapshot
+from kvgate.providers.base import Provider
+from kvgate.registry.schema import PoolDoc
+from kvgate.registry.snapshot import Snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ ProviderFactory = Callable[[str, PoolDoc], Provider]
 
 def provider_factory_for(cluster: str, clock: Clock, **options: object) -> ProviderFactory:
     """A factory that builds each pool's provider with `providers.build.build_provider`."""
-    from providers.build import build_provider
+    from kvgate.providers.build import build_provider
 
     def build(pool_name: str, pool: PoolDoc) -> Provider:
         return build_provider(pool_name, pool.spec, cluster=cluster, clock=clock, **options)

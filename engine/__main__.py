@@ -1,5 +1,5 @@
 """`python -m engine ...`: the replica server, as `kvgate engine ...`."""
 
-from engine.server.main import main
+from kvgate.engine.server.main import main
 
 raise SystemExit(main())

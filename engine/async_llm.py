@@ -22,10 +22,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.block_manager import KVEvent
-from engine.core import EngineConfig, EngineCore, EngineStats, TokenDelta
-from engine.lora import AdapterInfo
-from engine.sequence import SamplingParams
+from kvgate.engine.block_manager import KVEvent
+from kvgate.engine.core import EngineConfig, EngineCore, EngineStats, TokenDelta
+from kvgate.engine.lora import AdapterInfo
+from kvgate.engine.sequence import SamplingParams
 
 log = logging.getLogger("kvgate.engine")
 T = TypeVar("T")

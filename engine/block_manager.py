@@ -38,7 +38,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from kvgate.engine.sequence import Sequence
 from kvgate.kv_blocks import ROOT_BLOCK_HASH, hash_block, hash_blocks  # noqa: F401  (re-exported)
 
 @dataclass(frozen=True)

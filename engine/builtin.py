@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
 
-from engine.builtin_models import build_smollm2_135m, build_tiny_llama
+from kvgate.engine.builtin_models import build_smollm2_135m, build_tiny_llama
 
 BUILTIN_PREFIX = "builtin:"
 CACHE_DIR_ENV = "KVGATE_CACHE_DIR"

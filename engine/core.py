@@ -21,13 +21,13 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.block_manager import BlockManager
-from engine.builtin import default_cache_dir, resolve_model_source
-from engine.detokenizer import IncrementalDetokenizer
-from engine.lora import AdapterInfo, AdapterManager, UnknownAdapter
-from engine.lora.source import fetch_adapter
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, ModelInput, ModelOutput, SampledToken, SamplingParams, Sequence
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.builtin import default_cache_dir, resolve_model_source
+from kvgate.engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.lora import AdapterInfo, AdapterManager, UnknownAdapter
+from kvgate.engine.lora.source import fetch_adapter
+from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.sequence import FinishReason, ModelInput, ModelOutput, SampledToken, SamplingParams, Sequence
 from kvgate.tokenizer import Tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -121,8 +121,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         # torch is imported here, inside the runner package, never at engine import time.
-        from engine.runner.runner import ModelRunner
-        from engine.runner.sampler import Sampler
+        from kvgate.engine.runner.runner import ModelRunner
+        from kvgate.engine.runner.sampler import Sampler
 
         self.config = config
         model_dir = resolve_model_source(config.model, config.cache_dir)

@@ -1,6 +1,6 @@
 """The offline API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`.
 
-    from engine import LLM, SamplingParams
+    from kvgate.engine import LLM, SamplingParams
     llm = LLM("builtin:smollm2-135m")
     [out] = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=16, temperature=0))
     out.text, out.token_ids, out.num_cached_tokens, out.finish_reason
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from engine.core import DEFAULT_KV_CACHE_BYTES, EngineConfig, EngineCore, RequestOutput
-from engine.sequence import SamplingParams
+from kvgate.engine.core import DEFAULT_KV_CACHE_BYTES, EngineConfig, EngineCore, RequestOutput
+from kvgate.engine.sequence import SamplingParams
 from kvgate.tokenizer import Tokenizer
 
 Prompt = str | Seq[int]

@@ -30,8 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.block_manager import BlockManager
-from engine.sequence import (FinishReason, ModelInput, ModelOutput, SampledToken, ScheduledSeq,
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.sequence import (FinishReason, ModelInput, ModelOutput, SampledToken, ScheduledSeq,
                              Sequence, SequenceStatus)
 
 

@@ -53,9 +53,9 @@ from pathlib import Path
 
 import grpc
 
-from engine.async_llm import AsyncLLM, EngineDead
-from engine.block_manager import BlockStored, KVEvent
-from engine.core import EngineStats
+from kvgate.engine.async_llm import AsyncLLM, EngineDead
+from kvgate.engine.block_manager import BlockStored, KVEvent
+from kvgate.engine.core import EngineStats
 from kvgate.tokenizer import TOKENIZER_FILES
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 

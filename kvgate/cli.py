@@ -7,7 +7,8 @@ import functools
 import importlib
 import sys
 
-from registry import cli as registry_cli
+from kvgate import __version__
+from kvgate.registry import cli as registry_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvgate",
         description="kvgate: a cache-aware, multi-cloud inference router and autoscaler for LLM fleets.",
     )
+    parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     registry = commands.add_parser(
         "registry", help="validate, diff (plan) and export the schema of a registry",
@@ -32,12 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 # lists the engine's options): name -> (module, one-line help, whose options). The module is imported
 # only when its subcommand runs, so that the other subcommands never import torch.
 FORWARDED = {
-    "engine": ("engine.server.main", "serve one model over the OpenAI API (a replica)", "the replica server's"),
-    "router": ("router.main", "run the cache-aware OpenAI gateway", "the gateway's"),
-    "autoscaler": ("autoscaler.main", "run the control loops: replicas per model, nodes per pool",
+    "engine": ("kvgate.engine.server.main", "serve one model over the OpenAI API (a replica)", "the replica server's"),
+    "router": ("kvgate.router.main", "run the cache-aware OpenAI gateway", "the gateway's"),
+    "autoscaler": ("kvgate.autoscaler.main", "run the control loops: replicas per model, nodes per pool",
                    "the autoscaler's"),
     "up": ("kvgate.stack", "run the whole stack on this machine: gateway, autoscaler, engine replicas", "its"),
-    "sim": ("autoscaler.sim.cli", "replay a request trace against the autoscaler and baselines",
+    "sim": ("kvgate.autoscaler.sim.cli", "replay a request trace against the autoscaler and baselines",
             "the simulator's"),
 }
 

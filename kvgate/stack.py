@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoscaler.argtypes import positive_float
+from kvgate.autoscaler.argtypes import positive_float
 from kvgate.clock import Clock, RealClock
 from kvgate.state import MemberRecord, MemoryStateStore, ReplicaState
-from registry.problems import Problem, RegistryInvalid
-from registry.snapshot import Snapshot
+from kvgate.registry.problems import Problem, RegistryInvalid
+from kvgate.registry.snapshot import Snapshot
 
 log = logging.getLogger("kvgate.up")
 
@@ -160,9 +160,9 @@ def failed_models_of(status: Mapping[str, Any] | None) -> set[str]:
 async def serve(settings: UpSettings, clock: Clock | None = None) -> int:
     """Run the stack until SIGINT/SIGTERM; returns the exit status (0 after a clean stop, 1 when the
     registry is invalid, the port is taken or a model cannot be prepared: nothing is left running)."""
-    from router.app import GatewaySettings, build_app, gateway_runner
-    from router.replicas import ReplicaTracker  # grpc: imported only when serving
-    from registry.watch import RegistryWatcher
+    from kvgate.router.app import GatewaySettings, build_app, gateway_runner
+    from kvgate.router.replicas import ReplicaTracker  # grpc: imported only when serving
+    from kvgate.registry.watch import RegistryWatcher
 
     clock = clock or RealClock()
     stop = asyncio.Event()
@@ -243,7 +243,7 @@ async def _listen(runner: Any, host: str, port: int) -> None:
 async def _prepare_models(snapshot: Snapshot, cache_dir: Path | None, stop: asyncio.Event) -> bool:
     """Build or download every builtin model into the cache before replicas start (they would each do
     it, and a first download takes a minute). False when one fails (logged) or a stop came first."""
-    from engine.builtin import BUILTIN_PREFIX, ModelSourceError, default_cache_dir, resolve_model_source
+    from kvgate.engine.builtin import BUILTIN_PREFIX, ModelSourceError, default_cache_dir, resolve_model_source
 
     cache = cache_dir or default_cache_dir()
     models_of: dict[str, list[str]] = {}  # several models may share one source: prepared once
@@ -273,9 +273,9 @@ async def _prepare_models(snapshot: Snapshot, cache_dir: Path | None, stop: asyn
 
 
 def _build_autoscaler(watcher: Any, store: MemoryStateStore, clock: Clock, settings: UpSettings) -> Any:
-    from autoscaler.loop import Autoscaler, AutoscalerSettings
-    from providers.build import build_provider
-    from registry.schema import PoolDoc, Provider as ProviderKind
+    from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings
+    from kvgate.providers.build import build_provider
+    from kvgate.registry.schema import PoolDoc, Provider as ProviderKind
 
     def provider_for(pool_name: str, pool: PoolDoc) -> Any:
         # Only local pools run engines here and need the model cache; cloud pools take no options.
@@ -290,7 +290,7 @@ def _build_autoscaler(watcher: Any, store: MemoryStateStore, clock: Clock, setti
 
 
 async def _report_progress(store: MemoryStateStore, snapshot: Snapshot, settings: UpSettings) -> None:
-    from autoscaler.status import STATUS_COLLECTION, STATUS_ID
+    from kvgate.autoscaler.status import STATUS_COLLECTION, STATUS_ID
 
     wanted = {name: doc.spec.scaling.min_replicas for name, doc in snapshot.models.items()
               if doc.spec.scaling.min_replicas > 0 and not doc.spec.routing.static_replicas}
@@ -308,7 +308,7 @@ async def _report_progress(store: MemoryStateStore, snapshot: Snapshot, settings
 
 async def _release(autoscaler: Any) -> None:
     """Drain and stop every replica and release every node; then make sure no replica is listed."""
-    from providers.base import ProviderError
+    from kvgate.providers.base import ProviderError
 
     started = time.monotonic()
     try:
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level != "DEBUG":
         # The gateway retries a starting engine's state stream (each refusal a warning) until the model has
         # loaded: noise here, where the progress lines and the autoscaler's events say how replicas are.
-        logging.getLogger("router.sources").setLevel(logging.ERROR)
+        logging.getLogger("kvgate.router.sources").setLevel(logging.ERROR)
     settings = UpSettings(registry=args.registry, host=args.host, port=args.port, cache_dir=args.cache_dir,
                           interval_s=args.interval_s, drain_timeout_s=args.drain_timeout_s,
                           admin_token=args.admin_token or None)

@@ -50,7 +50,7 @@ def median_of(runs: int, fn) -> tuple[float, list[float]]:
 
 def bench_ours(model_dir: Path, dtype: str, batch: int, prompts: list[list[int]], new_tokens: int,
                repeats: int) -> dict:
-    from engine import LLM, SamplingParams
+    from kvgate.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, max_num_seqs=max(16, batch),
               enable_prefix_caching=False)  # throughput without cache help: every run computes everything
@@ -67,7 +67,7 @@ def bench_ours(model_dir: Path, dtype: str, batch: int, prompts: list[list[int]]
 
 def bench_ours_prefix(model_dir: Path, dtype: str, vocab: int, repeats: int) -> dict:
     """TTFT of a 1,024-token prompt cold vs after a prompt sharing its first 922 tokens (90%) ran."""
-    from engine import LLM, SamplingParams
+    from kvgate.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, enable_prefix_caching=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -99,7 +99,7 @@ def bench_ours_burst(model_dir: Path, dtype: str, vocab: int, repeats: int) -> d
     before the first step. Each request's time to first token, and the engine steps the burst took (4 new
     tokens each)."""
     num_requests, shared_tokens, own_tokens = BURST_REQUESTS, BURST_SHARED_TOKENS, BURST_OWN_TOKENS
-    from engine import LLM, SamplingParams
+    from kvgate.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, max_num_seqs=max(16, num_requests),
               enable_prefix_caching=True)
@@ -214,8 +214,8 @@ def main() -> int:
     if args.quick:
         args.repeats, args.new_tokens = 1, 32
 
-    from engine.builtin import resolve_model_source
-    from engine.config import load_model_config
+    from kvgate.engine.builtin import resolve_model_source
+    from kvgate.engine.config import load_model_config
 
     model_dir = resolve_model_source(args.model)
     vocab = load_model_config(model_dir).vocab_size

@@ -255,7 +255,7 @@ def run_driver(args: argparse.Namespace) -> None:
     try:
         wait_healthy(backend_url + "/health", processes[0])
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", "router", "--registry", str(registry_dir), "--port", str(gateway_port),
+            [sys.executable, "-m", "kvgate.router", "--registry", str(registry_dir), "--port", str(gateway_port),
              "--log-level", "WARNING"], env=env, cwd=ROOT))
         wait_healthy(gateway_url + "/health", processes[1])
         wait_routable(gateway_url)

@@ -37,8 +37,8 @@ def write_adapters(model_dir: Path, out: Path, rank: int) -> list[tuple[str, str
     import torch
     from safetensors.torch import save_file
 
-    from engine.config import load_model_config
-    from engine.lora.peft import projection_shape
+    from kvgate.engine.config import load_model_config
+    from kvgate.engine.lora.peft import projection_shape
 
     config = load_model_config(model_dir)
     adapters = []
@@ -86,8 +86,8 @@ def main() -> int:
     if args.quick:
         args.repeats, args.new_tokens = 1, 32
 
-    from engine import LLM, SamplingParams
-    from engine.builtin import resolve_model_source
+    from kvgate.engine import LLM, SamplingParams
+    from kvgate.engine.builtin import resolve_model_source
 
     model_dir = resolve_model_source(args.model)
     adapters = write_adapters(model_dir, WORK / "lora-adapters", args.rank)

@@ -271,8 +271,8 @@ def make_workload(name: str, quick: bool, args: argparse.Namespace) -> list[work
 def engine_sizes(reqs: list[workloads.Request], n: int, kv_factor: float) -> dict:
     """For real engines: the tokenized replay (best hit rate, unique tokens, chars per token) and the KV size
     per replica, kv_factor x unique prompt tokens / n (as the sim mode), at least 2,048 tokens."""
-    from engine.builtin import resolve_model_source
-    from engine.config import load_model_config
+    from kvgate.engine.builtin import resolve_model_source
+    from kvgate.engine.config import load_model_config
     from kvgate.tokenizer import Tokenizer
     from loadtests.routing_fleet import CACHE_DIR, ENGINE_MODEL
 
@@ -297,7 +297,7 @@ def sim_token_replay(reqs: list[workloads.Request]) -> dict[str, float]:
     """The best-possible replay of `reqs` on sims in KV-events mode: their tokenizer, their prompt tokens."""
     from kvgate.tokenizer import Tokenizer
     from loadtests.routing_fleet import sim_tokenizer_dir
-    from router.prompt_tokens import prompt_token_ids
+    from kvgate.router.prompt_tokens import prompt_token_ids
 
     tokenizer = Tokenizer.from_dir(sim_tokenizer_dir())
     return workloads.token_replay(reqs, lambda r: prompt_token_ids(r.body(), tokenizer), 16)

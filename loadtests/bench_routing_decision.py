@@ -35,11 +35,11 @@ if str(REPO) not in sys.path:
 
 from kvgate.clock import RealClock  # noqa: E402
 from loadtests import workloads  # noqa: E402
-from registry.loader import load_registry  # noqa: E402
-from router.features import RouteRequest, build_route_request  # noqa: E402
-from router.policies import RoutingKnobs, choose  # noqa: E402
-from router.replicas import ReplicaTracker  # noqa: E402
-from router.view import ReplicaView  # noqa: E402
+from kvgate.registry.loader import load_registry  # noqa: E402
+from kvgate.router.features import RouteRequest, build_route_request  # noqa: E402
+from kvgate.router.policies import RoutingKnobs, choose  # noqa: E402
+from kvgate.router.replicas import ReplicaTracker  # noqa: E402
+from kvgate.router.view import ReplicaView  # noqa: E402
 
 WORK = REPO / "loadtests" / ".work"
 MODEL = "m"

@@ -82,9 +82,9 @@ def summarize(mode: str, wall_s: float, samples: list[Sample]) -> dict:
 
 
 async def bench_async_api(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]) -> dict:
-    from engine import SamplingParams
-    from engine.async_llm import AsyncLLM
-    from engine.core import EngineConfig
+    from kvgate.engine import SamplingParams
+    from kvgate.engine.async_llm import AsyncLLM
+    from kvgate.engine.core import EngineConfig
 
     llm = await AsyncLLM.create(EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_bytes,
                                              max_num_seqs=args.max_num_seqs, cache_dir=args.cache_dir))
@@ -115,7 +115,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     import urllib.request
 
     port = free_port()
-    command = [sys.executable, "-m", "engine", "--model", args.model, "--port", str(port),
+    command = [sys.executable, "-m", "kvgate.engine", "--model", args.model, "--port", str(port),
                "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-num-seqs", str(args.max_num_seqs),
                "--served-model-name", "bench", "--log-level", "warning"]
     if args.cache_dir:
@@ -176,9 +176,9 @@ async def bench_http(args: argparse.Namespace, url: str, prompts: list[list[int]
 def main() -> int:
     import uvloop
 
-    from engine.builtin import resolve_model_source
-    from engine.config import load_model_config
-    from engine.server.main import parse_bytes
+    from kvgate.engine.builtin import resolve_model_source
+    from kvgate.engine.config import load_model_config
+    from kvgate.engine.server.main import parse_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin:tiny-llama")

@@ -97,7 +97,7 @@ def main() -> int:
                    help="run vLLM as by default, without --enable-prompt-tokens-details")
     p.add_argument("--out", default=str(WORK / "check_vllm_fleet.json"))
     args = p.parse_args()
-    from engine.builtin import resolve_model_source  # the builtin model's files (GGUF converted once)
+    from kvgate.engine.builtin import resolve_model_source  # the builtin model's files (GGUF converted once)
 
     WORK.mkdir(parents=True, exist_ok=True)
     model_dir = Path(resolve_model_source("builtin:smollm2-135m"))
@@ -123,7 +123,7 @@ def main() -> int:
         gateway = f"http://127.0.0.1:{free_port()}"
         router_log = WORK / "check_vllm_fleet-router.log"
         with open(router_log, "w") as out:
-            router = subprocess.Popen([sys.executable, "-m", "router", "--registry", str(registry), "--port",
+            router = subprocess.Popen([sys.executable, "-m", "kvgate.router", "--registry", str(registry), "--port",
                                        gateway.rsplit(":", 1)[1]], stdout=out, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         procs.append(router)

@@ -148,7 +148,7 @@ class Fleet:
 
 def sim_tokenizer_dir() -> Path:
     """The directory of SIM_TOKENIZER_MODEL (built into CACHE_DIR on first use)."""
-    from engine.builtin import resolve_model_source
+    from kvgate.engine.builtin import resolve_model_source
 
     return resolve_model_source(SIM_TOKENIZER_MODEL, CACHE_DIR)
 
@@ -184,7 +184,7 @@ def start_fleet(n: int, kv_tokens: int, prefill_tps: float, kv_events: bool = Fa
 
 def engine_adapters() -> list[tuple[str, str]]:
     """The workloads' adapter names, each a random rank-8 PEFT adapter for tiny-llama (written once)."""
-    from engine.builtin import resolve_model_source
+    from kvgate.engine.builtin import resolve_model_source
     from loadtests.bench_lora import write_adapters
 
     model_dir = resolve_model_source(ENGINE_MODEL, CACHE_DIR)

@@ -40,12 +40,12 @@ from loadtests import workloads  # noqa: E402
 from loadtests.common import percentile  # noqa: E402
 from loadtests.sim_replica_model import (BLOCK_SIZE_TOKENS, CHARS_PER_TOKEN, Scheduler, SchedulerSpec,  # noqa: E402
                                          SimSequence, block_hashes, num_prompt_tokens)
-from registry.schema import Routing  # noqa: E402
-from router.features import RouteRequest, build_route_request  # noqa: E402
-from router.openings import CommonOpenings  # noqa: E402
-from router.policies import PolicyFn, Reason, RouteDecision, RoutingKnobs, choose  # noqa: E402
-from router.prefix_index import PrefixIndexes, capacity_chunks  # noqa: E402
-from router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView  # noqa: E402
+from kvgate.registry.schema import Routing  # noqa: E402
+from kvgate.router.features import RouteRequest, build_route_request  # noqa: E402
+from kvgate.router.openings import CommonOpenings  # noqa: E402
+from kvgate.router.policies import PolicyFn, Reason, RouteDecision, RoutingKnobs, choose  # noqa: E402
+from kvgate.router.prefix_index import PrefixIndexes, capacity_chunks  # noqa: E402
+from kvgate.router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView  # noqa: E402
 
 MODEL = "sim-llama"
 CHUNK_CHARS = 128  # what bench_routing gives kvgate in sim mode

@@ -41,7 +41,7 @@ from aiohttp import web
 if __package__ in (None, ""):  # run as a script: make `kvgate` and `loadtests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.block_manager import KVEvent  # noqa: E402
+from kvgate.engine.block_manager import KVEvent  # noqa: E402
 from kvgate.clock import Clock, RealClock  # noqa: E402
 from loadtests.sim_failures import (HEALTH_FAILS, FailMode, FailureSpec, FailureState,  # noqa: E402,F401
                                     drop_connection, stall)

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from engine.block_manager import BlockRemoved, BlockStored, KVEvent
+from kvgate.engine.block_manager import BlockRemoved, BlockStored, KVEvent
 
 BLOCK_SIZE_TOKENS = 16
 CHARS_PER_TOKEN = 4

@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from engine.block_manager import KVEvent
-from engine.state_service import (DEFAULT_MAX_PENDING_KV_HASHES, Subscriber, kv_event_to_proto, paced_snapshots,
+from kvgate.engine.block_manager import KVEvent
+from kvgate.engine.state_service import (DEFAULT_MAX_PENDING_KV_HASHES, Subscriber, kv_event_to_proto, paced_snapshots,
                                   read_tokenizer_files, resync_events, serve_replica_servicer, stream_intervals)
 from kvgate.kv_blocks import hash_blocks
 from kvgate.tokenizer import Tokenizer
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 from loadtests.sim_replica_model import BLOCK_SIZE_TOKENS
-from router.prompt_tokens import PromptTokenizer, prompt_token_ids
+from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
 
 if TYPE_CHECKING:
     from loadtests.sim_replica import SimEngine

@@ -43,17 +43,17 @@ import botocore.config
 import botocore.exceptions
 
 from kvgate.clock import Clock
-from providers.aws_ec2 import (
+from kvgate.providers.aws_ec2 import (
     MISSING_INSTANCE_CODES, TAG_REPLICA, Backoff, cluster_filters, enrich_from_instance_types,
     enrich_spot_prices, instances_of, map_error, node_from_instance, run_instances_request, tags_of,
 )
-from providers.aws_userdata import ENGINE_GRPC_PORT, ENGINE_PORT, READY_TAG, render_user_data
-from providers.base import (
+from kvgate.providers.aws_userdata import ENGINE_GRPC_PORT, ENGINE_PORT, READY_TAG, render_user_data
+from kvgate.providers.base import (
     TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState,
     NotFound, Offering, OfferingKey, ProviderError, ProviderUnavailable, ReplicaHandle,
     ReplicaSpec, ReplicaState, check_quota, node_tags, offerings_from_pool,
 )
-from registry.schema import AwsSettings, CapacityType, PoolSpec
+from kvgate.registry.schema import AwsSettings, CapacityType, PoolSpec
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from providers.base import (
+from kvgate.providers.base import (
     TAG_CLAIM, TAG_CLUSTER, TAG_POOL, InsufficientCapacity, Node, NodeState, Offering, OfferingKey,
     ProviderError, ProviderUnavailable, QuotaExceeded,
 )
-from registry.schema import AwsSettings, CapacityType
+from kvgate.registry.schema import AwsSettings, CapacityType
 
 TAG_REPLICA = "kvgate:replica"  # the replica id of the one engine a node runs (see providers.aws)
 

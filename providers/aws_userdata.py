@@ -24,7 +24,7 @@ from __future__ import annotations
 import shlex
 from string import Template
 
-from providers.base import ReplicaSpec, engine_args
+from kvgate.providers.base import ReplicaSpec, engine_args
 
 ENGINE_PORT = 8000  # the OpenAI API of the replica
 ENGINE_GRPC_PORT = 50051  # its ReplicaState stream

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
-from registry.schema import AdapterDoc, CapacityType, ModelDoc, PoolSpec
+from kvgate.registry.schema import AdapterDoc, CapacityType, ModelDoc, PoolSpec
 
 __all__ = [
     "CapacityType", "OfferingKey", "Offering", "NodeClaim", "NodeState", "Node", "ReplicaState",

@@ -11,14 +11,14 @@ import importlib
 from typing import Any
 
 from kvgate.clock import Clock
-from providers.base import Provider, ProviderError
-from registry.schema import PoolSpec, Provider as ProviderKind
+from kvgate.providers.base import Provider, ProviderError
+from kvgate.registry.schema import PoolSpec, Provider as ProviderKind
 
 _MODULES = {
-    ProviderKind.FAKE: "providers.fake",
-    ProviderKind.LOCAL: "providers.local",
-    ProviderKind.AWS: "providers.aws",
-    ProviderKind.KUBERNETES: "providers.kubernetes",
+    ProviderKind.FAKE: "kvgate.providers.fake",
+    ProviderKind.LOCAL: "kvgate.providers.local",
+    ProviderKind.AWS: "kvgate.providers.aws",
+    ProviderKind.KUBERNETES: "kvgate.providers.kubernetes",
 }
 
 

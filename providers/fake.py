@@ -28,10 +28,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvgate.clock import Clock
-from providers.base import (CapacityType, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState, NotFound,
+from kvgate.providers.base import (CapacityType, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState, NotFound,
                             Offering, OfferingKey, ProviderUnavailable, ReplicaHandle, ReplicaSpec,
                             ReplicaState, check_quota, node_tags, offerings_from_pool)
-from registry.schema import PoolSpec
+from kvgate.registry.schema import PoolSpec
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from providers.base import ReplicaSpec, ReplicaState, engine_args
+from kvgate.providers.base import ReplicaSpec, ReplicaState, engine_args
 
 # Label keys: Kubernetes keys cannot hold ':', so these stand for base.TAG_* ("kvgate:cluster" ...).
 LABEL_CLUSTER = "kvgate.io/cluster"

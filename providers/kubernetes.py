@@ -44,18 +44,18 @@ from kubernetes import config as k8s_config
 from kubernetes.config.config_exception import ConfigException
 
 from kvgate.clock import Clock
-from providers.base import (
+from kvgate.providers.base import (
     TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState,
     NotFound, Offering, ProviderError, ProviderUnavailable, ReplicaHandle, ReplicaSpec,
     ReplicaState, check_quota, offerings_from_pool,
 )
-from providers.k8s_manifests import (
+from kvgate.providers.k8s_manifests import (
     ANNOTATION_DELETION_COST, ANNOTATION_SPEC_HASH, ENGINE_GRPC_PORT, ENGINE_PORT, LABEL_CLUSTER, LABEL_MODEL,
     LABEL_POOL, LABEL_REPLICA, DeploymentSettings, GpuNode, NodePoolRef, claims_of, deployment_manifest,
     gpu_node_of, label_value, matches, next_seq, node_pool_patch, pod_replica_state, replica_ids_of, replicas_patch,
     running_claims,
 )
-from registry.schema import CapacityType, KubernetesSettings, PoolSpec
+from kvgate.registry.schema import CapacityType, KubernetesSettings, PoolSpec
 
 log = logging.getLogger(__name__)
 

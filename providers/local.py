@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.clock import Clock
-from providers.base import (Node, NodeClaim, NodeState, NotFound, Offering, ProviderError, QuotaExceeded,
+from kvgate.providers.base import (Node, NodeClaim, NodeState, NotFound, Offering, ProviderError, QuotaExceeded,
                             ReplicaHandle, ReplicaSpec, ReplicaState, engine_args, node_tags, offerings_from_pool)
-from providers.local_proc import (describe_exit, free_port, http_status, is_alive, log_tail, our_group, proc_stat,
+from kvgate.providers.local_proc import (describe_exit, free_port, http_status, is_alive, log_tail, our_group, proc_stat,
                                   reap, signal_group)
-from registry.schema import CapacityType, LocalSettings, PoolSpec
+from kvgate.registry.schema import CapacityType, LocalSettings, PoolSpec
 
 REGION = "local"
 _POLL_S = 0.05  # how often a stop checks whether the process has exited
@@ -67,7 +67,7 @@ class LocalProvider:
         self._nodes_dir = self.work_dir / "nodes"
         self._replicas_dir = self.work_dir / "replicas"
         self._cache_dir = str(cache_dir) if cache_dir is not None else None
-        self._command = list(command) if command is not None else [sys.executable, "-m", "engine"]
+        self._command = list(command) if command is not None else [sys.executable, "-m", "kvgate.engine"]
         self._env = dict(env or {})
         self._delete_drain_s = delete_drain_s
         self._health_timeout_s = health_timeout_s

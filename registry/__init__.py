@@ -4,11 +4,11 @@
 every problem with file and line. `plan` diffs two snapshots; `RegistryWatcher` hot-reloads.
 """
 
-from registry.loader import load_registry
-from registry.plan import Plan, plan
-from registry.problems import Problem, RegistryInvalid
-from registry.snapshot import Resolved, Snapshot, UnknownName
-from registry.watch import RegistryWatcher
+from kvgate.registry.loader import load_registry
+from kvgate.registry.plan import Plan, plan
+from kvgate.registry.problems import Problem, RegistryInvalid
+from kvgate.registry.snapshot import Resolved, Snapshot, UnknownName
+from kvgate.registry.watch import RegistryWatcher
 
 __all__ = ["Plan", "Problem", "RegistryInvalid", "RegistryWatcher", "Resolved", "Snapshot", "UnknownName",
            "load_registry", "plan"]

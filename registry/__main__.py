@@ -1,3 +1,3 @@
-from registry.cli import main
+from kvgate.registry.cli import main
 
 raise SystemExit(main())

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from registry.problems import KeyPath, Problem
-from registry.schema import CapacityType, ModelDoc, Offer, PoolDoc
-from registry.snapshot import LoadedDocument
+from kvgate.registry.problems import KeyPath, Problem
+from kvgate.registry.schema import CapacityType, ModelDoc, Offer, PoolDoc
+from kvgate.registry.snapshot import LoadedDocument
 
 ALL_MODELS = "*"
 

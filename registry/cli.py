@@ -13,11 +13,11 @@ from typing import Any, TextIO
 
 from pydantic import TypeAdapter
 
-from registry.loader import load_registry
-from registry.plan import plan, render, to_json
-from registry.problems import RegistryInvalid
-from registry.schema import API_VERSION, Document
-from registry.snapshot import Snapshot
+from kvgate.registry.loader import load_registry
+from kvgate.registry.plan import plan, render, to_json
+from kvgate.registry.problems import RegistryInvalid
+from kvgate.registry.schema import API_VERSION, Document
+from kvgate.registry.snapshot import Snapshot
 
 SCHEMA_ID = "https://kvgate.dev/schemas/registry-v1.json"
 

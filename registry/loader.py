@@ -14,11 +14,11 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from registry import checks
-from registry.problems import KeyPath, Problem, RegistryInvalid
-from registry.schema import DOCUMENT_CLASSES, KINDS, FieldProblem
-from registry.snapshot import LoadedDocument, Snapshot
-from registry.yamlsource import SourceDocument, environment, read_file
+from kvgate.registry import checks
+from kvgate.registry.problems import KeyPath, Problem, RegistryInvalid
+from kvgate.registry.schema import DOCUMENT_CLASSES, KINDS, FieldProblem
+from kvgate.registry.snapshot import LoadedDocument, Snapshot
+from kvgate.registry.yamlsource import SourceDocument, environment, read_file
 
 YAML_SUFFIXES = (".yaml", ".yml")
 

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from registry.problems import KeyPath, format_path
-from registry.snapshot import Snapshot
+from kvgate.registry.problems import KeyPath, format_path
+from kvgate.registry.snapshot import Snapshot
 
 SENSITIVE = "(sensitive)"
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from registry.problems import KeyPath
-from registry.schema import KINDS, AdapterDoc, ModelDoc, PoolDoc, TenantDoc
-from registry.yamlsource import SourceDocument
+from kvgate.registry.problems import KeyPath
+from kvgate.registry.schema import KINDS, AdapterDoc, ModelDoc, PoolDoc, TenantDoc
+from kvgate.registry.yamlsource import SourceDocument
 
 AnyDoc = ModelDoc | AdapterDoc | PoolDoc | TenantDoc
 

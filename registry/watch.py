@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
-from registry.loader import load_registry, registry_files
-from registry.problems import RegistryInvalid
-from registry.snapshot import Snapshot
+from kvgate.registry.loader import load_registry, registry_files
+from kvgate.registry.problems import RegistryInvalid
+from kvgate.registry.snapshot import Snapshot
 
 log = logging.getLogger("kvgate.registry")
 

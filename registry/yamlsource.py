@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from registry.problems import KeyPath, Problem
+from kvgate.registry.problems import KeyPath, Problem
 
 # `${NAME}` or `${NAME:-default}`; `$${...}` is a literal `${...}`.
 _ENV_REF = re.compile(r"\$(\$?)\{([^}]*)\}")

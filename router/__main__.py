@@ -1,5 +1,5 @@
 """`python -m router`: see `router.main`."""
 
-from router.main import main
+from kvgate.router.main import main
 
 raise SystemExit(main())

@@ -22,17 +22,17 @@ from aiohttp import web
 
 from kvgate.clock import Clock
 from kvgate.state.base import StateStore
-from registry.snapshot import Snapshot
-from router.dashboard import Dashboard, gauge_values
-from router.handlers import error_middleware, install_routes
-from router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
+from kvgate.registry.snapshot import Snapshot
+from kvgate.router.dashboard import Dashboard, gauge_values
+from kvgate.router.handlers import error_middleware, install_routes
+from kvgate.router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
                          REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY, Drain, GatewaySettings)
-from router.metrics import RouterMetrics
-from router.observations import ObservationPublisher
-from router.openings import CommonOpenings
-from router.proxy import Proxy, Tracker
-from router.queueing import WaitQueues
-from router.upstream import UpstreamPool
+from kvgate.router.metrics import RouterMetrics
+from kvgate.router.observations import ObservationPublisher
+from kvgate.router.openings import CommonOpenings
+from kvgate.router.proxy import Proxy, Tracker
+from kvgate.router.queueing import WaitQueues
+from kvgate.router.upstream import UpstreamPool
 
 __all__ = ["GatewaySettings", "SnapshotSource", "build_app"]
 

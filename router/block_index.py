@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from router.view import CacheFill, count_down
+from kvgate.router.view import CacheFill, count_down
 
 
 @dataclass(frozen=True)

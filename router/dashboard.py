@@ -35,8 +35,8 @@ from typing import Any
 
 from kvgate.clock import Clock
 from kvgate.state.base import StateStore, encode_record_data
-from router.metrics import RouterMetrics
-from router.queueing import WaitQueues
+from kvgate.router.metrics import RouterMetrics
+from kvgate.router.queueing import WaitQueues
 
 log = logging.getLogger("kvgate.router.dashboard")
 
@@ -309,7 +309,7 @@ def desired_of(status: Mapping[str, Any] | None) -> dict[str, int]:
 
 def dashboard_page() -> str:
     """The page's HTML (router/dashboard_page.html, shipped as package data): inline CSS, JS and SVG."""
-    return resources.files("router").joinpath("dashboard_page.html").read_text(encoding="utf-8")
+    return resources.files("kvgate.router").joinpath("dashboard_page.html").read_text(encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------ the shell

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import grpc
 
 from kvgate.clock import Clock
-from router.prompt_tokens import PromptTokenizer
-from router.sources import fetch_tokenizer
+from kvgate.router.prompt_tokens import PromptTokenizer
+from kvgate.router.sources import fetch_tokenizer
 
 log = logging.getLogger(__name__)
 

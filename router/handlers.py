@@ -18,17 +18,17 @@ from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_urldispatcher import _default_expect_handler  # the 100 Continue itself; stable since aiohttp 2
 
 from kvgate.tokenizer import NotJsonText, loads_json_text, lone_surrogate_in
-from registry.schema import RoutingPolicy
-from registry.snapshot import Snapshot, UnknownName
-from router.errors import GatewayError, bad_request, error_response, model_not_found, no_capacity
-from router.features import build_route_request
-from router.dashboard import dashboard_page
-from router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
+from kvgate.registry.schema import RoutingPolicy
+from kvgate.registry.snapshot import Snapshot, UnknownName
+from kvgate.router.errors import GatewayError, bad_request, error_response, model_not_found, no_capacity
+from kvgate.router.features import build_route_request
+from kvgate.router.dashboard import dashboard_page
+from kvgate.router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
                          REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY)
-from router.policies import RoutingKnobs
-from router.prompt_tokens import PromptTokenizer, prompt_token_ids
-from router.proxy import REQUEST_ID_HEADER, ProxyRequest
-from router.upstream import header_safe
+from kvgate.router.policies import RoutingKnobs
+from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
+from kvgate.router.proxy import REQUEST_ID_HEADER, ProxyRequest
+from kvgate.router.upstream import header_safe
 
 log = logging.getLogger("kvgate.router")
 # Prompts longer than this (characters) are tokenized on a worker thread: 4,096 characters of new text take

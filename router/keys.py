@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvgate.clock import Clock
-from router.dashboard import Dashboard
-from router.metrics import RouterMetrics
-from router.openings import CommonOpenings
-from router.proxy import Proxy, Tracker
-from router.queueing import WaitQueues
+from kvgate.router.dashboard import Dashboard
+from kvgate.router.metrics import RouterMetrics
+from kvgate.router.openings import CommonOpenings
+from kvgate.router.proxy import Proxy, Tracker
+from kvgate.router.queueing import WaitQueues
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from aiohttp import web
 
 from kvgate.clock import RealClock
 from kvgate.state import open_state_store
-from registry.problems import RegistryInvalid
-from registry.watch import RegistryWatcher
-from router.app import build_app, gateway_runner
-from router.keys import DRAIN_KEY, Drain, GatewaySettings
+from kvgate.registry.problems import RegistryInvalid
+from kvgate.registry.watch import RegistryWatcher
+from kvgate.router.app import build_app, gateway_runner
+from kvgate.router.keys import DRAIN_KEY, Drain, GatewaySettings
 
 log = logging.getLogger("kvgate.router")
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from router.replicas import ReplicaTracker  # the tracker pulls in grpc; only the server needs it
+    from kvgate.router.replicas import ReplicaTracker  # the tracker pulls in grpc; only the server needs it
 
     clock = RealClock()
     try:

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
-from registry.schema import RoutingPolicy
-from router.features import RouteRequest
+from kvgate.registry.schema import RoutingPolicy
+from kvgate.router.features import RouteRequest
 
 WINDOW_REQUESTS = 256  # recent requests per model that the share is taken over
 COMMON_SHARE = 0.9  # the share of them that must open with a chunk for it to count as common

@@ -77,9 +77,9 @@ from types import MappingProxyType
 
 import xxhash
 
-from registry.schema import Routing, RoutingPolicy
-from router.features import RouteRequest
-from router.view import AdapterFit, CacheFill, ReplicaState, ReplicaView
+from kvgate.registry.schema import Routing, RoutingPolicy
+from kvgate.router.features import RouteRequest
+from kvgate.router.view import AdapterFit, CacheFill, ReplicaState, ReplicaView
 
 
 class Reason(enum.Enum):

@@ -15,8 +15,8 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from router.features import CHARS_PER_TOKEN
-from router.view import CacheFill
+from kvgate.router.features import CHARS_PER_TOKEN
+from kvgate.router.view import CacheFill
 
 # A replica that reports no KV figures (a foreign backend) gets an index this big, in chunks: 16,384 x 256
 # chars is ~4M characters (~1M tokens), more than most single replicas' KV (an H100 serving an 8B model in

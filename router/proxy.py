@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import HttpVersion11, web
 
 from kvgate.clock import Clock
-from registry.schema import Routing
-from router.block_index import BlockIndexes
-from router.errors import GatewayError, bad_gateway, no_capacity, sse_error_event, upstream_timeout
-from router.features import RouteRequest
-from router.metrics import RouterMetrics
-from router.policies import Reason, RouteDecision, RoutingKnobs, choose
-from router.prefix_index import PrefixIndex, PrefixIndexes
-from router.queueing import WaitQueues
-from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from router.view import ReplicaView
+from kvgate.registry.schema import Routing
+from kvgate.router.block_index import BlockIndexes
+from kvgate.router.errors import GatewayError, bad_gateway, no_capacity, sse_error_event, upstream_timeout
+from kvgate.router.features import RouteRequest
+from kvgate.router.metrics import RouterMetrics
+from kvgate.router.policies import Reason, RouteDecision, RoutingKnobs, choose
+from kvgate.router.prefix_index import PrefixIndex, PrefixIndexes
+from kvgate.router.queueing import WaitQueues
+from kvgate.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from kvgate.router.view import ReplicaView
 
 if TYPE_CHECKING:
-    from router.tracked_replica import AttemptLease
+    from kvgate.router.tracked_replica import AttemptLease
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from router.errors import no_capacity
+from kvgate.router.errors import no_capacity
 
 WaitForReplica = Callable[[str, float], Awaitable[bool]]
 

@@ -42,16 +42,16 @@ import aiohttp
 from kvgate.clock import Clock
 from kvgate.state.base import MemberRecord, StateStore
 from kvgate.state.base import ReplicaState as MemberState
-from registry.schema import Backend
-from registry.snapshot import Snapshot
-from router.block_index import BlockIndexes
-from router.engine_tokenizers import EngineTokenizers, KvChain
-from router.features import CharsPerToken
-from router.prefix_index import PrefixIndexes
-from router.sources import LoadReport, parse_metrics, replica_url, watch_stream
-from router.tracked_replica import REPLICA_STATES, AttemptLease, TrackedReplica
-from router.upstream import header_safe
-from router.view import InFlightChains, ReplicaView
+from kvgate.registry.schema import Backend
+from kvgate.registry.snapshot import Snapshot
+from kvgate.router.block_index import BlockIndexes
+from kvgate.router.engine_tokenizers import EngineTokenizers, KvChain
+from kvgate.router.features import CharsPerToken
+from kvgate.router.prefix_index import PrefixIndexes
+from kvgate.router.sources import LoadReport, parse_metrics, replica_url, watch_stream
+from kvgate.router.tracked_replica import REPLICA_STATES, AttemptLease, TrackedReplica
+from kvgate.router.upstream import header_safe
+from kvgate.router.view import InFlightChains, ReplicaView
 
 log = logging.getLogger(__name__)
 

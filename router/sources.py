@@ -28,7 +28,7 @@ import grpc
 from kvgate.clock import Clock
 from kvgate.tokenizer import Tokenizer, TokenizerError
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
-from router.block_index import KvCleared, KvEvent, KvRemoved, KvStored
+from kvgate.router.block_index import KvCleared, KvEvent, KvRemoved, KvStored
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import asyncio
 from dataclasses import dataclass, field
 
 from kvgate.state.base import ReplicaState as MemberState
-from registry.schema import Backend
-from router.block_index import BlockIndex
-from router.sources import LoadReport
-from router.view import ChainHold, ReplicaState
+from kvgate.registry.schema import Backend
+from kvgate.router.block_index import BlockIndex
+from kvgate.router.sources import LoadReport
+from kvgate.router.view import ChainHold, ReplicaState
 
 REPLICA_STATES = ("ready", "unlisted", "starting", "draining", "unhealthy")  # TrackedReplica.routing_state
 

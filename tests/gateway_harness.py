@@ -11,9 +11,9 @@ from aiohttp import web
 
 from kvgate.clock import RealClock
 from kvgate.state.base import StateStore
-from registry.watch import RegistryWatcher
-from router.app import GatewaySettings, build_app, gateway_runner
-from router.replicas import ReplicaTracker
+from kvgate.registry.watch import RegistryWatcher
+from kvgate.router.app import GatewaySettings, build_app, gateway_runner
+from kvgate.router.replicas import ReplicaTracker
 
 
 @contextlib.asynccontextmanager

@@ -17,29 +17,33 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("registry", "engine", "router", "autoscaler", "providers", "kvgate")
+# Every part installs under the one import name `kvgate` (pyproject.toml's package-dir); a folder's
+# subpackage is `kvgate.<folder>`.
+SUBSYSTEMS = ("registry", "engine", "router", "autoscaler", "providers")
 LEAVES = ("kvgate.clock", "kvgate.state", "kvgate.v1", "kvgate.tokenizer", "kvgate.kv_blocks")
 # The engine and the gateway must tokenize and hash prompts identically (KV block events), so both
 # import the one tokenizer and block chain.
 SHARED_WITH_ENGINE = ("kvgate.tokenizer", "kvgate.kv_blocks")
 ALLOWED = {
-    "registry": {"registry"},
-    "engine": {"engine", "registry", "kvgate.v1", "kvgate.clock", *SHARED_WITH_ENGINE},
-    "router": {"router", "registry", "kvgate.v1", "kvgate.state", "kvgate.clock", *SHARED_WITH_ENGINE},
-    "autoscaler": {"autoscaler", "registry", "providers", "kvgate.state", "kvgate.clock"},
-    "providers": {"providers", "registry", "kvgate.clock"},
-    "kvgate-leaf": {"registry", *LEAVES},
+    "registry": {"kvgate.registry"},
+    "engine": {"kvgate.engine", "kvgate.registry", "kvgate.v1", "kvgate.clock", *SHARED_WITH_ENGINE},
+    "router": {"kvgate.router", "kvgate.registry", "kvgate.v1", "kvgate.state", "kvgate.clock", *SHARED_WITH_ENGINE},
+    "autoscaler": {"kvgate.autoscaler", "kvgate.registry", "kvgate.providers", "kvgate.state", "kvgate.clock"},
+    "providers": {"kvgate.providers", "kvgate.registry", "kvgate.clock"},
+    "kvgate-leaf": {"kvgate.registry", *LEAVES},
 }
 
 
 def imports_of(path: Path) -> set[str]:
+    """Every module of ours that `path` imports, by its full name; a bare top-level subsystem name (the
+    layout before one import name) counts as ours too, so it is refused rather than missed."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-    return {name for name in found if name.split(".")[0] in OURS}
+    return {name for name in found if name.split(".")[0] in ("kvgate", *SUBSYSTEMS)}
 
 
 def allowed(name: str, rules: set[str]) -> bool:
@@ -48,7 +52,7 @@ def allowed(name: str, rules: set[str]) -> bool:
 
 def source_files() -> list[tuple[str, Path]]:
     files = []
-    for folder in ("registry", "engine", "router", "autoscaler", "providers"):
+    for folder in SUBSYSTEMS:
         files += [(folder, p) for p in sorted((REPO / folder).rglob("*.py"))]
     for path in sorted((REPO / "kvgate").rglob("*.py")):
         relative = path.relative_to(REPO / "kvgate")

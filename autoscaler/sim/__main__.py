@@ -1,3 +1,3 @@
-from autoscaler.sim.cli import main
+from kvgate.autoscaler.sim.cli import main
 
 raise SystemExit(main())

@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from autoscaler.scaler import ModelObservation, ScalerSpec, ScalerState, decide_replicas
-from autoscaler.sim.engine import SimDecision
-from autoscaler.sim.service import ServiceModel
-from autoscaler.sim.traces import Trace
+from kvgate.autoscaler.scaler import ModelObservation, ScalerSpec, ScalerState, decide_replicas
+from kvgate.autoscaler.sim.engine import SimDecision
+from kvgate.autoscaler.sim.service import ServiceModel
+from kvgate.autoscaler.sim.traces import Trace
 
 _EPS = 1e-9
 

@@ -14,13 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from autoscaler.argtypes import positive_float
-from autoscaler.sim.compare import POLICIES, run_comparison
-from autoscaler.sim.engine import Scenario, Stockout
-from autoscaler.sim.report import table, write_json, write_plot
-from autoscaler.sim.service import SimConfigError
-from autoscaler.sim.traces import BurstySpec, TraceError, bursty_trace, compress_time, load_trace, scale_rate
-from registry import RegistryInvalid, UnknownName, load_registry
+from kvgate.autoscaler.argtypes import positive_float
+from kvgate.autoscaler.sim.compare import POLICIES, run_comparison
+from kvgate.autoscaler.sim.engine import Scenario, Stockout
+from kvgate.autoscaler.sim.report import table, write_json, write_plot
+from kvgate.autoscaler.sim.service import SimConfigError
+from kvgate.autoscaler.sim.traces import BurstySpec, TraceError, bursty_trace, compress_time, load_trace, scale_rate
+from kvgate.registry import RegistryInvalid, UnknownName, load_registry
 
 EPILOG = """\
 Traces: an Azure LLM inference CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or a Mooncake JSONL

@@ -19,15 +19,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from autoscaler.scaler import ScalerSpec
-from autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
+from kvgate.autoscaler.scaler import ScalerSpec
+from kvgate.autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
                                       oracle_need)
-from autoscaler.sim.engine import FleetSetup, Policy, RunResult, Scenario, simulate
-from autoscaler.sim.nodes import node_planning
-from autoscaler.sim.service import SimConfigError, placements
-from autoscaler.sim.traces import Trace, with_warmup
-from registry.schema import Scaling
-from registry.snapshot import Snapshot
+from kvgate.autoscaler.sim.engine import FleetSetup, Policy, RunResult, Scenario, simulate
+from kvgate.autoscaler.sim.nodes import node_planning
+from kvgate.autoscaler.sim.service import SimConfigError, placements
+from kvgate.autoscaler.sim.traces import Trace, with_warmup
+from kvgate.registry.schema import Scaling
+from kvgate.registry.snapshot import Snapshot
 
 POLICIES = ("kvgate", "kpa", "ray-serve", "static-peak", "oracle")
 ATTAINMENT_GOAL = 0.99

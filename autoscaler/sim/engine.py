@@ -31,14 +31,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from autoscaler.planner import (CreateNode, DeleteNode, PlannerInputs, PlannerState, StartReplica, StopReplica,
+from kvgate.autoscaler.planner import (CreateNode, DeleteNode, PlannerInputs, PlannerState, StartReplica, StopReplica,
                                 note_insufficient_capacity, plan_nodes)
-from autoscaler.scaler import ModelObservation
-from autoscaler.sim.nodes import NodePlanning, SimNode
-from autoscaler.sim.service import Placement, choose_placement
-from autoscaler.sim.traces import Trace
-from providers.base import NodeState, ReplicaHandle, ReplicaState
-from registry.schema import CapacityType
+from kvgate.autoscaler.scaler import ModelObservation
+from kvgate.autoscaler.sim.nodes import NodePlanning, SimNode
+from kvgate.autoscaler.sim.service import Placement, choose_placement
+from kvgate.autoscaler.sim.traces import Trace
+from kvgate.providers.base import NodeState, ReplicaHandle, ReplicaState
+from kvgate.registry.schema import CapacityType
 
 # Event kinds, in the order they run when due at the same instant (frees before starts before ticks).
 _FREE, _READY, _NODE_UP, _PREEMPT, _NODE_PREEMPT, _TICK = 0, 1, 2, 3, 4, 5

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autoscaler.planner import LABEL_PLANNED_REPLICAS, PlannerSettings
-from providers.base import Node, NodeClaim, NodeState, Offering, node_tags, offerings_from_pool
-from registry.snapshot import Snapshot
+from kvgate.autoscaler.planner import LABEL_PLANNED_REPLICAS, PlannerSettings
+from kvgate.providers.base import Node, NodeClaim, NodeState, Offering, node_tags, offerings_from_pool
+from kvgate.registry.snapshot import Snapshot
 
 CLUSTER = "kvgate-sim"
 

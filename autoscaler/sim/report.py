@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from autoscaler.sim.compare import Comparison, Summary
+from kvgate.autoscaler.sim.compare import Comparison, Summary
 
 COLUMNS = ("policy", "TTFT-SLO", "p50 TTFT", "p99 TTFT", "GPU-h", "vs oracle", "USD", "cold starts",
            "actions/h", "peak")

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from registry.schema import CapacityType, ModelDoc, Offer, PoolDoc
-from registry.snapshot import Snapshot
+from kvgate.registry.schema import CapacityType, ModelDoc, Offer, PoolDoc
+from kvgate.registry.snapshot import Snapshot
 
 
 class SimConfigError(ValueError):

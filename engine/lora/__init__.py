@@ -10,7 +10,7 @@ Plain Python; the weights live in engine/runner/lora.py, the only torch code of 
 
 from __future__ import annotations
 
-from engine.lora.errors import AdapterLoadError, UnknownAdapter
-from engine.lora.manager import AdapterInfo, AdapterManager
+from kvgate.engine.lora.errors import AdapterLoadError, UnknownAdapter
+from kvgate.engine.lora.manager import AdapterInfo, AdapterManager
 
 __all__ = ["AdapterInfo", "AdapterLoadError", "AdapterManager", "UnknownAdapter"]

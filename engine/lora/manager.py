@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from engine.config import ModelConfig
-from engine.lora.errors import AdapterLoadError, UnknownAdapter
-from engine.lora.peft import PeftAdapter, read_peft_adapter
+from kvgate.engine.config import ModelConfig
+from kvgate.engine.lora.errors import AdapterLoadError, UnknownAdapter
+from kvgate.engine.lora.peft import PeftAdapter, read_peft_adapter
 
 
 @dataclass(frozen=True)

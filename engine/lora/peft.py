@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import ModelConfig
-from engine.lora.errors import AdapterLoadError
+from kvgate.engine.config import ModelConfig
+from kvgate.engine.lora.errors import AdapterLoadError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

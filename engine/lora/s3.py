@@ -20,7 +20,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from engine.lora.errors import AdapterLoadError
+from kvgate.engine.lora.errors import AdapterLoadError
 
 S3_SCHEME = "s3://"
 # Fail a dead endpoint in seconds rather than after botocore's default of 5 attempts of 60 s.

@@ -14,8 +14,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from engine.lora.errors import AdapterLoadError
-from engine.lora.peft import CONFIG_FILE, WEIGHTS_FILE
+from kvgate.engine.lora.errors import AdapterLoadError
+from kvgate.engine.lora.peft import CONFIG_FILE, WEIGHTS_FILE
 
 S3_SCHEME = "s3://"
 ENDPOINT_ENV_VARS = ("KVGATE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
@@ -33,7 +33,7 @@ def fetch_adapter(source: str, cache_dir: Path, endpoint_url: str | None = None)
     validate the files (engine.lora.peft does). Safe to call from several threads and processes.
     Raises AdapterLoadError for a missing directory, an unsupported scheme or a failed download."""
     if source.startswith(S3_SCHEME):
-        from engine.lora.s3 import download_s3_files  # boto3 loads only for S3 sources
+        from kvgate.engine.lora.s3 import download_s3_files  # boto3 loads only for S3 sources
 
         root = Path(cache_dir) / "adapters" / hashlib.sha256(source.encode()).hexdigest()[:16]
         return download_s3_files(source, (CONFIG_FILE, WEIGHTS_FILE), root, s3_endpoint_url(endpoint_url))

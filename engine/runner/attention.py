@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.runner.kv_cache import PagedKVCache
-from engine.sequence import ModelInput, ScheduledSeq
+from kvgate.engine.runner.kv_cache import PagedKVCache
+from kvgate.engine.sequence import ModelInput, ScheduledSeq
 
 
 @dataclass(frozen=True)

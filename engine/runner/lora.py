@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
-from engine.lora.errors import AdapterLoadError
-from engine.lora.peft import PeftAdapter, projection_shape
-from engine.sequence import ModelInput
+from kvgate.engine.lora.errors import AdapterLoadError
+from kvgate.engine.lora.peft import PeftAdapter, projection_shape
+from kvgate.engine.sequence import ModelInput
 
 # HF module -> (our fused projection, its part index); parts are in row order of the fused weight.
 FUSED_PARTS = {

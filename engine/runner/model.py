@@ -20,11 +20,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig, RopeScaling
-from engine.runner.attention import StepMetadata, paged_attention
-from engine.runner.kv_cache import PagedKVCache
-from engine.runner.linear import TorchLinear, OneDnnLinear
-from engine.runner.lora import LoraGroups, LoraStack
+from kvgate.engine.config import ModelConfig, RopeScaling
+from kvgate.engine.runner.attention import StepMetadata, paged_attention
+from kvgate.engine.runner.kv_cache import PagedKVCache
+from kvgate.engine.runner.linear import TorchLinear, OneDnnLinear
+from kvgate.engine.runner.lora import LoraGroups, LoraStack
 
 
 class Linear:

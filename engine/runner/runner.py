@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, ModelLoadError, load_model_config
-from engine.runner.attention import build_step_metadata
-from engine.runner.kv_cache import PagedKVCache, bytes_per_block
-from engine.runner.linear import pick_linear
-from engine.runner.lora import LoraSlots
-from engine.runner.model import LlamaModel
-from engine.runner.weights import load_weights
-from engine.sequence import ModelInput
+from kvgate.engine.config import ModelConfig, ModelLoadError, load_model_config
+from kvgate.engine.runner.attention import build_step_metadata
+from kvgate.engine.runner.kv_cache import PagedKVCache, bytes_per_block
+from kvgate.engine.runner.linear import pick_linear
+from kvgate.engine.runner.lora import LoraSlots
+from kvgate.engine.runner.model import LlamaModel
+from kvgate.engine.runner.weights import load_weights
+from kvgate.engine.sequence import ModelInput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

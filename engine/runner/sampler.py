@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from engine.sequence import SampledToken, SamplingParams, ScheduledSeq
+from kvgate.engine.sequence import SampledToken, SamplingParams, ScheduledSeq
 
 # Exp(1) noise of exactly 0 would make -log(E) infinite: a token with probability 0 could win.
 _MIN_NOISE = 1e-20

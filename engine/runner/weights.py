@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ModelConfig, ModelLoadError
-from engine.runner.model import LlamaModel
+from kvgate.engine.config import ModelConfig, ModelLoadError
+from kvgate.engine.runner.model import LlamaModel
 
 INDEX_FILE = "model.safetensors.index.json"
 

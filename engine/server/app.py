@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from engine.async_llm import AsyncLLM
-from engine.sequence import SamplingParams
-from engine.server import serving
-from engine.server.context import CONTEXT, Lifecycle, ServerContext, ServerSettings
-from engine.server.metrics import CONTENT_TYPE, ServerMetrics
-from engine.server.protocol import (
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.sequence import SamplingParams
+from kvgate.engine.server import serving
+from kvgate.engine.server.context import CONTEXT, Lifecycle, ServerContext, ServerSettings
+from kvgate.engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvgate.engine.server.protocol import (
     ApiError,
     bad_request,
     parse_load_adapter_request,

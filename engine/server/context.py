@@ -16,9 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.async_llm import AsyncLLM
-from engine.server.metrics import ServerMetrics
-from engine.server.protocol import ChatMessage, bad_request, model_not_found
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.server.metrics import ServerMetrics
+from kvgate.engine.server.protocol import ChatMessage, bad_request, model_not_found
 from kvgate.tokenizer import ChatTemplateError
 
 # Text longer than this (characters) is tokenized on a thread: about a millisecond of tokenizer work,

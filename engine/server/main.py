@@ -33,7 +33,7 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from engine.core import EngineConfig
+from kvgate.engine.core import EngineConfig
 
 log = logging.getLogger("kvgate.engine.server")
 
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """Load the model, serve until a signal, drain, and return the exit code."""
-    from engine.async_llm import AsyncLLM  # imports torch: only once the arguments are known good
+    from kvgate.engine.async_llm import AsyncLLM  # imports torch: only once the arguments are known good
 
     signals = _Signals(asyncio.get_running_loop())
     log.info("loading model %s", config.model)
@@ -199,8 +199,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals) -> int:
-    from engine.server.app import build_app
-    from engine.server.context import CONTEXT, ServerSettings
+    from kvgate.engine.server.app import build_app
+    from kvgate.engine.server.context import CONTEXT, ServerSettings
 
     settings = ServerSettings(served_model_name=served_name(args),
                               max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s,
@@ -255,10 +255,10 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
 
 
 async def _start_state_service(engine: Any, args: argparse.Namespace, http_port: int, is_draining: Any) -> Any:
-    if importlib.util.find_spec("engine.state_service") is None:
+    if importlib.util.find_spec("kvgate.engine.state_service") is None:
         log.warning("--grpc-port: this engine build has no state service; not serving gRPC")
         return None
-    from engine.state_service import start_state_service
+    from kvgate.engine.state_service import start_state_service
 
     replica_id = args.replica_id or f"{socket.gethostname()}:{http_port}"
     extra = {"is_draining": is_draining} if "is_draining" in inspect.signature(start_state_service).parameters else {}

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sequence import SamplingParams
+from kvgate.engine.sequence import SamplingParams
 from kvgate.tokenizer import NotJsonText, loads_json_text, lone_surrogate_in
 
 MAX_LOGPROBS = 20  # the sampler returns at most this many alternatives per token

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core import TokenDelta
-from engine.sequence import FinishReason
+from kvgate.engine.core import TokenDelta
+from kvgate.engine.sequence import FinishReason
 
 TokenText = Callable[[int], str]
 

@@ -25,12 +25,12 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.async_llm import EngineDead
-from engine.core import TokenDelta
-from engine.lora import UnknownAdapter
-from engine.sequence import SamplingParams
-from engine.server.context import CONTEXT, ServerContext
-from engine.server.protocol import (
+from kvgate.engine.async_llm import EngineDead
+from kvgate.engine.core import TokenDelta
+from kvgate.engine.lora import UnknownAdapter
+from kvgate.engine.sequence import SamplingParams
+from kvgate.engine.server.context import CONTEXT, ServerContext
+from kvgate.engine.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ApiError,
     bad_request,
@@ -40,7 +40,7 @@ from engine.server.protocol import (
     parse_json_object,
     sampling_params,
 )
-from engine.server.render import ChatRenderer, CompletionRenderer, Renderer, Usage
+from kvgate.engine.server.render import ChatRenderer, CompletionRenderer, Renderer, Usage
 
 # What engine.generate raises for one request: before its first token (a refusal), or after.
 _ENGINE_REFUSALS = (ValueError, UnknownAdapter)

@@ -13,9 +13,9 @@ from contextlib import asynccontextmanager
 
 from kvgate.clock import FakeClock
 from kvgate.state import MemoryStateStore, RedisStateStore, StateStore
-from providers.base import CapacityType, NodeClaim, OfferingKey
-from providers.fake import FakeCloud, FakeProvider
-from registry.schema import PoolSpec
+from kvgate.providers.base import CapacityType, NodeClaim, OfferingKey
+from kvgate.providers.fake import FakeCloud, FakeProvider
+from kvgate.registry.schema import PoolSpec
 
 CLUSTER = "test"
 POOL = "gpu"
@@ -122,7 +122,7 @@ def write_registry(directory, *, min_replicas: int = 0, node_boot_s: float = 0, 
 
 
 def load_test_registry(directory, **options):
-    from registry import load_registry
+    from kvgate.registry import load_registry
 
     return load_registry(write_registry(directory, **options))
 
@@ -138,8 +138,8 @@ async def observe(store: StateStore, clock: FakeClock, *, queued: int = 0, in_fl
 def make_autoscaler(snapshot, store: StateStore, clock: FakeClock, provider: FakeProvider, *,
                     holder: str = "a", fault_hook=None, **settings):
     """An Autoscaler over one fake pool, 1 s ticks, short planner graces so tests stay small."""
-    from autoscaler.loop import Autoscaler, AutoscalerSettings, FixedSnapshot
-    from autoscaler.planner import PlannerSettings
+    from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings, FixedSnapshot
+    from kvgate.autoscaler.planner import PlannerSettings
 
     planner = settings.pop("planner", PlannerSettings(empty_node_grace_s=5.0, consolidation_enabled=False))
     return Autoscaler(FixedSnapshot(snapshot), store, clock, providers={POOL: provider}, holder=holder,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from autoscaler.forecast import ForecastSettings, ForecastState, forecast_rate, observe_rate
+from kvgate.autoscaler.forecast import ForecastSettings, ForecastState, forecast_rate, observe_rate
 
 
 def feed(samples: list[tuple[float, float]], settings: ForecastSettings = ForecastSettings()) -> ForecastState:

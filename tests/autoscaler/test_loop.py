@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from autoscaler.status import STATUS_COLLECTION, STATUS_ID
+from kvgate.autoscaler.status import STATUS_COLLECTION, STATUS_ID
 from kvgate.clock import FakeClock
 from kvgate.state import MemoryStateStore
 from tests.autoscaler.fleet_helpers import load_test_registry, make_autoscaler, members, observe
-from providers.base import ReplicaState
-from providers.fake import FakeProvider
+from kvgate.providers.base import ReplicaState
+from kvgate.providers.fake import FakeProvider
 
 
 @pytest.fixture

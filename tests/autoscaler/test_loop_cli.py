@@ -67,7 +67,7 @@ def test_the_process_scales_reloads_and_stops_cleanly_on_sigterm(tmp_path: Path,
     log_path = tmp_path / "autoscaler.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "autoscaler", "--registry", str(registry), "--state", redis_url,
+            [sys.executable, "-m", "kvgate.autoscaler", "--registry", str(registry), "--state", redis_url,
              "--key-prefix", prefix, "--cluster", "cli-test", "--interval-s", "0.2", "--holder", "cli"],
             stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -101,7 +101,7 @@ def test_the_process_scales_reloads_and_stops_cleanly_on_sigterm(tmp_path: Path,
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autoscaler", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "kvgate.autoscaler", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_an_invalid_registry_is_reported_with_file_and_line(tmp_path: Path) -> None:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from autoscaler.claims import ClaimPhase, ClaimStore
-from autoscaler.reconciler import CLAIM_WRITTEN, PROVIDER_CALLED
+from kvgate.autoscaler.claims import ClaimPhase, ClaimStore
+from kvgate.autoscaler.reconciler import CLAIM_WRITTEN, PROVIDER_CALLED
 from kvgate.clock import FakeClock
 from kvgate.state import StateStore
-from providers.fake import FakeCloud, FakeProvider
+from kvgate.providers.fake import FakeCloud, FakeProvider
 from tests.autoscaler.fleet_helpers import Killed, kill_at, load_test_registry, make_autoscaler, observe, open_store
 
 

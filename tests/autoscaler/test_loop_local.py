@@ -13,10 +13,10 @@ import asyncio
 import time
 from pathlib import Path
 
-from autoscaler.loop import Autoscaler, AutoscalerSettings, FixedSnapshot, provider_factory_for
+from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings, FixedSnapshot, provider_factory_for
 from kvgate.clock import RealClock
 from kvgate.state import MemoryStateStore
-from registry import load_registry
+from kvgate.registry import load_registry
 from tests.registry_docs import local_pool, tiny_llama
 
 

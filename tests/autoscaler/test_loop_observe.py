@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 import pytest
 
-from autoscaler.observe import GatewayTotals, read_gateway_totals, totals_by_model
+from kvgate.autoscaler.observe import GatewayTotals, read_gateway_totals, totals_by_model
 from kvgate.clock import FakeClock
 from kvgate.state import MemoryStateStore, StoredRecord
 

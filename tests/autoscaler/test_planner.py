@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from autoscaler.planner import (LABEL_PLANNED_REPLICAS, CreateNode, DeleteNode, NodeAction, PlannerInputs,
+from kvgate.autoscaler.planner import (LABEL_PLANNED_REPLICAS, CreateNode, DeleteNode, NodeAction, PlannerInputs,
                                 PlannerSettings, PlannerState, StartReplica, StopReplica, Unschedulable,
                                 note_insufficient_capacity, plan_nodes)
-from providers.base import (CapacityType, Node, NodeClaim, NodeState, Offering, OfferingKey, ReplicaHandle,
+from kvgate.providers.base import (CapacityType, Node, NodeClaim, NodeState, Offering, OfferingKey, ReplicaHandle,
                             ReplicaState, offerings_from_pool)
-from registry import Snapshot, load_registry
+from kvgate.registry import Snapshot, load_registry
 
 OD, SPOT = CapacityType.ON_DEMAND, CapacityType.SPOT
 T0 = 1_700_000_000.0  # wall seconds; nodes below were launched an hour before

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from autoscaler.claims import ClaimPhase, ClaimStore
-from autoscaler.reconciler import (
+from kvgate.autoscaler.claims import ClaimPhase, ClaimStore
+from kvgate.autoscaler.reconciler import (
     CLAIM_WRITTEN,
     DELETE_MARKED,
     NODE_DELETED,
@@ -22,7 +22,7 @@ from autoscaler.reconciler import (
 )
 from kvgate.clock import FakeClock
 from kvgate.state import StateStore
-from providers.fake import FakeCloud
+from kvgate.providers.fake import FakeCloud
 from tests.autoscaler.fleet_helpers import POOL, Killed, claim, creates, fake_provider, kill_at, open_store
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from autoscaler.scaler import ModelObservation, ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
-from registry.schema import Scaling
+from kvgate.autoscaler.scaler import ModelObservation, ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
+from kvgate.registry.schema import Scaling
 
 
 def scaling(**kw: object) -> Scaling:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from autoscaler.sim.compare import run_comparison
-from autoscaler.sim.report import table
-from autoscaler.sim.traces import BurstySpec, bursty_trace, load_trace, scale_rate
-from registry import load_registry
+from kvgate.autoscaler.sim.compare import run_comparison
+from kvgate.autoscaler.sim.report import table
+from kvgate.autoscaler.sim.traces import BurstySpec, bursty_trace, load_trace, scale_rate
+from kvgate.registry import load_registry
 
 REPO = Path(__file__).resolve().parents[2]
 AZURE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -81,7 +81,7 @@ def test_scale_to_zero_model_goes_to_zero_in_idle_gaps_and_serves_the_next_spike
 
 
 def _sim(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "autoscaler.sim", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvgate.autoscaler.sim", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
 
 

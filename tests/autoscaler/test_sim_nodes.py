@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from autoscaler.sim.baselines import StaticPolicy
-from autoscaler.sim.compare import build_fleet
-from autoscaler.sim.engine import FleetSetup, Scenario, Stockout, simulate
-from autoscaler.sim.nodes import node_planning
-from autoscaler.sim.traces import Request, Trace
-from registry import load_registry
+from kvgate.autoscaler.sim.baselines import StaticPolicy
+from kvgate.autoscaler.sim.compare import build_fleet
+from kvgate.autoscaler.sim.engine import FleetSetup, Scenario, Stockout, simulate
+from kvgate.autoscaler.sim.nodes import node_planning
+from kvgate.autoscaler.sim.traces import Request, Trace
+from kvgate.registry import load_registry
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "sim"
 

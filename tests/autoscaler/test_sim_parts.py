@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from autoscaler.scaler import ModelObservation
-from autoscaler.sim.baselines import KpaPolicy, OraclePolicy, RayServePolicy, StaticPolicy, oracle_need
-from autoscaler.sim.engine import FleetSetup, Scenario, Stockout, simulate
-from autoscaler.sim.service import Placement, ServiceModel, SimConfigError, choose_placement, placements
-from autoscaler.sim.traces import (BurstySpec, Request, Trace, TraceError, bursty_trace, compress_time,
+from kvgate.autoscaler.scaler import ModelObservation
+from kvgate.autoscaler.sim.baselines import KpaPolicy, OraclePolicy, RayServePolicy, StaticPolicy, oracle_need
+from kvgate.autoscaler.sim.engine import FleetSetup, Scenario, Stockout, simulate
+from kvgate.autoscaler.sim.service import Placement, ServiceModel, SimConfigError, choose_placement, placements
+from kvgate.autoscaler.sim.traces import (BurstySpec, Request, Trace, TraceError, bursty_trace, compress_time,
                                    load_azure_csv, load_mooncake_jsonl, load_trace, scale_rate, with_warmup)
-from registry import load_registry
-from registry.schema import CapacityType
+from kvgate.registry import load_registry
+from kvgate.registry.schema import CapacityType
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "sim"
 

@@ -22,9 +22,9 @@ from kvgate.clock import RealClock
 from kvgate.state import MemberRecord, MemoryStateStore, ReplicaState
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
 from loadtests.sim_replica_model import SchedulerSpec
-from registry.watch import RegistryWatcher
-from router.app import GatewaySettings, build_app, gateway_runner
-from router.replicas import ReplicaTracker
+from kvgate.registry.watch import RegistryWatcher
+from kvgate.router.app import GatewaySettings, build_app, gateway_runner
+from kvgate.router.replicas import ReplicaTracker
 
 MODEL = "tiny-llama"  # the name a `kvgate engine` on builtin:tiny-llama serves, so sims and engines mix
 ADAPTER = "sql"

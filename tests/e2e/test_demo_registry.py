@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.config import parse_model_config
-from engine.lora.peft import read_peft_adapter
+from kvgate.engine.config import parse_model_config
+from kvgate.engine.lora.peft import read_peft_adapter
 from kvgate.stack import missing_adapter_sources
-from registry import load_registry
+from kvgate.registry import load_registry
 from tests.engine.builtin_cache import smollm2_dir
 
 REPO = Path(__file__).resolve().parents[2]

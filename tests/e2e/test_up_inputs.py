@@ -12,7 +12,7 @@ import pytest
 
 from kvgate.stack import Progress, display_host, failed_models_of, missing_adapter_sources, progress_step, urls_banner
 from kvgate.state import MemberRecord, ReplicaState
-from registry import load_registry
+from kvgate.registry import load_registry
 from tests.e2e.up_process import run_up
 from tests.services import free_loopback_port
 

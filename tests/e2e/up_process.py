@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from providers.local_proc import proc_stat
+from kvgate.providers.local_proc import proc_stat
 from tests.engine.builtin_cache import shared_cache_dir
 
 REPO = Path(__file__).resolve().parents[2]

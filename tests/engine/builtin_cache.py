@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.builtin import CACHE_DIR_ENV, resolve_model_source
+from kvgate.engine.builtin import CACHE_DIR_ENV, resolve_model_source
 
 REPO = Path(__file__).resolve().parents[2]
 

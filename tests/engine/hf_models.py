@@ -15,10 +15,10 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from engine.config import load_model_config
-from engine.runner.kv_cache import bytes_per_block
-from engine.runner.runner import ModelRunner, resolve_dtype
-from engine.sequence import ModelInput, SamplingParams, ScheduledSeq
+from kvgate.engine.config import load_model_config
+from kvgate.engine.runner.kv_cache import bytes_per_block
+from kvgate.engine.runner.runner import ModelRunner, resolve_dtype
+from kvgate.engine.sequence import ModelInput, SamplingParams, ScheduledSeq
 
 VOCAB = 256
 GREEDY = SamplingParams(temperature=0.0)

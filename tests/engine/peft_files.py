@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from engine.config import ModelConfig, parse_model_config
-from engine.lora.peft import projection_shape
+from kvgate.engine.config import ModelConfig, parse_model_config
+from kvgate.engine.lora.peft import projection_shape
 
 # hidden 64, 4 heads of 16 (2 KV heads: k/v project to 32), MLP 128, 2 layers.
 TINY = parse_model_config({

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from engine import FinishReason, SamplingParams
-from engine.async_llm import AsyncLLM
-from engine.core import EngineConfig
+from kvgate.engine import FinishReason, SamplingParams
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.core import EngineConfig
 from tests.engine.builtin_cache import tiny_llama_dir
 from tests.engine.test_llm import prompts, sharp_model  # noqa: F401  (the fixture)
 
@@ -31,7 +31,7 @@ async def collect(llm: AsyncLLM, prompt, params=GREEDY):
 async def test_concurrent_streams_match_the_offline_engine(engine: AsyncLLM) -> None:
     batch = prompts(4, seed=11)
     streams = await asyncio.gather(*(collect(engine, p) for p in batch))
-    from engine import LLM
+    from kvgate.engine import LLM
 
     offline = LLM(str(engine.core.model_dir), kv_cache_bytes=4 << 20).generate(batch, GREEDY)
     assert [[d.token_id for d in s] for s in streams] == [o.token_ids for o in offline]

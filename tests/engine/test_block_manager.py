@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import (ROOT_BLOCK_HASH, BlockManager, BlockRemoved, BlockStored,
+from kvgate.engine.block_manager import (ROOT_BLOCK_HASH, BlockManager, BlockRemoved, BlockStored,
                                   OutOfBlocksError, hash_block, hash_blocks)
-from engine.sequence import SamplingParams, Sequence
+from kvgate.engine.sequence import SamplingParams, Sequence
 
 BS = 16
 

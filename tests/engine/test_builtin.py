@@ -17,9 +17,9 @@ from types import MappingProxyType
 import pytest
 from safetensors import safe_open
 
-import engine.builtin as builtin
-from engine.builtin import ModelSourceError, default_cache_dir, resolve_model_source
-from engine.builtin_models import _installed_smollm2_gguf
+import kvgate.engine.builtin as builtin
+from kvgate.engine.builtin import ModelSourceError, default_cache_dir, resolve_model_source
+from kvgate.engine.builtin_models import _installed_smollm2_gguf
 from kvgate.tokenizer import Tokenizer
 from tests.engine.builtin_cache import REPO, shared_cache_dir, smollm2_dir
 

@@ -6,7 +6,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.tokenizer import Tokenizer
 from tests.engine.builtin_cache import tiny_llama_dir
 

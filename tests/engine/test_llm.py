@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, FinishReason, SamplingParams
-from engine.config import load_model_config
-from engine.runner.kv_cache import bytes_per_block
+from kvgate.engine import LLM, FinishReason, SamplingParams
+from kvgate.engine.config import load_model_config
+from kvgate.engine.runner.kv_cache import bytes_per_block
 from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.lora import AdapterInfo, AdapterLoadError, UnknownAdapter
+from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.lora import AdapterInfo, AdapterLoadError, UnknownAdapter
 from tests.engine.hf_models import hf_greedy
 from tests.engine.lora_adapters import ALL_MODULES, AdapterSpec, merged, tiny_hf_model, write_adapter
 

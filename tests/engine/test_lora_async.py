@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_llm import AsyncLLM
-from engine.core import EngineConfig
-from engine.lora import AdapterInfo, AdapterLoadError, UnknownAdapter
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.core import EngineConfig
+from kvgate.engine.lora import AdapterInfo, AdapterLoadError, UnknownAdapter
 from tests.engine.hf_models import hf_greedy
 from tests.engine.test_lora import GREEDY, NUM_NEW, Tiny, prompts
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.lora import AdapterInfo, AdapterLoadError, AdapterManager, UnknownAdapter
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import ModelOutput, SampledToken, SamplingParams, Sequence, SequenceStatus
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.lora import AdapterInfo, AdapterLoadError, AdapterManager, UnknownAdapter
+from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.sequence import ModelOutput, SampledToken, SamplingParams, Sequence, SequenceStatus
 from tests.engine.peft_files import TINY, write_peft_dir
 
 

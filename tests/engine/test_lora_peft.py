@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from engine.lora import AdapterLoadError
-from engine.lora.peft import read_peft_adapter
+from kvgate.engine.lora import AdapterLoadError
+from kvgate.engine.lora.peft import read_peft_adapter
 from tests.engine.peft_files import TINY, lora_key, lora_shapes, write_peft_dir, write_safetensors
 
 MAX_RANK = 16

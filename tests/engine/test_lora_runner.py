@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.runner.lora import LoraGroups, LoraStack, batch_layout
+from kvgate.engine.runner.lora import LoraGroups, LoraStack, batch_layout
 
 IN, MAX_RANK = 5, 8
 PARTS = ((0, 6), (6, 10))  # a fused projection of two parts: output columns 0..5 and 6..9

@@ -9,10 +9,10 @@ from pathlib import Path
 import boto3
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.core import EngineConfig, EngineCore
-from engine.lora import AdapterLoadError
-from engine.lora.source import fetch_adapter
+from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.core import EngineConfig, EngineCore
+from kvgate.engine.lora import AdapterLoadError
+from kvgate.engine.lora.source import fetch_adapter
 from tests.engine.lora_adapters import ALL_MODULES, AdapterSpec, tiny_hf_model, write_adapter
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

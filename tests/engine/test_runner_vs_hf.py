@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelLoadError, parse_model_config
-from engine.runner.runner import ModelRunner
-from engine.sequence import ModelInput
+from kvgate.engine.config import ModelLoadError, parse_model_config
+from kvgate.engine.runner.runner import ModelRunner
+from kvgate.engine.sequence import ModelInput
 from tests.engine.hf_models import (SPECS, NaiveDriver, build_tiny_model, hf_greedy, hf_last_logits, make_runner,
                                     scheduled)
 

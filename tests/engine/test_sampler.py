@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.runner.sampler import Sampler
-from engine.sequence import SamplingParams, ScheduledSeq
+from kvgate.engine.runner.sampler import Sampler
+from kvgate.engine.sequence import SamplingParams, ScheduledSeq
 
 VOCAB = 64
 

@@ -17,9 +17,9 @@ from collections import Counter
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig, StepResult
-from engine.sequence import (FinishReason, ModelInput, ModelOutput, SampledToken, SamplingParams, Sequence,
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.scheduler import Scheduler, SchedulerConfig, StepResult
+from kvgate.engine.sequence import (FinishReason, ModelInput, ModelOutput, SampledToken, SamplingParams, Sequence,
                              SequenceStatus)
 
 BS = 4

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from aiohttp.test_utils import TestClient
 
-from engine.async_llm import AsyncLLM
-from engine.core import EngineConfig, EngineCore
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.core import EngineConfig, EngineCore
 from tests.engine.builtin_cache import tiny_llama_dir
 from tests.engine_server.server_helpers import make_settings, start_client
 

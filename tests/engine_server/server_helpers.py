@@ -9,8 +9,8 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine.server.app import build_app
-from engine.server.context import ServerSettings
+from kvgate.engine.server.app import build_app
+from kvgate.engine.server.context import ServerSettings
 
 MODEL = "tiny"
 

@@ -7,8 +7,8 @@ import re
 
 from aiohttp.test_utils import TestClient
 
-from engine.async_llm import AsyncLLM, EngineDead
-from engine.server.context import CONTEXT
+from kvgate.engine.async_llm import AsyncLLM, EngineDead
+from kvgate.engine.server.context import CONTEXT
 from tests.engine_server.server_helpers import MODEL, make_settings, sse_events, start_client, wait_until
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

@@ -18,7 +18,7 @@ import grpc
 import openai
 import pytest
 
-from engine.builtin import CACHE_DIR_ENV
+from kvgate.engine.builtin import CACHE_DIR_ENV
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 from tests.services import free_loopback_port, kvgate_command
 from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir

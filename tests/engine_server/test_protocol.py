@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.server.protocol import (
+from kvgate.engine.server.protocol import (
     ApiError,
     ChatMessage,
     SamplingRequest,

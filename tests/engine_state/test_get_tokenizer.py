@@ -16,13 +16,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.async_llm import AsyncLLM
-from engine.core import EngineConfig
-from engine.server.context import Lifecycle, ServerContext, ServerSettings
-from engine.server.metrics import ServerMetrics
-from engine.server.protocol import ChatMessage
-from engine.sequence import SamplingParams
-from engine.state_service import start_state_service
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.core import EngineConfig
+from kvgate.engine.server.context import Lifecycle, ServerContext, ServerSettings
+from kvgate.engine.server.metrics import ServerMetrics
+from kvgate.engine.server.protocol import ChatMessage
+from kvgate.engine.sequence import SamplingParams
+from kvgate.engine.state_service import start_state_service
 from kvgate.kv_blocks import hash_blocks
 from kvgate.tokenizer import TOKENIZER_FILES, Tokenizer
 from kvgate.v1 import replica_pb2, replica_pb2_grpc

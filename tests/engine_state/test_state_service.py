@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from engine.async_llm import AsyncLLM
-from engine.block_manager import hash_blocks
-from engine.core import EngineConfig
-from engine.sequence import SamplingParams
-from engine.state_service import (
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.block_manager import hash_blocks
+from kvgate.engine.core import EngineConfig
+from kvgate.engine.sequence import SamplingParams
+from kvgate.engine.state_service import (
     DEFAULT_MAX_INTERVAL_MS,
     StateService,
     StreamIntervals,

@@ -14,7 +14,7 @@ import pytest
 
 from loadtests import bench_routing, bench_routing_faults, bench_routing_gateways, workloads
 from loadtests.routing_fleet import parse_engine_counters
-from router.policies import RoutingKnobs
+from kvgate.router.policies import RoutingKnobs
 
 
 def req(text: str, model: str = "m", kind: str = "hot") -> workloads.Request:
@@ -156,8 +156,8 @@ def test_two_gateways_report_same_replica_share_and_hit_rate(tmp_path: Path) -> 
 
 def test_the_routing_replay_is_deterministic_and_cache_aware_beats_least_load_on_hits() -> None:
     from loadtests import routing_replay
-    from registry.schema import Routing, RoutingPolicy
-    from router.policies import RoutingKnobs
+    from kvgate.registry.schema import Routing, RoutingPolicy
+    from kvgate.router.policies import RoutingKnobs
 
     reqs = workloads.hot_prefix(routing_replay.MODEL, 3, 2.0)
     spec = routing_replay.bench_spec(reqs, 4)
@@ -184,7 +184,7 @@ def test_the_routing_replay_is_deterministic_and_cache_aware_beats_least_load_on
 
 async def test_the_decision_bench_sides_choose_alike_so_only_their_cost_differs() -> None:
     from loadtests import bench_routing_decision as bench
-    from registry.schema import Routing
+    from kvgate.registry.schema import Routing
 
     routing = Routing()
     routes = bench.make_routes(300, routing.prefix_chunk_chars, routing.affinity_depth_chars)
@@ -198,8 +198,8 @@ async def test_the_decision_bench_sides_choose_alike_so_only_their_cost_differs(
 def test_the_ttft_floor_is_each_prompts_uncached_part_at_prefill_speed_and_no_replay_beats_it() -> None:
     from loadtests import routing_replay
     from loadtests.sim_replica_model import SchedulerSpec
-    from registry.schema import Routing
-    from router.policies import RoutingKnobs
+    from kvgate.registry.schema import Routing
+    from kvgate.router.policies import RoutingKnobs
 
     system = {"role": "system", "content": "s" * 4000}
     first = workloads.Request(0.0, routing_replay.MODEL, (system, {"role": "user", "content": "a"}), 8, "hot")

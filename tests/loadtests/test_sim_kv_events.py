@@ -19,16 +19,16 @@ import aiohttp
 import grpc
 import pytest
 
-from engine.block_manager import BlockRemoved, BlockStored
+from kvgate.engine.block_manager import BlockRemoved, BlockStored
 from kvgate.kv_blocks import hash_blocks
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 from loadtests import bench_routing
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
 from loadtests.sim_replica_model import PrefixCache, Scheduler, SchedulerSpec, SimSequence, stored_events
 from loadtests.sim_state import SimTokens
-from router.prompt_tokens import prompt_token_ids
-from router.proxy import REPLICA_HEADER
-from router.replicas import ReplicaTracker
+from kvgate.router.prompt_tokens import prompt_token_ids
+from kvgate.router.proxy import REPLICA_HEADER
+from kvgate.router.replicas import ReplicaTracker
 from tests.engine.builtin_cache import smollm2_dir
 from tests.gateway_harness import eventually, running_gateway
 

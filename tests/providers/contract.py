@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from providers.base import NodeClaim, Provider, ProviderError
+from kvgate.providers.base import NodeClaim, Provider, ProviderError
 
 
 @dataclass

@@ -19,9 +19,9 @@ import pytest
 from botocore.awsrequest import AWSResponse
 
 from kvgate.clock import FakeClock
-from providers.aws import AwsProvider
-from providers.base import CapacityType, InsufficientCapacity, NodeClaim, OfferingKey, ProviderError
-from registry.schema import PoolSpec
+from kvgate.providers.aws import AwsProvider
+from kvgate.providers.base import CapacityType, InsufficientCapacity, NodeClaim, OfferingKey, ProviderError
+from kvgate.registry.schema import PoolSpec
 from tests.providers.contract import ContractSubject
 
 POOL = "aws-pool"

@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 import pytest
 
 from kvgate.clock import FakeClock
-from providers.base import CapacityType, InsufficientCapacity, NodeClaim, OfferingKey, ProviderError
-from providers.fake import FakeCloud, FakeProvider
-from registry.schema import PoolSpec
+from kvgate.providers.base import CapacityType, InsufficientCapacity, NodeClaim, OfferingKey, ProviderError
+from kvgate.providers.fake import FakeCloud, FakeProvider
+from kvgate.registry.schema import PoolSpec
 from tests.providers.contract import ContractSubject
 
 POOL = "fake-pool"

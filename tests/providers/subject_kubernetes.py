@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from kvgate.clock import FakeClock
-from providers.base import CapacityType, NodeClaim, OfferingKey, ProviderError, QuotaExceeded
-from providers.kubernetes import KubernetesProvider
-from registry.schema import PoolSpec
+from kvgate.providers.base import CapacityType, NodeClaim, OfferingKey, ProviderError, QuotaExceeded
+from kvgate.providers.kubernetes import KubernetesProvider
+from kvgate.registry.schema import PoolSpec
 from tests.providers.contract import ContractSubject
 
 POOL = "cw-pool"

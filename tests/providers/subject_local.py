@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvgate.clock import RealClock
-from providers.base import CapacityType, NodeClaim, OfferingKey, ProviderError, QuotaExceeded
-from providers.local import LocalProvider
-from registry.schema import PoolSpec
+from kvgate.providers.base import CapacityType, NodeClaim, OfferingKey, ProviderError, QuotaExceeded
+from kvgate.providers.local import LocalProvider
+from kvgate.registry.schema import PoolSpec
 
 from tests.providers.contract import ContractSubject
 

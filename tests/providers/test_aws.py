@@ -21,10 +21,10 @@ import yaml
 from botocore.awsrequest import AWSResponse
 
 from kvgate.clock import FakeClock
-from providers.aws import AwsProvider
-from providers.aws_ec2 import TAG_REPLICA, node_state
-from providers.aws_userdata import READY_TAG, render_user_data
-from providers.base import (
+from kvgate.providers.aws import AwsProvider
+from kvgate.providers.aws_ec2 import TAG_REPLICA, node_state
+from kvgate.providers.aws_userdata import READY_TAG, render_user_data
+from kvgate.providers.base import (
     TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, CapacityType, InsufficientCapacity, NodeClaim, NodeNotReady,
     NodeState, ProviderError, ProviderUnavailable, QuotaExceeded, ReplicaSpec, ReplicaState, engine_args,
 )
@@ -314,7 +314,7 @@ def test_instance_states_map_to_node_states(state: str, reason: str, events: lis
 
 
 def test_launch_times_are_wall_clock_seconds() -> None:
-    from providers.aws_ec2 import node_from_instance
+    from kvgate.providers.aws_ec2 import node_from_instance
     launched = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
     node = node_from_instance({"InstanceId": "i-1", "State": {"Name": "running"}, "LaunchTime": launched,
                                "Tags": [{"Key": TAG_CLAIM, "Value": "c"}]}, None, pool="p", price_usd_per_hour=1.0)
@@ -337,7 +337,7 @@ async def test_without_an_image_id_the_default_ami_lookup_fails_clearly(moto_end
 
 
 async def test_build_provider_makes_an_aws_provider(moto_endpoint_url: str) -> None:
-    from providers.build import build_provider
+    from kvgate.providers.build import build_provider
     session = moto_session()
     provider = build_provider(POOL, pool_spec(session, moto_endpoint_url), cluster="c", clock=FakeClock(),
                               session=session)

@@ -7,14 +7,14 @@ import dataclasses
 
 import pytest
 
-from engine.server.main import build_parser, engine_config, served_name
-from providers.base import (TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, CapacityType, InsufficientCapacity,
+from kvgate.engine.server.main import build_parser, engine_config, served_name
+from kvgate.providers.base import (TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, CapacityType, InsufficientCapacity,
                             NodeClaim, NodeNotReady, NotFound, OfferingKey, Provider, ProviderError,
                             ProviderUnavailable, QuotaExceeded, ReplicaSpec, check_quota, engine_args, node_tags,
                             offerings_from_pool, replica_spec_for)
-from providers.fake import FakeProvider
-from providers.local import LocalProvider
-from registry.schema import AdapterDoc, ModelDoc
+from kvgate.providers.fake import FakeProvider
+from kvgate.providers.local import LocalProvider
+from kvgate.registry.schema import AdapterDoc, ModelDoc
 from tests.providers.subject_fake import POOL, SPEC
 
 MODEL = ModelDoc.model_validate({

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from providers.base import (TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, InsufficientCapacity, NodeState, NotFound,
+from kvgate.providers.base import (TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, InsufficientCapacity, NodeState, NotFound,
                             Offering, OfferingKey, ProviderError, ReplicaSpec)
 from tests.providers.contract import ContractSubject
 

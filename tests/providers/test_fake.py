@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from kvgate.clock import FakeClock
-from providers.base import (CapacityType, InsufficientCapacity, NodeNotReady, NodeState, ProviderUnavailable,
+from kvgate.providers.base import (CapacityType, InsufficientCapacity, NodeNotReady, NodeState, ProviderUnavailable,
                             QuotaExceeded, ReplicaSpec, ReplicaState)
-from providers.build import build_provider
-from providers.fake import FakeCloud, FakeProvider
+from kvgate.providers.build import build_provider
+from kvgate.providers.fake import FakeCloud, FakeProvider
 from tests.providers.subject_fake import POOL, SPEC, claim
 
 SPEC_BOOTING = SPEC.model_copy(update={"node_boot_s": 90.0})

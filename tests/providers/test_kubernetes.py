@@ -21,15 +21,15 @@ import kubernetes_validate
 import pytest
 
 from kvgate.clock import FakeClock
-from providers.base import (
+from kvgate.providers.base import (
     InsufficientCapacity, NodeNotReady, NodeState, NotFound, ProviderError, ProviderUnavailable, QuotaExceeded,
     ReplicaSpec, ReplicaState, engine_args,
 )
-from providers.k8s_manifests import (
+from kvgate.providers.k8s_manifests import (
     ANNOTATION_CLAIMS, ANNOTATION_DELETION_COST, ANNOTATION_REPLICAS, LABEL_REPLICA, DeploymentSettings, NodePoolRef,
     deployment_manifest, label_value, object_name, pod_replica_state,
 )
-from providers.kubernetes import KubernetesProvider
+from kvgate.providers.kubernetes import KubernetesProvider
 from tests.providers.subject_kubernetes import NAMESPACE, POOL, KubeWorld, claim, kube_world, pool_spec
 
 K8S_VERSION = "1.30"  # the oldest Kubernetes we promise to support
@@ -335,7 +335,7 @@ def test_pod_states_map_to_replica_states(pod: dict, expected: ReplicaState) -> 
 
 
 async def test_build_provider_makes_a_kubernetes_provider(world: KubeWorld) -> None:
-    from providers.build import build_provider
+    from kvgate.providers.build import build_provider
     provider = build_provider(POOL, pool_spec(world.kubeconfig), cluster="c", clock=FakeClock())
     try:
         assert isinstance(provider, KubernetesProvider) and provider.namespace == NAMESPACE

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from kvgate.clock import RealClock
-from providers.base import NotFound, QuotaExceeded, ReplicaSpec, ReplicaState, replica_spec_for
-from providers.build import build_provider
-from providers.local import LocalProvider
-from providers.local_proc import group_members, is_alive, proc_stat
-from registry.schema import ModelDoc
+from kvgate.providers.base import NotFound, QuotaExceeded, ReplicaSpec, ReplicaState, replica_spec_for
+from kvgate.providers.build import build_provider
+from kvgate.providers.local import LocalProvider
+from kvgate.providers.local_proc import group_members, is_alive, proc_stat
+from kvgate.registry.schema import ModelDoc
 from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir
 from tests.providers.subject_local import POOL, claim, pool_spec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from registry import RegistryInvalid, load_registry
+from kvgate.registry import RegistryInvalid, load_registry
 from tests.registry.samples import MODEL, POOL
 
 GPU_POOL = """

@@ -76,7 +76,7 @@ def test_schema_is_valid_json_schema(tmp_path: Path) -> None:
 
 
 def test_python_m_registry_is_the_same_tool() -> None:
-    result = subprocess.run([sys.executable, "-m", "registry", "validate", "examples/registry"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "kvgate.registry", "validate", "examples/registry"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "valid" in result.stdout
 

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import yaml
 
-from registry.cli import registry_json_schema
+from kvgate.registry.cli import registry_json_schema
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

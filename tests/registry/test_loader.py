@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from registry import RegistryInvalid, load_registry
+from kvgate.registry import RegistryInvalid, load_registry
 from tests.registry.samples import MODEL, POOL
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from registry import load_registry
-from registry.plan import Action, plan, render, to_json
-from registry.snapshot import Snapshot
+from kvgate.registry import load_registry
+from kvgate.registry.plan import Action, plan, render, to_json
+from kvgate.registry.snapshot import Snapshot
 from tests.registry.samples import MODEL, POOL
 
 TENANT = """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from registry.schema import ModelSpec, Offer, PoolSpec, Scaling, StaticReplica, TenantSpec
+from kvgate.registry.schema import ModelSpec, Offer, PoolSpec, Scaling, StaticReplica, TenantSpec
 
 
 def error_of(cls, data) -> str:

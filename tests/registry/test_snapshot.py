@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from registry import UnknownName, load_registry
+from kvgate.registry import UnknownName, load_registry
 from tests.registry.samples import MODEL, POOL
 
 ADAPTER = """

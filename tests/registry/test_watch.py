@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.clock import FakeClock, RealClock
-from registry import RegistryInvalid, RegistryWatcher
+from kvgate.registry import RegistryInvalid, RegistryWatcher
 from tests.registry.samples import MODEL, POOL
 
 

@@ -22,8 +22,8 @@ from aiohttp import web
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
 from loadtests.sim_replica_model import SchedulerSpec
 from kvgate.state.base import StateStore
-from router.app import GatewaySettings
-from router.replicas import ReplicaTracker
+from kvgate.router.app import GatewaySettings
+from kvgate.router.replicas import ReplicaTracker
 from tests.gateway_harness import running_gateway
 
 FAST_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=2000.0)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvgate.kv_blocks import hash_blocks
-from router.block_index import BlockIndexes, KvCleared, KvRemoved, KvStored
-from router.features import build_route_request
-from router.policies import Reason, RoutingKnobs, cache_aware
-from router.view import CacheFill, ReplicaState, ReplicaView
+from kvgate.router.block_index import BlockIndexes, KvCleared, KvRemoved, KvStored
+from kvgate.router.features import build_route_request
+from kvgate.router.policies import Reason, RoutingKnobs, cache_aware
+from kvgate.router.view import CacheFill, ReplicaState, ReplicaView
 
 CHAIN = tuple(hash_blocks(list(range(64)), 16))  # 4 blocks
 

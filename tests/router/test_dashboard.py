@@ -13,10 +13,10 @@ import pytest
 
 from kvgate.clock import FakeClock
 from kvgate.state import MemoryStateStore
-from router.dashboard import (Dashboard, ModelTotals, StatsHistory, collect_totals, dashboard_page,
+from kvgate.router.dashboard import (Dashboard, ModelTotals, StatsHistory, collect_totals, dashboard_page,
                               histogram_quantile, window_stats)
-from router.metrics import RouterMetrics
-from router.queueing import WaitQueues
+from kvgate.router.metrics import RouterMetrics
+from kvgate.router.queueing import WaitQueues
 from tests.e2e.dashboard_stack import MODEL, dashboard_stack, write_autoscaler_status
 
 # ------------------------------------------------------------------------------------ quantiles

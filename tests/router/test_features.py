@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.features import (
+from kvgate.router.features import (
     CHARS_PER_TOKEN,
     build_route_request,
     canonical_prompt,
@@ -123,7 +123,7 @@ def test_the_affinity_key_reaches_as_deep_as_asked() -> None:
 
 
 def test_chars_per_token_learns_from_reported_prompt_tokens() -> None:
-    from router.features import CharsPerToken
+    from kvgate.router.features import CharsPerToken
 
     estimate = CharsPerToken(weight=0.1)
     assert estimate.value == 4.0

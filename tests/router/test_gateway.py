@@ -17,13 +17,13 @@ from aiohttp import web
 
 from kvgate.clock import RealClock
 from loadtests.sim_replica import SimReplicaConfig, start_sim_replica
-from registry.loader import load_registry
+from kvgate.registry.loader import load_registry
 from kvgate.state.memory import MemoryStateStore
-from router.app import GatewaySettings
-from router.observations import OBSERVATIONS_COLLECTION
-from router.openings import MIN_REQUESTS
-from router.prefix_index import CACHE_EVIDENCE_MIN
-from router.proxy import REPLICA_HEADER
+from kvgate.router.app import GatewaySettings
+from kvgate.router.observations import OBSERVATIONS_COLLECTION
+from kvgate.router.openings import MIN_REQUESTS
+from kvgate.router.prefix_index import CACHE_EVIDENCE_MIN
+from kvgate.router.proxy import REPLICA_HEADER
 from tests.gateway_harness import eventually, running_gateway
 from tests.router.sim_gateway import (
     FAST_SIM, LONG_PROMPT, OTHER_LONG_PROMPT, POOL, admin_replica, answer_with_usage, chat, drain_stream, gateway,
@@ -203,7 +203,7 @@ async def test_a_replica_with_prefix_caching_off_loses_its_chains_once_its_hits_
         (replica_id,) = [r.replica_id for r in gw.tracker.view("m").candidates("m")]
         index = gw.tracker.prefixes.get(replica_id)
         assert (await admin_replica(gw, replica_id))["prefix_caching"] == "on"  # assumed until shown otherwise
-        with caplog.at_level(logging.WARNING, logger="router.proxy"):
+        with caplog.at_level(logging.WARNING, logger="kvgate.router.proxy"):
             for _ in range(CACHE_EVIDENCE_MIN + 1):
                 reply = await gw.client.chat.completions.create(**chat(LONG_PROMPT))
                 assert reply.usage.prompt_tokens_details.cached_tokens == 0

@@ -13,8 +13,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from router import handlers
-from router.keys import GatewaySettings
+from kvgate.router import handlers
+from kvgate.router.keys import GatewaySettings
 from tests.router.sim_gateway import chat, gateway, hand_written_replica
 
 CHAT = json.dumps(chat("hello")).encode()

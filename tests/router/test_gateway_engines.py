@@ -19,8 +19,8 @@ import aiohttp
 import openai
 import pytest
 
-from router.proxy import REPLICA_HEADER
-from router.replicas import ReplicaTracker
+from kvgate.router.proxy import REPLICA_HEADER
+from kvgate.router.replicas import ReplicaTracker
 from tests.engine.peft_files import write_peft_dir
 from tests.gateway_harness import eventually, running_gateway
 from tests.services import free_loopback_port
@@ -192,7 +192,7 @@ async def test_the_gateway_tokenizes_every_prompt_shape_as_the_engine_does(tmp_p
                                                                            engines: list[Engine]) -> None:
     """The tokenizer comes from the engines (GetTokenizer); the gateway's token count for each body
     equals the engine's own usage.prompt_tokens, so their block hashes are the same chain."""
-    from router.prompt_tokens import prompt_token_ids
+    from kvgate.router.prompt_tokens import prompt_token_ids
 
     async with gateway(tmp_path, engines) as gw:
         await on_kv_blocks(gw)
@@ -321,8 +321,8 @@ async def test_a_tokenizer_that_counts_differently_from_the_engine_is_dropped_an
     gateway): the first response's usage.prompt_tokens disagrees with the gateway's count, the model goes
     back to text and the engine's tokenizer is fetched again."""
     from kvgate.tokenizer import Tokenizer
-    from router.prompt_tokens import PromptTokenizer, prompt_token_ids
-    from router.engine_tokenizers import KvChain
+    from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
+    from kvgate.router.engine_tokenizers import KvChain
     from tests.engine.builtin_cache import smollm2_dir
 
     async with gateway(tmp_path, engines) as gw:

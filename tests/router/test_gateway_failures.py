@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 
 from loadtests.sim_replica_model import SchedulerSpec
-from router import proxy as proxy_module
-from router.proxy import REPLICA_HEADER
+from kvgate.router import proxy as proxy_module
+from kvgate.router.proxy import REPLICA_HEADER
 from tests.router.sim_gateway import answer_with_usage, chat, drain_stream, gateway, hand_written_replica
 
 

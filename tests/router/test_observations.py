@@ -8,7 +8,7 @@ import pytest
 
 from kvgate.clock import FakeClock
 from kvgate.state.memory import MemoryStateStore
-from router.observations import OBSERVATIONS_COLLECTION, ArrivalRate, ObservationPublisher
+from kvgate.router.observations import OBSERVATIONS_COLLECTION, ArrivalRate, ObservationPublisher
 
 
 @pytest.mark.parametrize("samples,rate", [

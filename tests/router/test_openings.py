@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.openings import CommonOpenings
+from kvgate.router.openings import CommonOpenings
 
 
 def chain(*labels: str) -> tuple[int, ...]:

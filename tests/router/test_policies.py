@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from registry.schema import Routing, RoutingPolicy
-from router.features import RouteRequest, build_route_request
-from router.policies import POLICIES, Reason, RoutingKnobs, choose, load_cap
-from router.prefix_index import PrefixIndexes
-from router.view import AdapterFit, CacheFill, InFlightChains, ReplicaState, ReplicaView
+from kvgate.registry.schema import Routing, RoutingPolicy
+from kvgate.router.features import RouteRequest, build_route_request
+from kvgate.router.policies import POLICIES, Reason, RoutingKnobs, choose, load_cap
+from kvgate.router.prefix_index import PrefixIndexes
+from kvgate.router.view import AdapterFit, CacheFill, InFlightChains, ReplicaState, ReplicaView
 
 CHUNK = 64
 HOT_SYSTEM = "You are the support bot of a large shop. Answer politely and briefly. " * 10  # 700 chars

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.prefix_index import (CACHE_EVIDENCE_MIN, CACHE_EVIDENCE_WINDOW, DEFAULT_CAPACITY_CHUNKS,
+from kvgate.router.prefix_index import (CACHE_EVIDENCE_MIN, CACHE_EVIDENCE_WINDOW, DEFAULT_CAPACITY_CHUNKS,
                                  MAX_CAPACITY_CHUNKS, PrefixIndex, PrefixIndexes, capacity_chunks)
-from router.view import CacheFill
+from kvgate.router.view import CacheFill
 
 
 @pytest.mark.parametrize("blocks,block_size,chunk_chars,expected", [

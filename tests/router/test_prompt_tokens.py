@@ -8,7 +8,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from kvgate.tokenizer import Tokenizer
 from loadtests import workloads
-from router.prompt_tokens import PromptTokenizer, prompt_token_ids
+from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
 from tests.engine.builtin_cache import smollm2_dir, tiny_llama_dir
 
 

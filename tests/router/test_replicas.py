@@ -16,11 +16,11 @@ from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.memory import MemoryStateStore
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
 from loadtests.sim_replica_model import SchedulerSpec
-from registry.loader import load_registry
-from registry.snapshot import Snapshot
-from router.prefix_index import DEFAULT_CAPACITY_CHUNKS, capacity_chunks
-from router.replicas import ReplicaTracker, bearer_from_env
-from router.sources import LoadReport, parse_metrics, replica_url
+from kvgate.registry.loader import load_registry
+from kvgate.registry.snapshot import Snapshot
+from kvgate.router.prefix_index import DEFAULT_CAPACITY_CHUNKS, capacity_chunks
+from kvgate.router.replicas import ReplicaTracker, bearer_from_env
+from kvgate.router.sources import LoadReport, parse_metrics, replica_url
 from tests.gateway_harness import eventually
 
 FAST = {"poll_interval_s": 0.05, "health_interval_s": 0.05}
@@ -434,7 +434,7 @@ async def test_a_state_stream_that_goes_silent_is_dropped_and_reconnected() -> N
     import grpc
 
     from kvgate.v1 import replica_pb2, replica_pb2_grpc
-    from router.sources import watch_stream
+    from kvgate.router.sources import watch_stream
 
     class Stalls(replica_pb2_grpc.ReplicaServicer):
         async def WatchState(self, request, context):

@@ -22,7 +22,7 @@ from kvgate.clock import RealClock
 from kvgate.state.base import MemberRecord
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.redis_store import RedisStateStore
-from router.proxy import REPLICA_HEADER
+from kvgate.router.proxy import REPLICA_HEADER
 from tests.registry_docs import local_pool
 from tests.services import free_loopback_port, http_answers, kvgate_command, redis_server, running
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from router import proxy
-from router.proxy import SseRelay, carries_output
-from router.upstream import UpstreamError
+from kvgate.router import proxy
+from kvgate.router.proxy import SseRelay, carries_output
+from kvgate.router.upstream import UpstreamError
 
 
 def event(payload: object) -> bytes:

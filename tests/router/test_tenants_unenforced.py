@@ -30,7 +30,7 @@ spec:
 async def test_a_gateway_whose_registry_declares_tenants_warns_that_it_does_not_enforce_them(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "models.yaml").write_text(MODEL)
-    caplog.set_level(logging.WARNING, logger="router.app")
+    caplog.set_level(logging.WARNING, logger="kvgate.router.app")
     async with running_gateway(tmp_path) as (url, _):
         async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as response:
             assert response.status == 200

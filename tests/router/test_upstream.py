@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 import uvloop
 
-from router.upstream import UpstreamError, UpstreamPool
+from kvgate.router.upstream import UpstreamError, UpstreamPool
 from tests.services import free_loopback_port
 
 pytestmark = pytest.mark.timeout(30)
