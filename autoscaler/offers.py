@@ -98,7 +98,8 @@ def cheapest(model: ModelDoc, num_replicas: int, offerings: Iterable[Offering], 
     A node of G units holds floor(G / units_per_replica) replicas; for n replicas still to place it
     holds min(n, that). Worked numbers, 3 replicas of a 1-GPU model: a 1-GPU node at $2/h costs $2 per
     replica; an 8-GPU node at $12/h holds 3 -> $4 per replica; the 1-GPU node wins. Ties go to the
-    lower node price, then to the offering key (deterministic). Skipped: unavailable (sold out), in
+    lower node price, then to the offering key (deterministic). A `replica_at_boot` node holds one
+    replica whatever its size (an 8-GPU EC2 node for a 1-GPU model costs its whole price per replica). Skipped: unavailable (sold out), in
     the ICE cache (`unavailable[key] > now`), incompatible, or over quota/budget.
     """
     per_replica = units_per_replica(model)
@@ -112,6 +113,8 @@ def cheapest(model: ModelDoc, num_replicas: int, offerings: Iterable[Offering], 
         fits = node_units(offering, cpu_replicas_per_node) // per_replica
         if fits < 1:
             continue
+        if offering.replica_at_boot:
+            fits = 1  # the node boots into its claim's one replica and runs nothing else
         if not offering.available:
             reasons.add(f"{offering.key} sold out")
             continue

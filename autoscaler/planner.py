@@ -36,7 +36,7 @@ from typing import Union
 
 from kvgate.autoscaler.offers import PoolUsage, cheapest, compatible, node_units, units_per_replica
 from kvgate.providers.base import (CapacityType, Node, NodeClaim, NodeState, Offering, OfferingKey, ReplicaHandle,
-                            ReplicaState)
+                                   ReplicaState, replica_spec_for)
 from kvgate.registry.schema import ModelDoc
 from kvgate.registry.snapshot import Snapshot
 
@@ -309,6 +309,19 @@ def _supply(tick: _Tick, model: str) -> tuple[int, int]:
     return total, on_demand
 
 
+def _has_room(tick: _Tick, host: _Host, model: ModelDoc, need: int, on_demand_only: bool) -> bool:
+    """Whether one more replica of `model` (taking `need` units) may start on `host` now.
+
+    A node that boots into its claim's replica (`Offering.replica_at_boot`, AWS) has room only for that
+    one replica of the model it was bought for, whatever its GPU count says."""
+    offering = host.offering
+    if not host.running or host.disrupting or offering is None:
+        return False
+    if offering.replica_at_boot and (host.planned_model != model.metadata.name or tick.live(host)):
+        return False
+    return compatible(model, offering, on_demand_only=on_demand_only) and host.units - host.used >= need
+
+
 def _place(tick: _Tick, model: ModelDoc, count: int, on_demand_only: bool, reason: str,
            exclude: str | None = None) -> tuple[list[NodeAction], int, str]:
     """Place `count` replicas: free room on running hosts first, then new nodes at the cheapest offering.
@@ -319,12 +332,11 @@ def _place(tick: _Tick, model: ModelDoc, count: int, on_demand_only: bool, reaso
     name, need = model.metadata.name, units_per_replica(model)
     actions: list[NodeAction] = []
     rooms = [h for h in tick.hosts.values()
-             if h.running and not h.disrupting and h.id != exclude and h.offering is not None
-             and compatible(model, h.offering, on_demand_only=on_demand_only) and h.units - h.used >= need]
+             if h.id != exclude and _has_room(tick, h, model, need, on_demand_only)]
     # Room reserved for this model first (it was bought for it), then the cheapest room per unit.
     rooms.sort(key=lambda h: (h.planned_model != name, h.price_usd_per_hour / max(1, h.units), h.id))
     for host in rooms:
-        while count > 0 and host.units - host.used >= need:
+        while count > 0 and _has_room(tick, host, model, need, on_demand_only):
             replica_id = tick.mint("r")
             actions.append(StartReplica(name, host.id, replica_id, reason))
             host.used += need
@@ -338,7 +350,10 @@ def _place(tick: _Tick, model: ModelDoc, count: int, on_demand_only: bool, reaso
         if choice.offering is None:
             return actions, count, choice.why_not
         offering = choice.offering
+        # The replica spec rides on the claim: a node that boots straight into its replica (AWS) has no
+        # other way to learn which engine to start.
         claim = NodeClaim(tick.mint("n"), offering.key, model=name,
+                          replica=replica_spec_for(model, tick.inputs.snapshot.adapters_of(name)),
                           labels={LABEL_PLANNED_REPLICAS: str(choice.replicas)})
         actions.append(CreateNode(claim, offering.price_usd_per_hour,
                                   f"{reason}: {choice.replicas} replica(s) of {name} on {offering.key} "

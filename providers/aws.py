@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import importlib.metadata
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -65,16 +66,26 @@ _GONE = (NodeState.TERMINATING, NodeState.TERMINATED)
 Sleep = Callable[[float], Awaitable[None]]
 
 
+def installed_version() -> str:
+    """The version of the kvgate distribution this process runs: what an index install on a node pins."""
+    try:
+        return importlib.metadata.version("kvgate")
+    except importlib.metadata.PackageNotFoundError:
+        raise ProviderError("kvgate is not installed as a distribution (pip install -e . at least), so its "
+                            "version for new nodes is unknown; pass kvgate_version") from None
+
+
 class AwsProvider:
     """One EC2 pool of one kvgate cluster (see the module docstring for how each call maps to EC2).
 
     `session` is a boto3 Session (credentials, profile; tests register botocore event hooks on it);
     default: a new Session from the environment. `sleep` waits between throttled retries (default:
-    `clock.sleep`). `package` is the pip requirement the nodes install kvgate from."""
+    `clock.sleep`). Nodes get kvgate where the pool's `aws.install` says; an index install pins
+    `kvgate_version` (default: this installation's version) unless the pool names one."""
 
     def __init__(self, pool_name: str, spec: PoolSpec, *, cluster: str, clock: Clock,
                  session: Any | None = None, sleep: Sleep | None = None, backoff: Backoff = Backoff(),
-                 package: str = "kvgate[engine]", stockout_ttl_s: float = 180.0,
+                 kvgate_version: str | None = None, stockout_ttl_s: float = 180.0,
                  drain_timeout_s: float = 30.0) -> None:
         if not spec.region:
             raise ProviderError(f"pool {pool_name!r}: provider 'aws' needs a region")
@@ -85,10 +96,11 @@ class AwsProvider:
         self._clock = clock
         self._sleep = sleep if sleep is not None else clock.sleep
         self._backoff = backoff
-        self._package = package
+        self._kvgate_version = kvgate_version or installed_version()
         self._stockout_ttl_s = stockout_ttl_s
         self._drain_timeout_s = drain_timeout_s
-        self._catalogue = offerings_from_pool(pool_name, spec)
+        # An EC2 node runs the one replica its claim's user data starts at boot (see start_replica).
+        self._catalogue = [replace(o, replica_at_boot=True) for o in offerings_from_pool(pool_name, spec)]
         self._sold_out_until: dict[OfferingKey, float] = {}  # offering -> clock.now() when it may sell again
         self._image_id: str | None = self._settings.image_id
         # Last known price per (type, capacity type), for Nodes; refreshed by offerings().
@@ -217,8 +229,12 @@ class AwsProvider:
         if claim.replica is not None:
             tags.setdefault(TAG_MODEL, claim.replica.model)
             tags[TAG_REPLICA] = claim.id  # the boot replica's id until a caller adopts it
+            if self._settings.install is None:  # the registry refuses such a pool; a hand-built PoolSpec may not
+                raise ProviderError(f"pool {self._pool!r} has no aws.install: new nodes would have no kvgate",
+                                    retryable=False)
             user_data = render_user_data(claim.replica, claim_id=claim.id, pool=self._pool, cluster=self._cluster,
-                                         package=self._package, drain_timeout_s=self._drain_timeout_s)
+                                         install=self._settings.install, version=self._kvgate_version,
+                                         drain_timeout_s=self._drain_timeout_s)
         request = run_instances_request(offering=offering, claim_id=claim.id, tags=tags,
                                         image_id=await self._image(), settings=self._settings, user_data=user_data)
         try:
@@ -353,6 +369,6 @@ class AwsProvider:
 
 
 def from_pool(pool_name: str, spec: PoolSpec, *, cluster: str, clock: Clock, **options: Any) -> AwsProvider:
-    """`build_provider`'s entry: options are AwsProvider's keywords (session, sleep, backoff, package,
+    """`build_provider`'s entry: options are AwsProvider's keywords (session, sleep, backoff, kvgate_version,
     stockout_ttl_s, drain_timeout_s)."""
     return AwsProvider(pool_name, spec, cluster=cluster, clock=clock, **options)

@@ -89,6 +89,10 @@ class Offering:
     zone: str  # "" = any zone of the region
     price_usd_per_hour: float
     available: bool = True
+    # True where a node boots straight into the one replica its claim names (`NodeClaim.replica`, AWS
+    # cloud-init) and can run nothing else: the planner buys one such node per replica, and never
+    # places a replica of another model, or a second one, on it.
+    replica_at_boot: bool = False
 
     @property
     def key(self) -> OfferingKey:

@@ -381,6 +381,36 @@ class LocalSettings(_Strict):
     work_dir: str = Field(default=".kvgate/local", description="Logs and pid files of local replicas.")
 
 
+class KvgateInstall(_Strict):
+    """Where a new EC2 node gets kvgate: exactly one of `preinstalled`, `wheel_url`, `index_url`.
+
+    kvgate is not published on PyPI, so there is no default: a node that ran `pip install kvgate` from
+    PyPI would get nothing (or, worse, whatever someone else published under the name)."""
+
+    preinstalled: str | None = Field(default=None, description="Path of the `kvgate` command on the node's image "
+                                     "(aws.image_id), e.g. /opt/kvgate/bin/kvgate: nothing is installed at boot.")
+    wheel_url: str | None = Field(default=None, description="URL of a kvgate wheel (https:// or s3 presigned) "
+                                  "that nodes pip install with the engine extra; its dependencies come from PyPI.")
+    index_url: str | None = Field(default=None, description="A package index that serves kvgate and all its "
+                                  "dependencies (a PyPI proxy such as devpi or Artifactory); the only index pip uses.")
+    version: str | None = Field(default=None, description="With index_url: the kvgate version to install; "
+                                "unset: the version of the autoscaler that buys the node.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> KvgateInstall:
+        chosen = [name for name in ("preinstalled", "wheel_url", "index_url") if getattr(self, name)]
+        if len(chosen) != 1:
+            raise FieldProblem("preinstalled" if not chosen else chosen[1],
+                               f"set exactly one of preinstalled, wheel_url, index_url (got {chosen or 'none'})")
+        if self.version is not None and not self.index_url:
+            raise FieldProblem("version", "version goes with index_url; a wheel or an image has its own")
+        for name in ("preinstalled", "wheel_url", "index_url", "version"):
+            value = getattr(self, name)
+            if value is not None and any(ch in value for ch in "\n\r\"'`$\\ "):
+                raise FieldProblem(name, f"{value!r} holds a space, quote, '$', '\\' or newline")
+        return self
+
+
 class AwsSettings(_Strict):
     endpoint_url: str | None = Field(default=None, description="EC2 API endpoint override (tests, private APIs).")
     image_id: str | None = Field(default=None, description="AMI with drivers; unset: the provider's default.")
@@ -388,6 +418,8 @@ class AwsSettings(_Strict):
     security_group_ids: tuple[str, ...] = ()
     key_name: str | None = None
     iam_instance_profile: str | None = None
+    install: KvgateInstall | None = Field(default=None, description="Where new nodes get kvgate (required to "
+                                          "buy nodes): preinstalled on the image, a wheel URL, or a package index.")
 
 
 class KubernetesSettings(_Strict):
@@ -420,6 +452,10 @@ class PoolSpec(_Strict):
                                  f"only a '{provider}' block belongs here")
         if self.provider is Provider.AWS and not self.region:
             raise FieldProblem("provider", "provider 'aws' needs a region, e.g. region: us-east-1")
+        if self.provider is Provider.AWS and (self.aws is None or self.aws.install is None):
+            raise FieldProblem("aws", "provider 'aws' needs aws.install, where new nodes get kvgate: "
+                               "{preinstalled: /opt/kvgate/bin/kvgate} (on the image), {wheel_url: https://...whl} "
+                               "or {index_url: https://pypi.internal/simple}; kvgate is not on PyPI")
         return self
 
 

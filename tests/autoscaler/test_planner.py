@@ -148,6 +148,50 @@ def test_sold_out_offerings_are_skipped(tmp_path: Path) -> None:
     assert bought(actions) == [("west:l40s-1:on_demand", "1")]
 
 
+def test_every_claim_carries_the_replica_spec_of_its_model(tmp_path: Path) -> None:
+    # A node that boots straight into its replica (AWS cloud-init) learns which engine to start only
+    # from its claim: without the spec it boots with nothing to serve.
+    _, actions = plan(registry(tmp_path), {"steady": 1})
+    [create] = [a for a in actions if isinstance(a, CreateNode)]
+    assert create.claim.replica is not None
+    assert (create.claim.replica.model, create.claim.replica.source) == ("steady", "s3://m/steady")
+
+
+def boot_offerings(snap: Snapshot) -> tuple[Offering, ...]:
+    """Every offering flagged replica_at_boot, as the AWS provider lists them."""
+    return tuple(replace(o, replica_at_boot=True) for o in offerings(snap))
+
+
+def test_a_node_that_boots_its_replica_is_bought_per_replica_whatever_its_size(tmp_path: Path) -> None:
+    # steady x4 would fit one l40s-4 ($1.75 per replica), but a replica_at_boot node runs one replica:
+    # l40s-4 is then $7.00 per replica against $2.00 for l40s-1, so four l40s-1 with one replica each.
+    snap = registry(tmp_path)
+    inputs = PlannerInputs(snap, {"steady": 4}, (), (), boot_offerings(snap), (), PlannerSettings(), "t")
+    _, actions = plan_nodes(inputs, PlannerState(), T0)
+    assert bought(actions) == [("east:l40s-1:on_demand/a", "1")] * 4
+
+
+def test_a_node_that_boots_its_replica_hosts_no_other_replica(tmp_path: Path) -> None:
+    # n4 (l40s-4, 4 GPUs) booted into its steady replica r1 and has 3 GPUs free. On a node that starts
+    # replicas separately, chat and a 2nd steady would go there; here each needs its own node.
+    snap = registry(tmp_path)
+    nodes = (node("n4", "east:l40s-4:on_demand:a", model="steady", price=7.0),)
+    reps = (replica("r1", "steady", "n4"),)
+    inputs = PlannerInputs(snap, {"steady": 2, "chat": 1}, nodes, reps, boot_offerings(snap), (), PlannerSettings(), "t")
+    _, actions = plan_nodes(inputs, PlannerState(), T0)
+    assert not [a for a in actions if isinstance(a, StartReplica)]
+    assert sorted(a.claim.model for a in actions if isinstance(a, CreateNode)) == ["chat", "steady"]
+
+
+def test_a_booted_node_gets_its_planned_replica_started(tmp_path: Path) -> None:
+    # The node bought for steady is running with no replica adopted yet: the planner starts (adopts) it there.
+    snap = registry(tmp_path)
+    nodes = (node("n1", "east:l40s-1:on_demand:a", model="steady", price=2.0),)
+    inputs = PlannerInputs(snap, {"steady": 1}, nodes, (), boot_offerings(snap), (), PlannerSettings(), "t")
+    _, actions = plan_nodes(inputs, PlannerState(), T0)
+    assert [(type(a).__name__, getattr(a, "node_id", None)) for a in actions] == [("StartReplica", "n1")]
+
+
 # ------------------------------------------------------------------------ insufficient capacity fallback
 
 

@@ -25,6 +25,7 @@ from kvgate.registry.schema import PoolSpec
 from tests.providers.contract import ContractSubject
 
 POOL = "aws-pool"
+WHEEL_URL = "https://artifacts.example/kvgate/kvgate-0.1.0-py3-none-any.whl"  # where test nodes get kvgate
 REGION = "us-east-1"
 
 
@@ -78,7 +79,8 @@ def pool_spec(session: boto3.Session, endpoint_url: str, **extra: Any) -> PoolSp
     image_id = session.client("ec2", endpoint_url=endpoint_url).register_image(
         Name=f"kvgate-test-{uuid.uuid4().hex[:6]}", RootDeviceName="/dev/sda1")["ImageId"]
     return PoolSpec.model_validate({
-        "provider": "aws", "region": REGION, "aws": {"endpoint_url": endpoint_url, "image_id": image_id},
+        "provider": "aws", "region": REGION, "aws": {"endpoint_url": endpoint_url, "image_id": image_id,
+                                              "install": {"wheel_url": WHEEL_URL}},
         "offers": [
             {"instance_type": "g5.xlarge", "gpu_kind": "A10G", "gpu_count": 1, "price_usd_per_hour": 1.006},
             {"instance_type": "g5.xlarge", "gpu_kind": "A10G", "gpu_count": 1, "price_usd_per_hour": 0.45,

@@ -24,6 +24,7 @@ from kvgate.clock import FakeClock
 from kvgate.providers.aws import AwsProvider
 from kvgate.providers.aws_ec2 import TAG_REPLICA, node_state
 from kvgate.providers.aws_userdata import READY_TAG, render_user_data
+from kvgate.registry.schema import KvgateInstall
 from kvgate.providers.base import (
     TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, CapacityType, InsufficientCapacity, NodeClaim, NodeNotReady,
     NodeState, ProviderError, ProviderUnavailable, QuotaExceeded, ReplicaSpec, ReplicaState, engine_args,
@@ -271,8 +272,12 @@ async def test_offerings_are_enriched_where_ec2_answers(world: World) -> None:
 # ------------------------------------------------------------------------------------ pure parts
 
 
+WHEEL = KvgateInstall(wheel_url="https://artifacts.example/kvgate-0.1.0-py3-none-any.whl")
+
+
 def test_user_data_renders_valid_cloud_config_and_shell() -> None:
-    text = render_user_data(SPEC, claim_id="claim-1", pool="gpu", cluster="prod", drain_timeout_s=20)
+    text = render_user_data(SPEC, claim_id="claim-1", pool="gpu", cluster="prod", install=WHEEL, version="0.1.0",
+                            drain_timeout_s=20)
     assert text.startswith("#cloud-config\n")
     document = yaml.safe_load(text)
     files = {f["path"]: f for f in document["write_files"]}
@@ -291,7 +296,41 @@ def test_user_data_renders_valid_cloud_config_and_shell() -> None:
     assert "ExecStart=/usr/local/bin/kvgate-engine" in unit and "TimeoutStopSec=25" in unit
     assert any("enable" in step and "kvgate-engine.service" in step for step in document["runcmd"])
     with pytest.raises(ValueError, match="quote"):
-        render_user_data(SPEC, claim_id="c", pool="gpu'; rm -rf /", cluster="prod")
+        render_user_data(SPEC, claim_id="c", pool="gpu'; rm -rf /", cluster="prod", install=WHEEL, version="0.1.0")
+
+
+def install_commands(text: str) -> list[list[str]]:
+    """The argv of every pip install the user data runs (bash -c "... && pip install ...")."""
+    found = []
+    for step in yaml.safe_load(text)["runcmd"]:
+        script = step[2] if step[:2] == ["bash", "-c"] else ""
+        for part in script.split("&&"):
+            argv = shlex.split(part)
+            if argv and argv[0].endswith("/pip") and argv[1] == "install":
+                found.append(argv)
+    return found
+
+
+@pytest.mark.parametrize("install,expected_pip,expected_kvgate", [
+    # A wheel: pip installs that file with the engine extra; its dependencies come from PyPI.
+    (WHEEL, [["/opt/kvgate/bin/pip", "install", "--quiet",
+              "kvgate[engine] @ https://artifacts.example/kvgate-0.1.0-py3-none-any.whl"]], "/opt/kvgate/bin/kvgate"),
+    # An index: the only index pip uses, pinned to the version of the autoscaler that bought the node.
+    (KvgateInstall(index_url="https://pypi.internal/simple"),
+     [["/opt/kvgate/bin/pip", "install", "--quiet", "--index-url", "https://pypi.internal/simple",
+       "kvgate[engine]==0.3.1"]], "/opt/kvgate/bin/kvgate"),
+    (KvgateInstall(index_url="https://pypi.internal/simple", version="0.3.0"),
+     [["/opt/kvgate/bin/pip", "install", "--quiet", "--index-url", "https://pypi.internal/simple",
+       "kvgate[engine]==0.3.0"]], "/opt/kvgate/bin/kvgate"),
+    # On the image already: nothing is installed at boot, the engine runs the image's command.
+    (KvgateInstall(preinstalled="/usr/local/bin/kvgate"), [], "/usr/local/bin/kvgate"),
+])
+def test_nodes_get_kvgate_from_where_the_pool_says_never_from_pypi_by_name(
+        install: KvgateInstall, expected_pip: list[list[str]], expected_kvgate: str) -> None:
+    text = render_user_data(SPEC, claim_id="claim-1", pool="gpu", cluster="prod", install=install, version="0.3.1")
+    assert install_commands(text) == expected_pip
+    engine = {f["path"]: f for f in yaml.safe_load(text)["write_files"]}["/usr/local/bin/kvgate-engine"]["content"]
+    assert shlex.split(engine.split("exec ", 1)[1].replace("\\\n", " "))[:2] == [expected_kvgate, "engine"]
 
 
 @pytest.mark.parametrize("state,reason,events,expected", [

@@ -14,6 +14,7 @@ metadata: {name: gpus}
 spec:
   provider: aws
   region: us-east-1
+  aws: {install: {wheel_url: https://artifacts.example/kvgate-0.1.0-py3-none-any.whl}}
   offers:
     - {instance_type: g6e.xlarge, gpu_kind: L40S, gpu_count: 1, gpu_memory_gib: 48, price_usd_per_hour: 1.86,
        capacity_type: spot}

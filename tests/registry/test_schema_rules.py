@@ -64,6 +64,22 @@ def test_provider_blocks_must_match_the_provider() -> None:
     assert "needs a region" in error_of(PoolSpec, {"provider": "aws", "offers": [offer]})
 
 
+def test_an_aws_pool_says_where_its_nodes_get_kvgate() -> None:
+    offer = {"instance_type": "g5.xlarge", "gpu_kind": "A10G", "gpu_count": 1, "price_usd_per_hour": 1}
+    aws = {"provider": "aws", "region": "us-east-1", "offers": [offer]}
+    assert "needs aws.install" in error_of(PoolSpec, aws)
+    assert "not on PyPI" in error_of(PoolSpec, {**aws, "aws": {"image_id": "ami-1"}})
+    assert "exactly one of" in error_of(PoolSpec, {**aws, "aws": {"install": {}}})
+    both = {"wheel_url": "https://a/k.whl", "index_url": "https://pypi.internal/simple"}
+    assert "exactly one of" in error_of(PoolSpec, {**aws, "aws": {"install": both}})
+    assert "goes with index_url" in error_of(PoolSpec, {**aws, "aws": {"install": {"wheel_url": "https://a/k.whl",
+                                                                                   "version": "0.1.0"}}})
+    assert "holds a space" in error_of(PoolSpec, {**aws, "aws": {"install": {"wheel_url": "https://a/k.whl; rm -rf /"}}})
+    for install in ({"preinstalled": "/opt/kvgate/bin/kvgate"}, {"wheel_url": "https://a/k.whl"},
+                    {"index_url": "https://pypi.internal/simple", "version": "0.1.0"}):
+        assert PoolSpec.model_validate({**aws, "aws": {"install": install}}).aws.install is not None
+
+
 def test_tenant_key_hash_is_64_hex_digits_and_normalised() -> None:
     assert "never the key" in error_of(TenantSpec, {"api_key_sha256": "sk-live-123", "models": ["*"]})
     spec = TenantSpec.model_validate({"api_key_sha256": "AB" * 32, "models": ["*"]})
