@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = engine_config(args, parser)
+    if importlib.util.find_spec("torch") is None:  # a gateway-only install: say what to add, not a traceback
+        print("kvgate engine: torch is not installed, and the engine needs it: pip install 'kvgate[engine]' "
+              "(on a machine without CUDA, install torch's CPU build first)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
