@@ -14,6 +14,13 @@ idempotent on the claim id, so re-driving a PENDING claim after a crash buys at 
 Collection "claims", record id = the claim id. Data:
     {"claim_id", "phase": "pending"|"confirmed"|"deleting", "claim": {...the NodeClaim as JSON...},
      "node_id": str|null, "created_at": wall s, "updated_at": wall s, "holder": autoscaler id}
+
+A store can lose every record at once: a Redis without persistence restarted empty, a new Redis, a changed
+--key-prefix. Then every node kvgate runs looks like an orphan, and releasing them would stop a whole
+serving fleet to buy it again. The ledger record (collection "ledger", id "claims", written once the claims
+have been reconciled against every pool) tells the two cases apart: while it is there, a tagged node without
+a claim was bought behind kvgate's back and is released; when it is missing, the claims were lost, not the
+nodes, and each tagged node is adopted with a CONFIRMED claim rebuilt from its tags (`claim_of_node`).
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvgate.state import StateStore, StoredRecord, VersionConflict
-from kvgate.providers.base import CapacityType, NodeClaim, OfferingKey, ReplicaSpec
+from kvgate.providers.base import CapacityType, Node, NodeClaim, OfferingKey, ReplicaSpec
 
 CLAIMS = "claims"
+LEDGER = "ledger"  # collection of the ledger record (module docstring)
+LEDGER_ID = "claims"
 
 
 class ClaimPhase(enum.StrEnum):
@@ -85,6 +94,26 @@ class ClaimStore:
                 continue
         return claims
 
+    async def ledger_kept(self) -> bool:
+        """Whether the ledger record is there: the store has kept claims since an autoscaler reconciled them
+        (module docstring). Read it after the claims, so that claims lost in between count as lost."""
+        return await self._store.get_record(LEDGER, LEDGER_ID) is not None
+
+    async def keep_ledger(self, now_wall_s: float) -> None:
+        """Write the ledger record unless it is there (idempotent; a concurrent writer is fine)."""
+        data = {"kept_since": now_wall_s, "holder": self._holder}
+        try:
+            await self._store.put_record(LEDGER, LEDGER_ID, data, expected_version=0)
+        except VersionConflict:
+            pass  # another autoscaler wrote it first: the same fact
+
+    async def write_confirmed(self, node: Node, now_wall_s: float) -> ClaimRecord:
+        """A CONFIRMED claim for a running node whose claim the store lost (`claim_of_node`). Raises
+        `ClaimConflict` if a claim with its id exists meanwhile."""
+        record = ClaimRecord(node.claim_id, ClaimPhase.CONFIRMED, claim_of_node(node), node.id, now_wall_s,
+                             now_wall_s, self._holder, 0)
+        return await self._write(record, expected_version=0)
+
     async def write_pending(self, claim: NodeClaim, now_wall_s: float) -> ClaimRecord:
         """Write a new PENDING claim. Raises `ClaimConflict` if a claim with this id exists: a claim
         id is bought at most once."""
@@ -117,6 +146,14 @@ class ClaimStore:
             raise ClaimConflict(str(exc)) from exc
         return replace(record, holder=self._holder, version=version)
 
+
+
+def claim_of_node(node: Node) -> NodeClaim:
+    """The claim a node was bought for, as far as its tags and offering tell: id, offering and model. Enough
+    to keep it (a CONFIRMED claim is never re-driven), not to buy it again: `replica` is unknown."""
+    offering = OfferingKey(pool=node.pool, instance_type=node.instance_type, capacity_type=node.capacity_type,
+                           zone=node.zone)
+    return NodeClaim(id=node.claim_id, offering=offering, model=node.model)
 
 
 def claim_to_json(claim: NodeClaim) -> dict[str, Any]:

@@ -82,6 +82,7 @@ from kvgate.autoscaler.status import (
 from kvgate.clock import Clock
 from kvgate.state import MemberRecord, StateStore, StateStoreError
 from kvgate.state import ReplicaState as MemberState
+from kvgate.state.outage import Outage
 from kvgate.providers.base import NodeState, Offering, Provider, ProviderError, ReplicaHandle, ReplicaState, replica_spec_for
 from kvgate.registry.snapshot import Snapshot
 
@@ -138,6 +139,7 @@ class Autoscaler:
         self._reconciler = Reconciler(self._providers, ClaimStore(store, self.holder), clock, fault_hook=fault_hook)
         self.id_prefix = f"kvg-{uuid.uuid4().hex[:6]}"  # claim/replica ids unique per incarnation
         self._task: asyncio.Task[None] | None = None
+        self._store_outage = Outage()  # ticks in a row that could not reach the store
         self.is_leader = False
         self._reset_leadership()
 
@@ -233,9 +235,13 @@ class Autoscaler:
         """One observe -> decide -> actuate round. Never raises for store or provider trouble."""
         try:
             held = await self._store.acquire_lease(LEASE_NAME, self.holder, self.settings.lease_ttl_s)
-        except StateStoreError as exc:
-            log.warning("state store unreachable; acting as standby this tick: %s", exc)
+        except StateStoreError as exc:  # one line a tick, no traceback: Redis may start after this process
+            self._store_outage.failed(self._clock.now())
+            log.warning("%s; acting as standby this tick, next try in %g s", exc, self.settings.interval_s)
             return TickReport(leader=False, error=str(exc))
+        recovered = self._store_outage.recovered(self._clock.now())
+        if recovered is not None:
+            log.info("the state store answers again %s", recovered)
         if not held:
             if self.is_leader:
                 log.warning("lost the autoscaler lease to %s", await self._holder_or_unknown())

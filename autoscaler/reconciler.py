@@ -10,7 +10,8 @@ repaired by the next call, whoever makes it) compares what the providers list wi
 
 | node listed (tagged for us) | claim                 | action                                              |
 |-----------------------------|-----------------------|-----------------------------------------------------|
-| yes                         | none                  | orphan: delete the node (nobody tracks it)          |
+| yes                         | none, ledger kept     | orphan: delete the node (nobody tracks it)          |
+| yes                         | none, no ledger       | the store lost its claims: adopt (claim CONFIRMED)  |
 | yes                         | PENDING               | adopt: confirm the claim with the node's id         |
 | yes                         | CONFIRMED             | owned: nothing to do                                |
 | yes                         | DELETING              | re-drive the delete, then remove the claim          |
@@ -20,7 +21,12 @@ repaired by the next call, whoever makes it) compares what the providers list wi
 
 Order matters: nodes are listed BEFORE claims are read. A claim is written before its node is
 bought, so every node in the list had its claim written before the claims were read, and a node is
-never taken for an orphan because its claim was written between the two reads.
+never taken for an orphan because its claim was written between the two reads. The ledger record
+(`autoscaler.claims`) is read AFTER the claims, so a store emptied between the two reads counts as
+emptied, and written at the end of a round that listed every pool, so a node in a pool that could not
+be listed is adopted in a later round rather than released. Adopting where releasing was meant costs
+at most the planner's empty-node grace for a node nothing runs on; releasing where adopting was meant
+(Redis restarted empty) would stop every replica of the fleet.
 
 A pool whose provider cannot be reached this round is left alone entirely (nothing is released
 or re-driven on partial information). The fault hook lets tests kill the loop at each arrow.
@@ -129,6 +135,7 @@ class Reconciler:
                 unreachable.append(pool)
                 scratch.events.append(self._event(None, EventKind.PROVIDER_ERROR, f"pool {pool}: list failed: {exc}"))
         claims = {record.claim_id: record for record in await self._claims.list()}  # after the node lists
+        ledger_kept = await self._claims.ledger_kept()  # after the claims (module docstring)
         live: list[Node] = []
         nodes_by_claim: dict[str, list[Node]] = {}
         for nodes in listed.values():
@@ -137,6 +144,10 @@ class Reconciler:
                     nodes_by_claim.setdefault(node.claim_id, []).append(node)
         for claim_id, nodes in sorted(nodes_by_claim.items()):
             record = claims.get(claim_id)
+            keep = next((n for n in nodes if n.state is not NodeState.TERMINATING), None)
+            if record is None and not ledger_kept and keep is not None:  # a node going away is not kept
+                record = claims[claim_id] = await self._adopt_unclaimed(keep, scratch)
+                nodes = [keep, *(n for n in nodes if n is not keep)]
             for extra in nodes[1:] if record is not None else ():
                 # Never expected (create is idempotent), but if a provider broke that promise the
                 # extra node is untracked: release it rather than pay for it.
@@ -175,6 +186,8 @@ class Reconciler:
                 if record.phase is ClaimPhase.CONFIRMED:
                     scratch.events.append(self._event(record.claim.model, EventKind.PREEMPTED,
                                                       f"node {record.node_id} of claim {claim_id} is gone"))
+        if not ledger_kept and not unreachable:
+            await self._claims.keep_ledger(self._clock.wall())
         replicas: list[ReplicaHandle] = []
         for pool in sorted(listed):
             try:
@@ -277,6 +290,14 @@ class Reconciler:
         await self._claims.remove(record)
         scratch.events.append(self._event(record.claim.model, EventKind.NODE_DELETE, f"node {node_id}: {reason}"))
         return True
+
+    async def _adopt_unclaimed(self, node: Node, scratch: _Round) -> ClaimRecord:
+        """Keep a node whose claim the store lost, with a CONFIRMED claim rebuilt from its tags."""
+        record = await self._claims.write_confirmed(node, self._clock.wall())
+        scratch.events.append(self._event(node.model, EventKind.NODE_ADOPTED,
+                                          f"adopted node {node.id} of claim {node.claim_id}: the state store "
+                                          "holds no claims (it lost them, or is new), so the node is kept"))
+        return record
 
     async def _release_orphan(self, node: Node, scratch: _Round, *, why: str) -> None:
         try:

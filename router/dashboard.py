@@ -34,7 +34,7 @@ from importlib import resources
 from typing import Any
 
 from kvgate.clock import Clock
-from kvgate.state.base import StateStore, encode_record_data
+from kvgate.state.base import StateStore, StateStoreError, encode_record_data
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.queueing import WaitQueues
 
@@ -367,7 +367,10 @@ class Dashboard:
             return None
         try:
             record = await self.store.get_record(AUTOSCALER_COLLECTION, AUTOSCALER_STATUS_ID)
-        except Exception:  # StateStoreUnavailable or a broken record: the page says "no autoscaler"
+        except StateStoreError as exc:  # the membership poll logs the outage once a second; this adds nothing
+            log.debug("reading the autoscaler status failed: %s", exc)
+            return None
+        except Exception:  # a broken record: the page says "no autoscaler"
             log.warning("reading the autoscaler status failed", exc_info=True)
             return None
         return None if record is None else json.loads(encode_record_data(record.data))
@@ -378,6 +381,9 @@ class Dashboard:
             return {}
         try:
             members = await self.store.list_members()
+        except StateStoreError as exc:  # logged by the membership poll, as above
+            log.debug("reading membership for the dashboard failed: %s", exc)
+            return {}
         except Exception:
             log.warning("reading membership for the dashboard failed", exc_info=True)
             return {}

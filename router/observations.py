@@ -115,15 +115,19 @@ class ObservationPublisher:
             self._written.add(record_id)
 
     async def run(self) -> None:
-        """Publish until cancelled; a store that is down is logged once per outage and retried."""
+        """Publish until cancelled; a store that is down is logged once per outage and retried (the
+        membership poll logs it once a second)."""
         failing = False
         while True:
             try:
                 await self.publish_once()
+                if failing:
+                    log.info("publishing observations to the state store again")
                 failing = False
             except StateStoreError as exc:
                 if not failing:
-                    log.warning("cannot publish observations to the state store: %s", exc)
+                    log.warning("cannot publish observations to the state store (the autoscaler does not see this "
+                                "gateway's load meanwhile): %s", exc)
                 failing = True
             await self._clock.sleep(self._interval_s)
 

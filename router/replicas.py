@@ -19,7 +19,9 @@ after UNLISTED_DROP_AFTER_CHECKS failed checks in a row (a replica that is gone)
 STARTING or DRAINING is dropped at once: the autoscaler marks a replica DRAINING before it stops it on
 scale-down, and publishes one it takes out for good without a drain (a replica that failed, a preempted or
 deleted node, one its provider no longer lists) DRAINING once more and lets that record lapse. An unreachable
-store changes nothing: the last known members stay.
+store changes nothing: the last known members and the static replicas stay, the poll goes on every
+`poll_interval_s`, and each failed poll logs one WARNING line naming the store and the error (a gateway started
+before its Redis says so once a second, not with a traceback); the first poll that works logs one INFO line.
 
 Ejection (passive): `eject_after_failures` failures reported in a row eject a replica for
 `eject_for_s`; after that it stays out until a health check passes (the probe), then takes traffic
@@ -40,7 +42,8 @@ from collections.abc import Mapping
 import aiohttp
 
 from kvgate.clock import Clock
-from kvgate.state.base import MemberRecord, StateStore
+from kvgate.state.base import MemberRecord, StateStore, StateStoreError
+from kvgate.state.outage import Outage
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.registry.schema import Backend
 from kvgate.registry.snapshot import Snapshot
@@ -103,6 +106,7 @@ class ReplicaTracker:
         self._started = False
         self._closed = False
         self._member_task: asyncio.Task[None] | None = None
+        self._store_outage = Outage()  # failed membership polls in a row
         self._changed = asyncio.Event()
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -362,11 +366,21 @@ class ReplicaTracker:
         assert self._store is not None
         try:
             records = await self._store.list_members()
-        except Exception:  # StateStoreUnavailable or worse: keep the last known membership
-            log.warning("membership poll failed; keeping the last known members", exc_info=True)
+        except Exception as exc:  # keep the last known membership; the grace of unlisted members still runs
+            self._store_outage.failed(self._clock.now())
+            num_static = sum(1 for r in self._replicas.values() if r.member_state is None)
+            what = (f"routing to {num_static} static and {len(self._replicas) - num_static} last known member "
+                    f"replica(s), next try in {self._poll_interval_s:g} s")
+            if isinstance(exc, StateStoreError):  # expected (Redis down, starting, restarting): one line, no trace
+                log.warning("membership poll failed: %s; %s", exc, what)
+            else:  # a bug: its traceback is what fixes it
+                log.exception("membership poll failed unexpectedly; %s", what)
             for tracked in [r for r in self._replicas.values() if r.unlisted_since is not None]:
-                self._unlisted(tracked)  # the grace still runs out
+                self._unlisted(tracked)
             return
+        recovered = self._store_outage.recovered(self._clock.now())
+        if recovered is not None:
+            log.info("membership poll works again %s; %d member(s) listed", recovered, len(records))
         self._apply_members(records)
 
     def _apply_members(self, records: list[MemberRecord]) -> None:

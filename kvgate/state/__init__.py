@@ -20,7 +20,7 @@ from kvgate.state.base import (
     VersionConflict,
 )
 from kvgate.state.memory import MemoryStateStore
-from kvgate.state.redis_store import RedisStateStore
+from kvgate.state.redis_store import RedisStateStore, redact_url
 
 __all__ = [
     "MemberRecord",
@@ -34,6 +34,7 @@ __all__ = [
     "TokenBucketResult",
     "VersionConflict",
     "open_state_store",
+    "redact_url",
 ]
 
 _SCHEMES = ("memory", "redis", "rediss")

@@ -18,7 +18,8 @@ works on Redis Cluster without hash tags. Key layout, under `prefix` (default "k
 Numbers cross into Lua as Python `repr` strings and are written back with "%.17g", so floats
 round-trip exactly and the bucket arithmetic matches the memory store's to the last bit.
 Redis errors are mapped once, here: connection errors and timeouts become `StateStoreUnavailable`,
-anything else `StateStoreError`.
+anything else `StateStoreError`; each message names the server by its URL without the password
+(`redact_url`), so a caller can log it as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterator, Mapping
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -177,11 +179,27 @@ return {1, version}
 """
 
 
+def redact_url(url: str) -> str:
+    """`url` fit for a log line: a password in the user part or in the query becomes "***".
+    "redis://:s3cret@10.0.0.5:6379/0" -> "redis://:***@10.0.0.5:6379/0"."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, hostport = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:***@{hostport}"
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
+    if netloc == parts.netloc and query == parts.query:
+        return url  # nothing secret in it (and "unix:///path" keeps its slashes, which urlunsplit drops)
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
 class RedisStateStore:
     """A `StateStore` in Redis. See `StateStore` for each method's contract.
 
     The store owns `client` (it closes it) and needs it built with `decode_responses=True`;
-    `from_url` builds one with short timeouts. Construction does no I/O.
+    `from_url` builds one with short timeouts. Construction does no I/O. `url` names the server in
+    error messages, without its password (default: host:port/db of the client).
     """
 
     def __init__(
@@ -191,9 +209,13 @@ class RedisStateStore:
         *,
         prefix: str = "kvgate:",
         gc_slack_s: float = 60.0,
+        url: str | None = None,
     ) -> None:
-        if not client.get_connection_kwargs().get("decode_responses"):
+        kwargs = client.get_connection_kwargs()
+        if not kwargs.get("decode_responses"):
             raise ValueError("RedisStateStore needs a client built with decode_responses=True")
+        self.url = redact_url(url) if url is not None else (
+            f"redis://{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}")
         self._client = client
         self._clock = clock
         self._prefix = prefix
@@ -230,18 +252,18 @@ class RedisStateStore:
             socket_connect_timeout=timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.025), retries=2),
         )
-        return cls(client, clock, prefix=prefix, gc_slack_s=gc_slack_s)
+        return cls(client, clock, prefix=prefix, gc_slack_s=gc_slack_s, url=url)
 
     @contextlib.contextmanager
     def _mapped_errors(self) -> Iterator[None]:
         if self._closed:
-            raise StateStoreUnavailable("the redis state store is closed")
+            raise StateStoreUnavailable(f"state store {self.url} is closed")
         try:
             yield
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
-            raise StateStoreUnavailable(f"redis unreachable: {err}") from err
+            raise StateStoreUnavailable(f"state store {self.url} unreachable: {err}") from err
         except redis.exceptions.RedisError as err:
-            raise StateStoreError(f"redis error: {err}") from err
+            raise StateStoreError(f"state store {self.url}: {err}") from err
 
     def _gc_ms(self, ttl_s: float) -> int:
         return math.ceil((ttl_s + self._gc_slack_s) * 1000)

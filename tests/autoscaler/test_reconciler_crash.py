@@ -107,13 +107,46 @@ async def test_killed_after_node_deleted_restart_removes_the_claim(store: StateS
 
 async def test_a_tagged_node_without_a_claim_is_released_as_an_orphan(store: StateStore, clock: FakeClock) -> None:
     provider = fake_provider(clock)
+    first = reconciler(provider, store, clock)
+    await first.reconcile()  # the store keeps claims from here on (its ledger record is written)
     orphan = await provider.create(claim("nobody-wrote-this"))  # bought behind the claim store's back
 
-    fleet = await reconciler(provider, store, clock).reconcile()
+    fleet = await first.reconcile()
 
     assert await provider.list() == []
     assert ("delete", (orphan.id,)) in provider.calls
     assert [e.kind.value for e in fleet.events] == ["orphan_released"]
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_store_that_lost_every_claim_adopts_the_running_nodes_instead_of_releasing_them(
+        kind: str, clock: FakeClock, request: pytest.FixtureRequest) -> None:
+    # Redis restarted empty (no persistence), or the autoscaler was pointed at a new one: the claims are gone,
+    # the nodes and their replicas are not. Releasing them as orphans would stop the whole serving fleet.
+    # A store of a fresh key prefix is an emptied one.
+    redis_url = request.getfixturevalue("redis_url") if kind == "redis" else None
+    provider = fake_provider(clock)
+    async with open_store(kind, clock, redis_url) as before:
+        first = reconciler(provider, before, clock)
+        await first.reconcile()
+        bought = [(await first.create_node(claim(f"c{i}"))).node for i in (1, 2)]
+
+    async with open_store(kind, clock, redis_url) as emptied:
+        fleet = await reconciler(provider, emptied, clock, holder="second").reconcile()
+
+        assert sorted(n.id for n in await provider.list()) == sorted(n.id for n in bought)  # none released
+        assert [m for m, _ in provider.calls if m == "delete"] == []
+        assert sorted(n.id for n in fleet.nodes) == sorted(n.id for n in bought)
+        assert {c: (r.phase, r.node_id) for c, r in fleet.claims.items()} == {
+            "c1": (ClaimPhase.CONFIRMED, bought[0].id), "c2": (ClaimPhase.CONFIRMED, bought[1].id)}
+        assert [e.kind.value for e in fleet.events] == ["node_adopted", "node_adopted"]
+        assert creates(provider) == ["c1", "c2"]  # nothing bought again
+
+        # From then on the store keeps claims again: a node bought behind its back is an orphan once more.
+        orphan = await provider.create(claim("nobody-wrote-this"))
+        again = await reconciler(provider, emptied, clock, holder="second").reconcile()
+        assert [e.kind.value for e in again.events] == ["orphan_released"]
+        assert ("delete", (orphan.id,)) in provider.calls
 
 
 async def test_another_clusters_nodes_are_never_touched(store: StateStore, clock: FakeClock) -> None:

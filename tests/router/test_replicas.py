@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import socket
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+import redis.asyncio
 
 from kvgate.clock import Clock, FakeClock, RealClock
 from kvgate.state.base import MemberRecord
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.memory import MemoryStateStore
+from kvgate.state.redis_store import RedisStateStore
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
 from loadtests.sim_replica_model import SchedulerSpec
 from kvgate.registry.loader import load_registry
@@ -290,6 +295,53 @@ async def test_a_ready_member_whose_heartbeat_lapses_keeps_serving_while_it_pass
         assert tracker.num_ready("m") == 1
         await clock.advance(29.0)  # ... and nothing lists it for longer than member_grace_s
         assert tracker.view("m").replicas == () and tracker.prefixes.get("m-1") is None
+
+
+def poll_failures(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage().startswith("membership poll failed")]
+
+
+async def test_a_store_that_cannot_be_reached_is_one_warning_per_poll_without_a_traceback(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A gateway started before its Redis: its static replica stays, and each poll says once what failed."""
+    caplog.set_level(logging.INFO, logger="kvgate.router.replicas")
+    clock = FakeClock()
+    with socket.socket() as sock:  # a port nobody listens on: connections are refused at once
+        sock.bind(("127.0.0.1", 0))
+        url = f"redis://:hunter2@127.0.0.1:{sock.getsockname()[1]}/0"
+    store = RedisStateStore.from_url(url, clock, timeout_s=0.5)
+    snapshot = registry(tmp_path, ["http://127.0.0.1:9/static"])
+    try:
+        async with tracking(snapshot, clock, store=store, poll_interval_s=1.0, health_interval_s=60.0) as tracker:
+            assert len(poll_failures(caplog)) == 1  # the first poll, before start() returns
+            for polls in (2, 3):
+                await clock.advance(1.0)
+                await eventually(lambda polls=polls: len(poll_failures(caplog)) == polls)
+            assert tracker.replica_ids() == {"http://127.0.0.1:9/static"}
+    finally:
+        await store.close()
+    [message] = {r.getMessage() for r in poll_failures(caplog)}  # the same line each time
+    assert "state store redis://:***@127.0.0.1:" in message and "routing to 1 static and 0 last known member" in message
+    assert all(r.levelno == logging.WARNING and r.exc_info is None for r in poll_failures(caplog))
+    assert "hunter2" not in caplog.text
+
+
+async def test_a_membership_poll_that_fails_on_a_bug_logs_its_traceback(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Only the store's own errors are expected; anything else (here a record that is not JSON) is a bug to fix."""
+    clock = FakeClock()
+    prefix = f"test-{uuid.uuid4().hex[:12]}:"
+    store = RedisStateStore.from_url(redis_url, clock, prefix=prefix)
+    async with redis.asyncio.Redis.from_url(redis_url) as raw:
+        await raw.hset(f"{prefix}members", "m-1", f"{clock.wall() + 60!r}\nnot json")
+    try:
+        async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=1.0, health_interval_s=60.0):
+            [failure] = poll_failures(caplog)
+            assert failure.getMessage().startswith("membership poll failed unexpectedly") and failure.exc_info
+    finally:
+        await store.close()
+        async with redis.asyncio.Redis.from_url(redis_url) as raw:
+            await raw.delete(f"{prefix}members")
 
 
 @contextlib.asynccontextmanager

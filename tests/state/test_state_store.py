@@ -21,6 +21,7 @@ from kvgate.state import (
     StateStoreUnavailable,
     VersionConflict,
     open_state_store,
+    redact_url,
 )
 
 MakeRedisStore = Callable[..., RedisStateStore]  # the make_redis_store fixture
@@ -480,3 +481,26 @@ async def test_unreachable_redis_raises_state_store_unavailable(
         await store.take_tokens("b", capacity=1, refill_per_s=1)
     with pytest.raises(StateStoreUnavailable):
         await store.list_members()
+
+
+async def test_an_unreachable_redis_is_named_in_the_error_without_its_password(
+    make_redis_store: MakeRedisStore, unreachable_redis_url: str
+) -> None:
+    url = unreachable_redis_url.replace("redis://", "redis://kvgate:hunter2@")
+    store = make_redis_store(url=url, timeout_s=0.5)
+    with pytest.raises(StateStoreUnavailable) as raised:
+        await store.list_members()
+    message = str(raised.value)
+    assert message.startswith(f"state store {redact_url(url)} unreachable: Error 111 connecting to ")
+    assert "hunter2" not in message and "kvgate:***@127.0.0.1" in message
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://:s3cret@10.0.0.5:6379/0", "redis://:***@10.0.0.5:6379/0"),
+    ("rediss://kvgate:s3cret@redis.prod:6380/1", "rediss://kvgate:***@redis.prod:6380/1"),
+    ("redis://redis:6379/0?password=s3cret&socket_timeout=2", "redis://redis:6379/0?password=***&socket_timeout=2"),
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),  # nothing secret: unchanged
+    ("unix:///run/redis.sock?db=1", "unix:///run/redis.sock?db=1"),
+])
+def test_a_url_shown_in_logs_keeps_everything_but_the_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown

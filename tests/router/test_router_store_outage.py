@@ -1,0 +1,115 @@
+"""A `kvgate router` started before its Redis (a Kubernetes gateway pod scheduled ahead of the Redis
+StatefulSet): it serves its static replicas at once, says once per membership poll that the store cannot
+be reached, naming it without its password and with no traceback, and says once that it is back.
+
+Every process is real: the gateway, a simulated replica (static), and a redis-server with a password
+started on the port the gateway was told about, part-way through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import time
+from datetime import datetime
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from loadtests.sim_replica import SimReplicaConfig, start_sim_replica
+from tests.services import free_loopback_port, http_answers, kvgate_command, running
+
+POLL_INTERVAL_S = 1.0  # the gateway's membership poll (ReplicaTracker's default)
+PASSWORD = "hunter2"
+MEMBERSHIP_WARNING = "WARNING kvgate.router.replicas: membership poll failed"
+RECOVERED = "INFO kvgate.router.replicas: membership poll works again"
+
+
+def stamps(log: str, marker: str) -> list[float]:
+    """Seconds (since the epoch, local time) of each log line holding `marker`; the format is the CLI's
+    `%(asctime)s`, "2026-01-02 03:04:05,678"."""
+    found = []
+    for line in log.splitlines():
+        if marker in line:
+            found.append(datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    return found
+
+
+def asks_for_a_password(port: int) -> bool:
+    """A redis-server with a password answers an unauthenticated PING with -NOAUTH: it is up."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"-NOAUTH")
+    except OSError:
+        return False
+
+
+async def chat(session: aiohttp.ClientSession, url: str) -> int:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        await response.read()
+        return response.status
+
+
+async def test_a_gateway_started_before_redis_serves_static_replicas_and_logs_one_line_per_poll(
+        tmp_path: Path) -> None:
+    sim = await start_sim_replica(SimReplicaConfig(model="m"))
+    (tmp_path / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
+kind: Model
+metadata: {{name: m}}
+spec:
+  source: builtin:tiny-llama
+  routing: {{static_replicas: [{{url: '{sim.url}'}}]}}
+""")
+    redis_port, port = free_loopback_port(), free_loopback_port()
+    state = f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0"  # nothing listens there yet
+    shown = f"redis://:***@127.0.0.1:{redis_port}/0"
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "router.log"
+    command = [*kvgate_command(), "router", "--registry", str(tmp_path), "--port", str(port), "--state", state]
+    try:
+        with running(command, name="kvgate router", ready=lambda: http_answers(url + "/health"), timeout_s=60,
+                     log_path=log_path):
+            async with aiohttp.ClientSession() as session:
+                statuses = []
+                while len(stamps(log_path.read_text(), MEMBERSHIP_WARNING)) < 5:  # ~5 s of outage
+                    statuses.append(await chat(session, url))
+                    await asyncio.sleep(0.1)
+                assert statuses and set(statuses) == {200}  # the static replica serves all along
+
+                binary = shutil.which("redis-server")
+                if binary is None:
+                    pytest.fail("redis-server not found; `make test` installs it", pytrace=False)
+                redis_command = [binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--requirepass", PASSWORD, "--dir", str(tmp_path)]
+                with running(redis_command, name="redis-server", timeout_s=10, log_path=tmp_path / "redis.log",
+                             ready=lambda: asks_for_a_password(redis_port)):
+                    deadline = time.monotonic() + 10
+                    while RECOVERED not in log_path.read_text():  # the next poll, at most ~1 s away
+                        assert time.monotonic() < deadline, log_path.read_text()[-2000:]
+                        await asyncio.sleep(0.1)
+                    recovered_at = time.time()
+                    await asyncio.sleep(2.5 * POLL_INTERVAL_S)  # two more polls: both must be quiet
+                    assert await chat(session, url) == 200
+    finally:
+        await sim.close()
+
+    log = log_path.read_text()
+    warnings = stamps(log, MEMBERSHIP_WARNING)
+    gaps = [later - earlier for earlier, later in zip(warnings, warnings[1:])]
+    # One line per poll: a poll every 1 s plus the ~0.1-0.2 s a refused connection and its two retries take,
+    # so consecutive lines are 1.0-1.3 s apart here; never two within a poll interval, and never a silence
+    # of more than a poll and a loaded host's slack.
+    assert len(warnings) >= 5 and all(0.9 * POLL_INTERVAL_S <= gap <= POLL_INTERVAL_S + 3.0 for gap in gaps), gaps
+    assert all(stamp < recovered_at for stamp in warnings)  # quiet once the store answers
+    assert len(stamps(log, RECOVERED)) == 1
+    lines = [line for line in log.splitlines() if MEMBERSHIP_WARNING in line]
+    assert all(shown in line and "unreachable: Error 111" in line and "routing to 1 static" in line
+               for line in lines), lines[0]
+    assert "Traceback" not in log and PASSWORD not in log
+    # Everything else the outage logged: the observation publisher's one line when it began, and one when it ended.
+    others = [line for line in log.splitlines() if " WARNING " in line and MEMBERSHIP_WARNING not in line]
+    assert len(others) <= 1 and all("cannot publish observations" in line for line in others), others
