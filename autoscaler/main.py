@@ -1,6 +1,7 @@
 """`kvgate autoscaler` / `python -m autoscaler`: the control loops, one active copy per cluster.
 
     kvgate autoscaler --registry DIR --state redis://host:6379/0 [--cluster NAME] [--interval-s 1]
+                      [--engine-pod-template FILE]
 
 Run as many copies as you like for availability: they share a lease in the state store, one acts and
 the others wait, taking over within --lease-ttl-s of the active one dying (at once when it stops
@@ -15,11 +16,15 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
+
+import yaml
 
 from kvgate.autoscaler.argtypes import positive_float
 from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings, default_holder, provider_factory_for
 from kvgate.clock import RealClock
-from kvgate.state import StateStoreError, open_state_store
+from kvgate.providers.k8s_pod_template import EnginePodTemplate, parse_engine_pod_template
+from kvgate.state import StateStoreError, open_state_store, redact_url
 from kvgate.registry.problems import RegistryInvalid
 from kvgate.registry.watch import RegistryWatcher
 
@@ -51,12 +56,36 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a dead active copy is replaced this long after its last tick "
                              "(default: max(10, 3 x interval))")
     parser.add_argument("--holder", default=None, help="this copy's name in the lease (default: host-pid-random)")
+    parser.add_argument("--engine-pod-template", default=None, metavar="FILE",
+                        help="a Kubernetes pod template (YAML: metadata and spec) merged under the engine pods that "
+                             "kubernetes pools create: image pull secrets, tolerations, affinity, resources, "
+                             "security context... Read once at start (default: none)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
+def read_engine_pod_template(path: str) -> EnginePodTemplate:
+    """The engine pod template in the YAML file `path`; ValueError naming the file and the problem."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    return parse_engine_pod_template(data, source=path)
+
+
 async def serve(args: argparse.Namespace) -> int:
     clock = RealClock()
+    pod_template = None
+    if args.engine_pod_template:
+        try:
+            pod_template = read_engine_pod_template(args.engine_pod_template)
+        except ValueError as exc:
+            print(f"kvgate autoscaler: --engine-pod-template {exc}", file=sys.stderr)
+            return 2
     try:
         watcher = await RegistryWatcher.open(args.registry, clock)
     except RegistryInvalid as exc:
@@ -65,14 +94,12 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         store = open_state_store(args.state, clock, prefix=args.key_prefix)
     except ValueError as exc:
-        print(f"kvgate autoscaler: --state: {exc}", file=sys.stderr)
+        print(f"kvgate autoscaler: --state: {str(exc).replace(args.state, redact_url(args.state))}", file=sys.stderr)
         return 2
     try:
-        holder = await store.lease_holder("autoscaler")  # fail fast on an unreachable store
-    except StateStoreError as exc:
-        print(f"kvgate autoscaler: cannot reach the state store {args.state}: {exc}", file=sys.stderr)
-        await store.close()
-        return 1
+        holder = await store.lease_holder("autoscaler")
+    except StateStoreError:  # Redis may start after this pod: no crash loop, the loop waits (a line a tick)
+        holder = None
     lease_ttl_s = args.lease_ttl_s or max(10.0, 3 * args.interval_s)
     try:
         settings = AutoscalerSettings(interval_s=args.interval_s, lease_ttl_s=lease_ttl_s,
@@ -81,10 +108,11 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"kvgate autoscaler: {exc}", file=sys.stderr)
         await store.close()
         return 2
-    autoscaler = Autoscaler(watcher, store, clock, provider_factory=provider_factory_for(args.cluster, clock),
-                            settings=settings, holder=args.holder or default_holder())
+    factory = provider_factory_for(args.cluster, clock, engine_pod_template=pod_template)
+    autoscaler = Autoscaler(watcher, store, clock, provider_factory=factory, settings=settings,
+                            holder=args.holder or default_holder())
     log.info("kvgate autoscaler %s: cluster %r, registry %s (version %s), state %s%s", autoscaler.holder,
-             args.cluster, args.registry, watcher.current.version, args.state,
+             args.cluster, args.registry, watcher.current.version, redact_url(args.state),
              f"; {holder} is active, waiting as standby" if holder else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.providers.base import ReplicaSpec, ReplicaState, engine_args
+from kvgate.providers.k8s_pod_template import GPU_RESOURCE, EnginePodTemplate, merge_pod_template
 
 # Label keys: Kubernetes keys cannot hold ':', so these stand for base.TAG_* ("kvgate:cluster" ...).
 LABEL_CLUSTER = "kvgate.io/cluster"
@@ -29,11 +30,12 @@ ANNOTATION_SPEC_HASH = "kvgate.io/spec-hash"  # of the pod template, to roll out
 ANNOTATION_CLAIMS = "kvgate.io/claims"
 # Kubernetes >= 1.22: the ReplicaSet removes the pod with the lowest cost first on scale-down.
 ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-GPU_RESOURCE = "nvidia.com/gpu"
 
 ENGINE_PORT = 8000
 ENGINE_GRPC_PORT = 50051
 CACHE_DIR = "/var/cache/kvgate"
+# The engine image when neither the Pool's kubernetes.image nor the engine pod template names one.
+DEFAULT_ENGINE_IMAGE = "ghcr.io/kvgate/kvgate:latest"
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -71,14 +73,18 @@ def matches(labels: Mapping[str, str] | None, wanted: Mapping[str, str]) -> bool
 
 @dataclass(frozen=True, slots=True)
 class DeploymentSettings:
-    """What a pool's `kubernetes` block and the provider add to a ReplicaSpec to make a Deployment."""
+    """What a pool's `kubernetes` block and the provider add to a ReplicaSpec to make a Deployment.
+
+    `image` and `node_selector` are the Pool's (None / empty: unset, the pod template's apply);
+    `pod_template` is the platform's engine pod template (see k8s_pod_template)."""
 
     namespace: str
-    image: str
+    image: str | None
     node_selector: Mapping[str, str]
     drain_timeout_s: float = 30.0
     # Weights download plus load may take minutes: the startup probe allows 30 min before liveness counts.
     startup_deadline_s: int = 1800
+    pod_template: EnginePodTemplate | None = None
 
 
 def deployment_manifest(spec: ReplicaSpec, *, cluster: str, pool: str, settings: DeploymentSettings,
@@ -88,13 +94,13 @@ def deployment_manifest(spec: ReplicaSpec, *, cluster: str, pool: str, settings:
     The container runs `kvgate engine` with base.engine_args (replica id = the pod's name through the
     downward API), limits `nvidia.com/gpu` to spec.gpu_count, is scheduled by the pool's node selector
     (tolerating the usual nvidia.com/gpu taint), is ready when /health answers, and gets
-    drain_timeout_s + 5 s between SIGTERM and SIGKILL."""
+    drain_timeout_s + 5 s between SIGTERM and SIGKILL. The settings' pod template is merged under all
+    that (k8s_pod_template.merge_pod_template)."""
     labels = selector_labels(cluster, pool, spec.model)
     args = engine_args(spec, host="0.0.0.0", port=ENGINE_PORT, grpc_port=ENGINE_GRPC_PORT,
                        replica_id="$(POD_NAME)", cache_dir=CACHE_DIR, drain_timeout_s=settings.drain_timeout_s)
     container: dict[str, Any] = {
         "name": "engine",
-        "image": settings.image,
         "command": ["kvgate", "engine"],
         "args": args,
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -115,11 +121,12 @@ def deployment_manifest(spec: ReplicaSpec, *, cluster: str, pool: str, settings:
         "terminationGracePeriodSeconds": int(settings.drain_timeout_s) + 5,
         "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     }
-    if settings.node_selector:
-        pod_spec["nodeSelector"] = dict(settings.node_selector)
     if spec.gpu_count:
         pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-    template = {"metadata": {"labels": dict(labels)}, "spec": pod_spec}
+    template = merge_pod_template(settings.pod_template.template if settings.pod_template else None,
+                                  {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+                                  image_override=settings.image, node_selector=settings.node_selector,
+                                  default_image=DEFAULT_ENGINE_IMAGE)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

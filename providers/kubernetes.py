@@ -55,6 +55,7 @@ from kvgate.providers.k8s_manifests import (
     gpu_node_of, label_value, matches, next_seq, node_pool_patch, pod_replica_state, replica_ids_of, replicas_patch,
     running_claims,
 )
+from kvgate.providers.k8s_pod_template import EnginePodTemplate
 from kvgate.registry.schema import CapacityType, KubernetesSettings, PoolSpec
 
 log = logging.getLogger(__name__)
@@ -90,10 +91,12 @@ class KubernetesProvider:
     """One Kubernetes pool of one kvgate cluster (see the module docstring for the mapping).
 
     `api_client` overrides the client built from the pool's settings; `sleep` waits between retries
-    of 429/5xx answers (default: `clock.sleep`); `drain_timeout_s` sets the pods' grace period."""
+    of 429/5xx answers (default: `clock.sleep`); `drain_timeout_s` sets the pods' grace period;
+    `pod_template` is the platform's engine pod template, merged under what kvgate owns (k8s_pod_template)."""
 
     def __init__(self, pool_name: str, spec: PoolSpec, *, cluster: str, clock: Clock, api_client: Any | None = None,
-                 sleep: Sleep | None = None, drain_timeout_s: float = 30.0, max_attempts: int = 4) -> None:
+                 sleep: Sleep | None = None, drain_timeout_s: float = 30.0, max_attempts: int = 4,
+                 pod_template: EnginePodTemplate | None = None) -> None:
         self._pool = pool_name
         self._cluster = cluster
         self._spec = spec
@@ -107,7 +110,8 @@ class KubernetesProvider:
             raise ProviderError(f"pool {pool_name!r}: {exc}") from None
         self._deployment_settings = DeploymentSettings(
             namespace=self._settings.namespace, image=self._settings.image,
-            node_selector=dict(self._settings.node_selector), drain_timeout_s=drain_timeout_s)
+            node_selector=dict(self._settings.node_selector), drain_timeout_s=drain_timeout_s,
+            pod_template=pod_template)
         self._catalogue = offerings_from_pool(pool_name, spec)
         self._api = api_client or api_client_for(self._settings)
         self._apps = k8s.AppsV1Api(self._api)
@@ -409,5 +413,5 @@ class KubernetesProvider:
 
 def from_pool(pool_name: str, spec: PoolSpec, *, cluster: str, clock: Clock, **options: Any) -> KubernetesProvider:
     """`build_provider`'s entry: options are KubernetesProvider's keywords (api_client, sleep,
-    drain_timeout_s, max_attempts)."""
+    drain_timeout_s, max_attempts, pod_template)."""
     return KubernetesProvider(pool_name, spec, cluster=cluster, clock=clock, **options)

@@ -426,8 +426,10 @@ class KubernetesSettings(_Strict):
     namespace: str = "default"
     kubeconfig: str | None = Field(default=None, description="Path to a kubeconfig; unset: in-cluster config.")
     context: str | None = None
-    image: str = Field(default="ghcr.io/kvgate/kvgate:latest", description="Image that runs `kvgate engine`.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="e.g. gpu.nvidia.com/class: H100.")
+    image: str | None = Field(default=None, description="Image that runs `kvgate engine`; unset: the engine pod "
+                              "template's (`kvgate autoscaler --engine-pod-template`), else ghcr.io/kvgate/kvgate:latest.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="e.g. gpu.nvidia.com/class: H100; "
+                                          "added to (and wins over) the engine pod template's nodeSelector.")
     node_pool: str | None = Field(default=None, description="A node-pool object the provider may resize.")
 
 

@@ -9,17 +9,22 @@ closest honest stand-in for a cloud here; the state store and the process are re
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 from kvgate.clock import RealClock
 from kvgate.state import RedisStateStore
 from tests.autoscaler.fleet_helpers import write_registry
-from tests.services import free_loopback_port
+from tests.services import free_loopback_port, running
+
+PASSWORD = "hunter2"
 
 SECOND_MODEL = """\
 apiVersion: kvgate/v1
@@ -31,6 +36,16 @@ spec:
   scaling: {min_replicas: 0, max_replicas: 1, max_queue_wait_s: 30}
   placement: {pools: [gpu]}
 """
+
+
+def asks_for_a_password(port: int) -> bool:
+    """A redis-server with a password answers an unauthenticated PING with -NOAUTH: it is up."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"-NOAUTH")
+    except OSError:
+        return False
 
 
 def in_redis(url: str, prefix: str, action):
@@ -115,15 +130,60 @@ def test_an_invalid_registry_is_reported_with_file_and_line(tmp_path: Path) -> N
     assert missing.stderr.startswith("kvgate autoscaler: ") and "Traceback" not in missing.stderr
 
 
-def test_a_bad_state_url_and_an_unreachable_redis_are_one_line_errors(tmp_path: Path) -> None:
+def test_a_bad_state_url_is_a_one_line_error(tmp_path: Path) -> None:
     registry = write_registry(tmp_path)
     unknown = run_cli("--registry", str(registry), "--state", "postgres://db/0")
     assert unknown.returncode == 2 and "unknown scheme 'postgres'" in unknown.stderr
+    assert "Traceback" not in unknown.stderr and len(unknown.stderr.strip().splitlines()) == 1
+
+
+def log_stamps(log: str, marker: str) -> list[float]:
+    """Epoch seconds of the log lines holding `marker` (the CLI's asctime, "2026-01-02 03:04:05,678")."""
+    return [datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for line in log.splitlines() if marker in line]
+
+
+def test_an_autoscaler_started_before_redis_waits_for_it_and_then_leads(tmp_path: Path) -> None:
+    # In Kubernetes the autoscaler pod may start before the Redis StatefulSet: exiting would only put it in a
+    # crash loop whose back-off (up to 5 min) outlasts Redis's start. It waits as standby instead, one line a tick.
+    (tmp_path / "registry").mkdir()
+    registry = write_registry(tmp_path / "registry", min_replicas=1)
     port = free_loopback_port()
-    unreachable = run_cli("--registry", str(registry), "--state", f"redis://127.0.0.1:{port}/0")
-    assert unreachable.returncode == 1 and "cannot reach the state store" in unreachable.stderr
-    for done in (unknown, unreachable):
-        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    state = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+    log_path = tmp_path / "autoscaler.log"
+    interval_s = 0.5
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvgate.autoscaler", "--registry", str(registry), "--state", state,
+             "--cluster", "late-redis", "--interval-s", str(interval_s), "--holder", "early"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(log_stamps(log_path.read_text(), "unreachable")) >= 6, 30,
+                 "six ticks that found no Redis", log_path)
+        assert process.poll() is None  # still there, waiting
+        redis_command = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                         "--save", "", "--appendonly", "no", "--requirepass", PASSWORD, "--dir", str(tmp_path)]
+        with running(redis_command, name="redis-server", ready=lambda: asks_for_a_password(port), timeout_s=10,
+                     log_path=tmp_path / "redis.log"):
+            wait_for(lambda: "lease_acquired: early is the active autoscaler" in log_path.read_text(), 30,
+                     "the autoscaler to take the lease once Redis is up", log_path)
+            status = wait_for(lambda: status_of(state, "kvgate:"), 30, "its status record", log_path)
+            assert status["holder"] == "early"
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=10) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = log_path.read_text()
+    waits = log_stamps(log, "unreachable")
+    gaps = [later - earlier for earlier, later in zip(waits, waits[1:])]
+    # One line a tick: ticks 0.5 s apart plus the ~0.1-0.2 s a refused connection and its two retries take.
+    assert all(0.9 * interval_s <= gap <= interval_s + 3.0 for gap in gaps), gaps
+    assert all(f"state store redis://:***@127.0.0.1:{port}/0 unreachable: Error 111" in line
+               for line in log.splitlines() if "unreachable" in line)
+    assert len(log_stamps(log, "the state store answers again after")) == 1
+    assert "Traceback" not in log and PASSWORD not in log
 
 
 def test_the_kvgate_command_forwards_to_the_autoscaler_help() -> None:

@@ -29,7 +29,9 @@ from kvgate.providers.k8s_manifests import (
     ANNOTATION_CLAIMS, ANNOTATION_DELETION_COST, ANNOTATION_REPLICAS, LABEL_REPLICA, DeploymentSettings, NodePoolRef,
     deployment_manifest, label_value, object_name, pod_replica_state,
 )
+from kvgate.providers.k8s_pod_template import parse_engine_pod_template
 from kvgate.providers.kubernetes import KubernetesProvider
+from kvgate.registry.schema import PoolSpec
 from tests.providers.subject_kubernetes import NAMESPACE, POOL, KubeWorld, claim, kube_world, pool_spec
 
 K8S_VERSION = "1.30"  # the oldest Kubernetes we promise to support
@@ -342,3 +344,35 @@ async def test_build_provider_makes_a_kubernetes_provider(world: KubeWorld) -> N
         assert [n.name for n in await provider.gpu_nodes()] == ["gpu-a"]
     finally:
         await provider.close()
+
+
+TEMPLATE = parse_engine_pod_template({"spec": {
+    "imagePullSecrets": [{"name": "registry-creds"}],
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+    "containers": [{"name": "engine", "image": "registry.example/kvgate:cuda",
+                    "resources": {"requests": {"memory": "64Gi"}}}]}}, "template.yaml")
+
+
+async def test_build_provider_hands_the_engine_pod_template_to_kubernetes_pools(world: KubeWorld) -> None:
+    from kvgate.providers.build import build_provider
+    spec = pool_spec(world.kubeconfig, kubernetes={"namespace": NAMESPACE, "kubeconfig": str(world.kubeconfig),
+                                                   "node_selector": GPU_LABELS})
+    provider = build_provider(POOL, spec, cluster="prod", clock=FakeClock(), engine_pod_template=TEMPLATE)
+    try:
+        await provider.start_replica("gpu-a", SPEC, replica_id="r-1")
+    finally:
+        await provider.close()
+    pod = valid(stored(world, DEPLOYMENTS, object_name("kvgate", "prod", "llama-8b", POOL)))["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert pod["containers"][0]["image"] == "registry.example/kvgate:cuda"  # the pool names no image
+    assert pod["containers"][0]["resources"]["requests"] == {"memory": "64Gi", "nvidia.com/gpu": "1"}
+    assert pod["nodeSelector"] == GPU_LABELS
+
+
+def test_build_provider_leaves_the_engine_pod_template_to_pods() -> None:
+    from kvgate.providers.build import build_provider
+    from kvgate.providers.fake import FakeProvider
+    spec = PoolSpec.model_validate({"provider": "fake", "offers": [
+        {"instance_type": "x", "gpu_kind": "L4", "gpu_count": 1, "price_usd_per_hour": 1.0}]})
+    provider = build_provider("fake-pool", spec, cluster="c", clock=FakeClock(), engine_pod_template=TEMPLATE)
+    assert isinstance(provider, FakeProvider)
