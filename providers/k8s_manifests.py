@@ -25,6 +25,10 @@ LABEL_MODEL = "kvgate.io/model"
 LABEL_REPLICA = "kvgate.io/replica"  # on a pod: the replica id it serves (bound by the provider)
 # On the Deployment: the replica ids it runs, a JSON list; spec.replicas is its length.
 ANNOTATION_REPLICAS = "kvgate.io/replicas"
+# On the Deployment: {replica id: the kvgate node it was started on}, JSON. The scheduler puts pods where
+# it likes, so a pod's nodeName is no kvgate node (a node-pool claim is "<pool>/<cluster>/<claim>"); the
+# planner counts each replica against the node it planned it on, and must find it there, pod or not.
+ANNOTATION_REPLICA_NODES = "kvgate.io/replica-nodes"
 ANNOTATION_SPEC_HASH = "kvgate.io/spec-hash"  # of the pod template, to roll out a changed ReplicaSpec
 # On the node-pool object: the claims kvgate added to it, {cluster: {claim id: record}} as JSON.
 ANNOTATION_CLAIMS = "kvgate.io/claims"
@@ -88,8 +92,10 @@ class DeploymentSettings:
 
 
 def deployment_manifest(spec: ReplicaSpec, *, cluster: str, pool: str, settings: DeploymentSettings,
-                        replica_ids: Sequence[str] = ()) -> dict[str, Any]:
-    """The Deployment that runs `spec` for (cluster, pool, model), with len(replica_ids) replicas.
+                        replica_ids: Sequence[str] = (), replica_nodes: Mapping[str, str] | None = None
+                        ) -> dict[str, Any]:
+    """The Deployment that runs `spec` for (cluster, pool, model), with len(replica_ids) replicas, each
+    recorded on the kvgate node in `replica_nodes` it was started on.
 
     The container runs `kvgate engine` with base.engine_args (replica id = the pod's name through the
     downward API), limits `nvidia.com/gpu` to spec.gpu_count, is scheduled by the pool's node selector
@@ -135,6 +141,7 @@ def deployment_manifest(spec: ReplicaSpec, *, cluster: str, pool: str, settings:
             "namespace": settings.namespace,
             "labels": {**labels, "app.kubernetes.io/name": "kvgate-engine", "app.kubernetes.io/managed-by": "kvgate"},
             "annotations": {ANNOTATION_REPLICAS: json.dumps(list(replica_ids)),
+                            ANNOTATION_REPLICA_NODES: _nodes_json(replica_ids, replica_nodes or {}),
                             ANNOTATION_SPEC_HASH: template_hash(template)},
         },
         "spec": {
@@ -160,10 +167,27 @@ def replica_ids_of(deployment: Mapping[str, Any]) -> list[str]:
     return [str(i) for i in ids] if isinstance(ids, list) else []
 
 
-def replicas_patch(replica_ids: Sequence[str], resource_version: str | None) -> dict[str, Any]:
-    """A merge patch that sets the replica ids and the count together. With resourceVersion set, the API
-    server rejects it (409) if the Deployment changed since it was read: optimistic concurrency."""
-    metadata: dict[str, Any] = {"annotations": {ANNOTATION_REPLICAS: json.dumps(list(replica_ids))}}
+def replica_nodes_of(deployment: Mapping[str, Any]) -> dict[str, str]:
+    """{replica id: kvgate node id} as recorded on the Deployment (empty when unset or garbled: a Deployment
+    written by an older kvgate)."""
+    raw = deployment.get("metadata", {}).get("annotations", {}).get(ANNOTATION_REPLICA_NODES) or "{}"
+    try:
+        nodes = json.loads(raw)
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in nodes.items()} if isinstance(nodes, dict) else {}
+
+
+def _nodes_json(replica_ids: Sequence[str], replica_nodes: Mapping[str, str]) -> str:
+    return json.dumps({i: replica_nodes[i] for i in replica_ids if i in replica_nodes}, sort_keys=True)
+
+
+def replicas_patch(replica_ids: Sequence[str], resource_version: str | None,
+                   replica_nodes: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A merge patch that sets the replica ids, their nodes and the count together. With resourceVersion set,
+    the API server rejects it (409) if the Deployment changed since it was read: optimistic concurrency."""
+    metadata: dict[str, Any] = {"annotations": {ANNOTATION_REPLICAS: json.dumps(list(replica_ids)),
+                                                ANNOTATION_REPLICA_NODES: _nodes_json(replica_ids, replica_nodes or {})}}
     if resource_version:
         metadata["resourceVersion"] = resource_version
     return {"metadata": metadata, "spec": {"replicas": len(replica_ids)}}

@@ -52,8 +52,8 @@ from kvgate.providers.base import (
 from kvgate.providers.k8s_manifests import (
     ANNOTATION_DELETION_COST, ANNOTATION_SPEC_HASH, ENGINE_GRPC_PORT, ENGINE_PORT, LABEL_CLUSTER, LABEL_MODEL,
     LABEL_POOL, LABEL_REPLICA, DeploymentSettings, GpuNode, NodePoolRef, claims_of, deployment_manifest,
-    gpu_node_of, label_value, matches, next_seq, node_pool_patch, pod_replica_state, replica_ids_of, replicas_patch,
-    running_claims,
+    gpu_node_of, label_value, matches, next_seq, node_pool_patch, pod_replica_state, replica_ids_of, replica_nodes_of,
+    replicas_patch, running_claims,
 )
 from kvgate.providers.k8s_pod_template import EnginePodTemplate
 from kvgate.registry.schema import CapacityType, KubernetesSettings, PoolSpec
@@ -303,7 +303,8 @@ class KubernetesProvider:
         await self._check_node(node_id)
         replica_id = replica_id or f"{spec.model}-{uuid.uuid4().hex[:8]}"
         manifest = deployment_manifest(spec, cluster=self._cluster, pool=self._pool,
-                                       settings=self._deployment_settings, replica_ids=[replica_id])
+                                       settings=self._deployment_settings, replica_ids=[replica_id],
+                                       replica_nodes={replica_id: node_id})
         name = manifest["metadata"]["name"]
         for _ in range(_CONFLICT_ATTEMPTS):
             try:
@@ -319,7 +320,8 @@ class KubernetesProvider:
             if replica_id in ids:
                 existing = [h for h in await self.list_replicas() if h.id == replica_id]
                 return existing[0] if existing else self._starting(replica_id, spec.model)
-            patch = replicas_patch(ids + [replica_id], current.get("metadata", {}).get("resourceVersion"))
+            patch = replicas_patch(ids + [replica_id], current.get("metadata", {}).get("resourceVersion"),
+                                   {**replica_nodes_of(current), replica_id: node_id})
             wanted_hash = manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
             if current.get("metadata", {}).get("annotations", {}).get(ANNOTATION_SPEC_HASH) != wanted_hash:
                 # A changed ReplicaSpec (registry reload): roll the new template out with this scale-up.
@@ -354,6 +356,7 @@ class KubernetesProvider:
         handles = []
         for deployment in await self._own_deployments():
             ids = replica_ids_of(deployment)
+            nodes = replica_nodes_of(deployment)
             model = deployment["metadata"]["labels"].get(LABEL_MODEL, "")
             pods = await self._pods_of(deployment)
             bound = {p["metadata"]["labels"][LABEL_REPLICA]: p for p in pods
@@ -366,18 +369,20 @@ class KubernetesProvider:
                                  {"metadata": {"labels": {LABEL_REPLICA: replica_id}}})
                 bound[replica_id] = pod
             for replica_id in ids:
-                handles.append(self._handle(replica_id, model, bound.get(replica_id)))
+                handles.append(self._handle(replica_id, model, bound.get(replica_id), nodes.get(replica_id)))
         return sorted(handles, key=lambda h: h.id)
 
-    def _handle(self, replica_id: str, model: str, pod: dict[str, Any] | None) -> ReplicaHandle:
+    def _handle(self, replica_id: str, model: str, pod: dict[str, Any] | None, node_id: str | None) -> ReplicaHandle:
+        """The replica's handle, on the kvgate node it was started on (else its pod's node, for a Deployment
+        an older kvgate wrote): the planner finds it where it counted it, before its pod exists too."""
         if pod is None:
-            return ReplicaHandle(id=replica_id, model=model, node_id="", url="", grpc_target=None,
+            return ReplicaHandle(id=replica_id, model=model, node_id=node_id or "", url="", grpc_target=None,
                                  state=ReplicaState.STARTING, started_at=0.0)
         state, reason = pod_replica_state(pod)
         ip = (pod.get("status") or {}).get("podIP") or ""
         created = pod["metadata"].get("creationTimestamp")
         started_at = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() if created else 0.0
-        return ReplicaHandle(id=replica_id, model=model, node_id=(pod.get("spec") or {}).get("nodeName") or "",
+        return ReplicaHandle(id=replica_id, model=model, node_id=node_id or (pod.get("spec") or {}).get("nodeName") or "",
                              url=f"http://{ip}:{ENGINE_PORT}" if ip else "",
                              grpc_target=f"{ip}:{ENGINE_GRPC_PORT}" if ip else None,
                              state=state, started_at=started_at, reason=reason)
@@ -395,7 +400,7 @@ class KubernetesProvider:
                         await self._call(self._core.patch_namespaced_pod, pod["metadata"]["name"], self.namespace,
                                          {"metadata": {"annotations": {ANNOTATION_DELETION_COST: _LOWEST_DELETION_COST}}})
                 patch = replicas_patch([i for i in ids if i != replica_id],
-                                       deployment["metadata"].get("resourceVersion"))
+                                       deployment["metadata"].get("resourceVersion"), replica_nodes_of(deployment))
                 try:
                     await self._call(self._apps.patch_namespaced_deployment, deployment["metadata"]["name"],
                                      self.namespace, patch, _content_type=MERGE_PATCH)

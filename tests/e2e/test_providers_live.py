@@ -3,6 +3,8 @@
 and a chat request served through a real `kvgate router`, over a real redis-server.
 
 - **local**: every part is real; the replica is the `kvgate engine` process the local provider starts.
+- **kubernetes**: the API is `kmock`, an emulator over real HTTP with no controllers; the test plays the
+  controllers and the kubelet (see its docstring), and nothing else.
 - **aws**: EC2 is a real `moto` server, which boots nothing. So the test plays the node, and only the
   node: it reads the cloud-init user data the autoscaler sent with the launch, checks that it installs
   kvgate from the pool's `aws.install` and runs the model's engine, runs that engine command itself, and
@@ -36,9 +38,11 @@ import yaml
 
 from kvgate.providers.aws_userdata import ENGINE_GRPC_PORT, ENGINE_PORT, READY_TAG
 from kvgate.providers.base import engine_args, replica_spec_for
+from kvgate.providers.k8s_manifests import CACHE_DIR, object_name
 from kvgate.clock import RealClock
 from kvgate.registry import load_registry
 from kvgate.state import RedisStateStore
+from tests.providers.subject_kubernetes import NAMESPACE as K8S_NAMESPACE, NODE_POOL, kube_world
 from tests.registry_docs import local_pool, tiny_llama
 from tests.services import free_loopback_port, http_answers, kvgate_command, running
 
@@ -238,3 +242,141 @@ def test_aws_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: str
             ids = [i["InstanceId"] for i in instances_of(ec2, cluster)]
             if ids:
                 ec2.terminate_instances(InstanceIds=ids)
+
+
+# ----------------------------------------------------------------------------------------- kubernetes
+
+
+async def eventually(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """`until` for async tests: polls with asyncio.sleep, so the in-process kmock keeps serving meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        await asyncio.sleep(0.2)
+    return value
+
+
+def k8s_pool(kubeconfig: Path) -> str:
+    """A Kubernetes pool on kmock that grows the Cluster API MachineDeployment `gpu-workers` (CPU nodes:
+    tiny-llama needs no GPU)."""
+    return f"""apiVersion: kvgate/v1
+kind: Pool
+metadata: {{name: k8s}}
+spec:
+  provider: kubernetes
+  max_nodes: 2
+  node_boot_s: 0
+  kubernetes: {{namespace: {K8S_NAMESPACE}, kubeconfig: "{kubeconfig}", context: kmock, node_pool: {NODE_POOL},
+               image: "localhost/kvgate:0.1.0-cpu"}}
+  offers: [{{instance_type: cpu-8, gpu_kind: cpu, gpu_count: 0, price_usd_per_hour: 0.4}}]
+"""
+
+
+def stored(world: Any, resource: str, name: str) -> dict[str, Any] | None:
+    """The object as kmock holds it (a plain copy), or None while there is none."""
+    try:
+        return json.loads(json.dumps(world.emulator.objects[resource, K8S_NAMESPACE, name].raw))
+    except KeyError:
+        return None
+
+
+def started(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+async def test_kubernetes_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: str) -> None:
+    """kmock stores objects and runs no controller, so the test plays three, each only where the autoscaler
+    waits on it: the Cluster API controller (the MachineDeployment kvgate grew reports its machine ready),
+    the ReplicaSet controller with the scheduler (a pod of the engine Deployment, labelled from its template,
+    with a pod IP in 127.65.0.0/16 so this machine answers on it), and the kubelet (it runs the container's
+    `command` and `args`, with the downward API's $(POD_NAME) filled in, and marks the pod Ready once /health
+    answers, as the readiness probe would). The kubelet differs from a real one in three things only: the
+    `kvgate` command is this environment's instead of the image's, `--host` is the pod IP instead of
+    0.0.0.0, and `--cache-dir` is a temporary folder."""
+    engine: subprocess.Popen | None = None
+    processes: list[subprocess.Popen] = []
+    store: RedisStateStore | None = None
+    async with kube_world(tmp_path) as world:
+        try:
+            (tmp_path / "registry").mkdir()
+            (tmp_path / "registry" / "r.yaml").write_text(tiny_llama() + k8s_pool(world.kubeconfig))
+            prefix = f"live-{uuid.uuid4().hex[:8]}:"
+            cluster = prefix.rstrip(":")
+            state = ["--state", redis_url, "--key-prefix", prefix]
+            port = free_loopback_port()
+            gateway = f"http://127.0.0.1:{port}"
+            registry = str(tmp_path / "registry")
+            processes.append(started([*kvgate_command(), "autoscaler", "--registry", registry, *state,
+                                      "--cluster", cluster, "--interval-s", "0.5"], tmp_path / "autoscaler.log"))
+            processes.append(started([*kvgate_command(), "router", "--registry", registry, "--port", str(port),
+                                      *state], tmp_path / "router.log"))
+            store = RedisStateStore.from_url(redis_url, RealClock(), prefix=prefix)
+
+            # The Cluster API controller: kvgate grew the node pool by one for its claim; the machine joins.
+            await eventually(lambda: world.node_pool()["spec"]["replicas"] == 1, 60, "the autoscaler to grow the node pool")
+            assert list(json.loads(world.node_pool()["metadata"]["annotations"]["kvgate.io/claims"])) == [cluster]
+            world.set_node_pool(status={"readyReplicas": 1})
+
+            # The ReplicaSet controller and the scheduler: one pod of the engine Deployment kvgate made.
+            name = object_name("kvgate", cluster, "tiny-llama", "k8s")
+            deployment = await eventually(lambda: stored(world, "apps/v1/deployments", name), 60, "the engine Deployment")
+            [container] = deployment["spec"]["template"]["spec"]["containers"]
+            spec = replica_spec_for(load_registry(tmp_path / "registry").models["tiny-llama"])
+            assert container["image"] == "localhost/kvgate:0.1.0-cpu"
+            assert [*container["command"], *container["args"]] == ["kvgate", "engine", *engine_args(
+                spec, host="0.0.0.0", port=ENGINE_PORT, grpc_port=ENGINE_GRPC_PORT, replica_id="$(POD_NAME)",
+                cache_dir=CACHE_DIR, drain_timeout_s=30.0)]
+            pod_name, pod_ip = f"{name[:50]}-x7k2p", f"127.65.{uuid.uuid4().int % 250 + 1}.{uuid.uuid4().int % 250 + 1}"
+            world.emulator.objects["v1/pods", K8S_NAMESPACE, pod_name] = {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod_name, "namespace": K8S_NAMESPACE, "creationTimestamp": "2026-11-27T00:00:00Z",
+                             "labels": dict(deployment["spec"]["template"]["metadata"]["labels"])},
+                "spec": {**deployment["spec"]["template"]["spec"], "nodeName": "cpu-worker-0"},
+                "status": {"phase": "Running", "podIP": pod_ip, "conditions": [{"type": "Ready", "status": "False"}]}}
+
+            # The kubelet: the container's command, then Ready once /health answers.
+            argv = [*kvgate_command(), *container["command"][1:],
+                    *(a.replace("$(POD_NAME)", pod_name) for a in container["args"])]
+            argv[argv.index("--host") + 1] = pod_ip
+            argv[argv.index("--cache-dir") + 1] = str(tmp_path / "pod-cache")
+            engine = started(argv, tmp_path / "pod.log")
+            await eventually(lambda: http_answers(f"http://{pod_ip}:{ENGINE_PORT}/health") or engine.poll() is not None,
+                             120, "the pod's engine to answer /health")
+            assert engine.poll() is None, (tmp_path / "pod.log").read_text()[-3000:]
+            world.emulator.objects["v1/pods", K8S_NAMESPACE, pod_name].patch(
+                {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+
+            async def ready_members() -> list[Any]:
+                return [m for m in await store.list_members() if m.state.value == "ready"]
+            found: list[Any] = []
+            while not found:
+                assert processes[0].poll() is None, (tmp_path / "autoscaler.log").read_text()[-3000:]
+                found = await ready_members()
+                await asyncio.sleep(0.2)
+            [member] = found
+            assert member.url == f"http://{pod_ip}:{ENGINE_PORT}"
+            bound = world.emulator.objects["v1/pods", K8S_NAMESPACE, pod_name].raw["metadata"]["labels"]
+            assert bound["kvgate.io/replica"] == member.replica_id  # the provider bound the pod to the replica
+            answer: tuple[int, str] = (0, "")
+            deadline = time.monotonic() + 60
+            while answer[0] != 200:
+                assert time.monotonic() < deadline, f"no request served through the gateway: {answer}"
+                answer = await asyncio.to_thread(chat, gateway)
+                await asyncio.sleep(0.2)
+            assert answer[1] == member.replica_id
+        finally:
+            if store is not None:
+                await store.close()
+            for process in [*processes, *([engine] if engine else [])]:
+                if process.poll() is None:
+                    await asyncio.to_thread(stop, process)

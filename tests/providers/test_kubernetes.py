@@ -154,6 +154,25 @@ async def test_replicas_are_named_and_scale_by_one(world: KubeWorld, provider: K
     assert [h.id for h in await provider.list_replicas()] == ["r-2"]
 
 
+async def test_a_replica_is_listed_on_the_kvgate_node_it_was_started_on(world: KubeWorld,
+                                                                        provider: KubernetesProvider) -> None:
+    """A node-pool node's id is kvgate's ("gpu-workers/prod/<claim>"); the scheduler puts the pod on some
+    Kubernetes node. The planner counts a replica against the node it started it on, so the replica must be
+    listed there, pod or not: listed on "" (no pod yet) or on the pod's nodeName, it counted nowhere, and the
+    live loop started another replica every tick."""
+    node = await provider.create(claim())
+    world.set_node_pool(status={"readyReplicas": 1})
+    await provider.start_replica(node.id, SPEC, replica_id="r-1")
+    assert [(h.id, h.node_id) for h in await provider.list_replicas()] == [("r-1", node.id)]  # no pod yet
+    deployment = stored(world, DEPLOYMENTS, object_name("kvgate", "prod", "llama-8b", POOL))
+    add_pod(world, deployment, "engine-a", ip="10.0.0.11", ready=True, created="2026-01-01T00:00:01Z")
+    [handle] = await provider.list_replicas()
+    assert (handle.state, handle.node_id) == (ReplicaState.READY, node.id)  # the pod runs on gpu-a
+    await provider.start_replica("gpu-a", SPEC, replica_id="r-2")
+    await provider.stop_replica("r-1")
+    assert [(h.id, h.node_id) for h in await provider.list_replicas()] == [("r-2", "gpu-a")]
+
+
 async def test_replicas_of_another_cluster_are_not_listed(world: KubeWorld, provider: KubernetesProvider) -> None:
     """kmock answers every list with everything (it ignores label selectors), so this checks that the
     provider filters by its own labels too, as it must against a stale cache or a careless proxy."""
