@@ -13,6 +13,12 @@ TORCH_SPEC := torch==2.13.0
 # Debian packages the tests need, as "command:package" pairs; installed only when the command is missing.
 SYSTEM_DEPS := redis-server:redis-server chromium:chromium
 PYTEST_ARGS ?=
+# checkov scans the Dockerfile and the Helm chart in the tests. It pins an old boto3 and packaging, so it gets a
+# venv of its own rather than downgrading kvgate's dependencies; pinned, since a new release adds checks and the
+# tests list the exact findings they accept.
+CHECKOV_SPEC := checkov==3.3.30
+CHECKOV_VENV := $(VENV)/tools/checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(subst ==,-,$(CHECKOV_SPEC))
 
 .PHONY: run test setup system-deps proto clean help
 
@@ -22,7 +28,7 @@ help:
 	@echo "make proto   regenerate the gRPC stubs in kvgate/v1 from proto/"
 	@echo "make clean   remove .venv and caches"
 
-setup: $(STAMP) system-deps
+setup: $(STAMP) $(CHECKOV_STAMP) system-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +38,11 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e '.[engine,test]'
 	@touch $(STAMP)
+
+$(CHECKOV_STAMP): | $(PY)
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet "$(CHECKOV_SPEC)"
+	@touch $(CHECKOV_STAMP)
 
 system-deps:
 	@missing=""; \

@@ -23,6 +23,15 @@ def kvgate_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "kvgate.cli"]
 
 
+def checkov_command() -> list[str]:
+    """checkov, which `make setup` installs in a venv of its own beside the tests' (`<venv>/tools/checkov`: it
+    pins an old boto3). A missing one fails the test that needs it, never skips it."""
+    path = Path(sys.prefix) / "tools" / "checkov" / "bin" / "checkov"
+    if not path.exists():
+        pytest.fail(f"checkov is not installed at {path}: run `make setup`", pytrace=False)
+    return [str(path)]
+
+
 def free_loopback_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

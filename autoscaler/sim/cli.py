@@ -10,6 +10,7 @@ Prints the comparison table; exits 2 with one line on stderr for a bad file, reg
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                                      f"({', '.join(sorted(snapshot.models))})")
             model = next(iter(snapshot.models))
         snapshot.model(model)
+        if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the long part, not after it
+            raise SimConfigError("--plot needs matplotlib: pip install 'kvgate[sim]'")
         for out in (args.json, args.plot):  # fail before the long part, not after it
             if out and not Path(out).resolve().parent.is_dir():
                 raise SimConfigError(f"{out}: no such directory {str(Path(out).parent)!r} to write into")

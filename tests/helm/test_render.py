@@ -1,0 +1,253 @@
+"""The chart, rendered by Helm's own engine for several value sets: every object is valid Kubernetes
+(kubernetes-validate, strict: unknown fields are errors), and each value set renders what it promises.
+
+kubernetes-validate knows the built-in kinds only. The one CRD kind the chart renders, the Gateway API
+HTTPRoute, is checked against HTTPROUTE_V1 below: a JSON Schema written here from the
+gateway.networking.k8s.io/v1 HTTPRoute CRD for the fields the chart uses (types, patterns, limits,
+no unknown fields), not the CRD itself. A cluster's own API server is the final word on it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+import kvgate
+from kvgate.providers.k8s_pod_template import parse_engine_pod_template
+from tests.helm.chart import (
+    CHART, ENGINE_VALUES, FULLNAME, NAMESPACE, VALUE_SETS, containers, engine_pod_template, find, manifests,
+    with_registry,
+)
+
+K8S_VERSION = "1.30"  # the oldest Kubernetes the chart promises (Chart.yaml's kubeVersion allows older; 1.30 is tested)
+_NAME = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_DURATION = "^([0-9]{1,5}(h|m|s|ms)){1,4}$"
+HTTPROUTE_V1 = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "gateway.networking.k8s.io/v1"}, "kind": {"const": "HTTPRoute"},
+        "metadata": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": _NAME, "maxLength": 253},
+            "namespace": {"type": "string"}, "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            "annotations": {"type": "object", "additionalProperties": {"type": "string"}}}},
+        "spec": {"type": "object", "additionalProperties": False, "properties": {
+            "parentRefs": {"type": "array", "maxItems": 32, "items": {
+                "type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+                    "group": {"type": "string"}, "kind": {"type": "string"},
+                    "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                    "namespace": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+                    "sectionName": {"type": "string", "pattern": _NAME}, "port": {"type": "integer"}}}},
+            "hostnames": {"type": "array", "maxItems": 16, "items": {
+                "type": "string", "maxLength": 253,
+                "pattern": "^(\\*\\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}},
+            "rules": {"type": "array", "maxItems": 16, "items": {
+                "type": "object", "additionalProperties": False, "properties": {
+                    "matches": {"type": "array", "maxItems": 64, "items": {
+                        "type": "object", "additionalProperties": False, "properties": {
+                            "path": {"type": "object", "additionalProperties": False, "properties": {
+                                "type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
+                                "value": {"type": "string", "pattern": "^/", "maxLength": 1024}}}}}},
+                    "backendRefs": {"type": "array", "maxItems": 16, "items": {
+                        "type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+                            "name": {"type": "string"}, "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                            "kind": {"type": "string"}, "group": {"type": "string"}, "weight": {"type": "integer"}}}},
+                    "timeouts": {"type": "object", "additionalProperties": False, "properties": {
+                        "request": {"type": "string", "pattern": _DURATION},
+                        "backendRequest": {"type": "string", "pattern": _DURATION}}}}}}}},
+    },
+}
+
+
+def validate(obj: dict[str, Any]) -> None:
+    if obj["kind"] == "HTTPRoute":
+        jsonschema.validate(obj, HTTPROUTE_V1)
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, manifests(with_registry(VALUE_SETS[request.param]))
+
+
+def test_every_rendered_object_is_valid_kubernetes(rendered) -> None:
+    _, objects = rendered
+    assert objects
+    for obj in objects:
+        validate(obj)
+        assert obj["metadata"].get("namespace", NAMESPACE) == NAMESPACE or obj["kind"] in ("Role", "RoleBinding")
+
+
+def test_the_engine_pod_template_is_a_valid_pod_template_that_kvgate_accepts(rendered) -> None:
+    _, objects = rendered
+    template = engine_pod_template(objects)
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "engine"},
+                                  "template": template}, K8S_VERSION, strict=True)
+    parse_engine_pod_template(template, "pod-template.yaml")  # raises on anything kvgate refuses
+
+
+def test_the_app_version_is_kvgates_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == kvgate.__version__
+    gateway = find(manifests(with_registry({})), "Deployment", f"{FULLNAME}-gateway")
+    assert gateway["spec"]["template"]["spec"]["containers"][0]["image"] == f"ghcr.io/kvgate/kvgate:{kvgate.__version__}-gateway"
+
+
+def test_the_default_install_runs_two_gateways_two_autoscalers_and_redis() -> None:
+    objects = manifests(with_registry({}))
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] in ("Deployment", "StatefulSet"))
+    assert kinds == [("Deployment", f"{FULLNAME}-autoscaler"), ("Deployment", f"{FULLNAME}-gateway"),
+                     ("StatefulSet", f"{FULLNAME}-redis")]
+    assert find(objects, "Deployment", f"{FULLNAME}-gateway")["spec"]["replicas"] == 2
+    assert find(objects, "Deployment", f"{FULLNAME}-autoscaler")["spec"]["replicas"] == 2
+    assert find(objects, "PodDisruptionBudget", f"{FULLNAME}-gateway")["spec"]["maxUnavailable"] == 1
+    redis = find(objects, "StatefulSet", f"{FULLNAME}-redis")
+    assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert "--appendonly" in redis["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("drain,pre_stop,expected", [(30, 5, 40), (120, 10, 135), (0, 0, 5)])
+def test_the_gateway_grace_period_covers_pre_stop_and_drain(drain: int, pre_stop: int, expected: int) -> None:
+    gateway = find(manifests(with_registry({"gateway": {"drainTimeoutSeconds": drain, "preStopSleepSeconds": pre_stop}})),
+                   "Deployment", f"{FULLNAME}-gateway")
+    pod = gateway["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert pod["terminationGracePeriodSeconds"] == expected
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pre_stop)]
+    assert container["args"][container["args"].index("--drain-timeout-s") + 1] == str(drain)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_every_kvgate_container_runs_restricted() -> None:
+    objects = manifests(with_registry({}))
+    for name in ("gateway", "autoscaler"):
+        deployment = find(objects, "Deployment", f"{FULLNAME}-{name}")
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for _, container in containers(deployment):
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
+            assert context["capabilities"] == {"drop": ["ALL"]}
+            assert container["resources"]["requests"]
+
+
+def test_the_gateway_listens_on_all_addresses_only_with_an_admin_token_from_a_secret() -> None:
+    objects = manifests(with_registry({}))
+    [container] = find(objects, "Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"]["containers"]
+    assert container["args"][container["args"].index("--host") + 1] == "0.0.0.0"
+    [token] = [e for e in container["env"] if e["name"] == "KVGATE_ADMIN_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-admin-token", "key": "admin-token"}
+    secret = find(objects, "Secret", f"{FULLNAME}-admin-token")
+    assert re.fullmatch(r"[A-Za-z0-9+/=]{40,}", secret["data"]["admin-token"])
+
+
+def test_existing_secrets_are_referenced_and_none_is_created() -> None:
+    objects = manifests(with_registry(VALUE_SETS["existing-secrets"]))
+    assert [o for o in objects if o["kind"] == "Secret"] == []
+    [gateway] = find(objects, "Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"]["containers"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in gateway["env"] if "valueFrom" in e}
+    assert refs == {"KVGATE_ADMIN_TOKEN": {"name": "kvgate-admin", "key": "token"},
+                    "KVGATE_REDIS_PASSWORD": {"name": "kvgate-redis", "key": "password"}}
+    redis = find(objects, "StatefulSet", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"][0]
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in redis["env"]} == {"kvgate-redis"}
+
+
+def test_the_redis_password_reaches_the_state_url_only_through_the_environment() -> None:
+    """Kubernetes substitutes $(VAR) in args from the container's env when it starts the container."""
+    for values, url in [({}, f"redis://:$(KVGATE_REDIS_PASSWORD)@{FULLNAME}-redis:6379/0"),
+                        (VALUE_SETS["external-redis"], "rediss://kvgate:$(KVGATE_REDIS_PASSWORD)@redis.example:6380/2"),
+                        (VALUE_SETS["external-redis-no-auth"], "redis://redis.example:6379/0")]:
+        objects = manifests(with_registry(values))
+        for name in ("gateway", "autoscaler"):
+            [container] = find(objects, "Deployment", f"{FULLNAME}-{name}")["spec"]["template"]["spec"]["containers"]
+            assert container["args"][container["args"].index("--state") + 1] == url
+            has_password = any(e["name"] == "KVGATE_REDIS_PASSWORD" for e in container.get("env", ()))
+            assert has_password == ("$(KVGATE_REDIS_PASSWORD)" in url)
+
+
+def test_external_redis_replaces_the_bundled_one() -> None:
+    objects = manifests(with_registry(VALUE_SETS["external-redis"]))
+    assert [o["kind"] for o in objects if "-redis" in o["metadata"]["name"]] == []
+
+
+def test_ingress_and_httproute_send_everything_to_the_gateway_service() -> None:
+    objects = manifests(with_registry(VALUE_SETS["ingress-and-httproute"]))
+    service = find(objects, "Service", f"{FULLNAME}-gateway")
+    ingress = find(objects, "Ingress", f"{FULLNAME}-gateway")
+    [path] = ingress["spec"]["rules"][0]["http"]["paths"]
+    assert path["backend"]["service"] == {"name": service["metadata"]["name"], "port": {"name": "http"}}
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    route = find(objects, "HTTPRoute", f"{FULLNAME}-gateway")
+    [rule] = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"name": service["metadata"]["name"], "port": service["spec"]["ports"][0]["port"]}]
+    assert rule["timeouts"] == {"request": "3600s"}
+    assert route["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateways", "sectionName": "https"}]
+
+
+def test_the_httproute_check_catches_a_bad_route() -> None:
+    route = find(manifests(with_registry(VALUE_SETS["ingress-and-httproute"])), "HTTPRoute", f"{FULLNAME}-gateway")
+    route["spec"]["rules"][0]["matches"][0]["path"]["type"] = "Prefix"  # Ingress's word, not Gateway API's
+    with pytest.raises(jsonschema.ValidationError):
+        validate(route)
+
+
+def test_the_engine_pod_template_carries_the_platform_values() -> None:
+    objects = manifests(with_registry(VALUE_SETS["gpu-engines"]))
+    template = engine_pod_template(objects)
+    spec = template["spec"]
+    [engine] = spec["containers"]
+    assert engine["image"] == "registry.example/kvgate:0.1.0-cuda12"
+    assert engine["resources"] == ENGINE_VALUES["resources"]
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "serviceAccountName", "volumes"):
+        assert spec[key] == ENGINE_VALUES[key]
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert spec["automountServiceAccountToken"] is False
+    assert template["metadata"]["labels"]["team"] == "inference"
+
+
+def test_a_changed_engine_template_restarts_the_autoscalers_but_not_the_gateways() -> None:
+    def annotations(values: dict) -> tuple[dict, dict]:
+        objects = manifests(with_registry(values))
+        return tuple(find(objects, "Deployment", f"{FULLNAME}-{name}")["spec"]["template"]["metadata"].get("annotations", {})
+                     for name in ("autoscaler", "gateway"))
+    autoscaler_before, gateway_before = annotations({})
+    autoscaler_after, gateway_after = annotations({"engine": {"nodeSelector": {"pool": "h100"}}})
+    assert autoscaler_before["checksum/engine-pod-template"] != autoscaler_after["checksum/engine-pod-template"]
+    assert gateway_before == gateway_after
+
+
+def test_the_registry_is_one_configmap_mounted_whole_for_hot_reload() -> None:
+    objects = manifests(with_registry({}))
+    registry = find(objects, "ConfigMap", f"{FULLNAME}-registry")
+    assert {name: yaml.safe_load(text) for name, text in registry["data"].items()} == {
+        name: yaml.safe_load(text) for name, text in with_registry({})["registry"]["files"].items()}
+    for name in ("gateway", "autoscaler"):
+        deployment = find(objects, "Deployment", f"{FULLNAME}-{name}")
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["registry"]["configMap"]["name"] == registry["metadata"]["name"]
+        for _, container in containers(deployment):
+            [mount] = [m for m in container["volumeMounts"] if m["name"] == "registry"]
+            assert "subPath" not in mount  # a subPath mount never sees the ConfigMap's updates
+
+
+def test_an_existing_registry_configmap_is_mounted_instead() -> None:
+    objects = manifests({"registry": {"existingConfigMap": "fleet-registry"}})
+    assert not [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-registry")]
+    gateway = find(objects, "Deployment", f"{FULLNAME}-gateway")
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["registry"]["configMap"]["name"] == "fleet-registry"
+
+
+def test_rbac_covers_every_engine_namespace_and_nodes_only_when_asked() -> None:
+    objects = manifests(with_registry(VALUE_SETS["tuned"]))
+    assert sorted(o["metadata"]["namespace"] for o in objects if o["kind"] == "Role") == ["gpu-a", "serving"]
+    assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    default = manifests(with_registry({}))
+    [cluster_role] = [o for o in default if o["kind"] == "ClusterRole"]
+    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]}]
