@@ -16,11 +16,13 @@ Collection "claims", record id = the claim id. Data:
      "node_id": str|null, "created_at": wall s, "updated_at": wall s, "holder": autoscaler id}
 
 A store can lose every record at once: a Redis without persistence restarted empty, a new Redis, a changed
---key-prefix. Then every node kvgate runs looks like an orphan, and releasing them would stop a whole
-serving fleet to buy it again. The ledger record (collection "ledger", id "claims", written once the claims
-have been reconciled against every pool) tells the two cases apart: while it is there, a tagged node without
-a claim was bought behind kvgate's back and is released; when it is missing, the claims were lost, not the
-nodes, and each tagged node is adopted with a CONFIRMED claim rebuilt from its tags (`claim_of_node`).
+--key-prefix, an evicted key. Then every node kvgate runs looks like an orphan, and releasing them would stop
+a whole serving fleet to buy it again. The ledger record (id "~ledger" in the same "claims" collection, written
+once the claims have been reconciled against every pool) tells the two cases apart: while it is there, a
+tagged node without a claim was bought behind kvgate's back and is released; when it is missing, the claims
+were lost, not the nodes, and each tagged node is adopted with a CONFIRMED claim rebuilt from its tags
+(`claim_of_node`). It shares the claims' collection (one Redis hash) so that the two are read in one go and
+can only be lost together: a ledger that outlived its claims would release the fleet.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ from kvgate.state import StateStore, StoredRecord, VersionConflict
 from kvgate.providers.base import CapacityType, Node, NodeClaim, OfferingKey, ReplicaSpec
 
 CLAIMS = "claims"
-LEDGER = "ledger"  # collection of the ledger record (module docstring)
-LEDGER_ID = "claims"
+LEDGER_ID = "~ledger"  # the ledger record, in the claims collection (module docstring); no claim id starts with ~
 
 
 class ClaimPhase(enum.StrEnum):
@@ -86,24 +87,27 @@ class ClaimStore:
 
     async def list(self) -> list[ClaimRecord]:
         """Every claim, sorted by id. A record that does not parse is skipped (and left alone)."""
-        claims = []
+        return (await self.read())[0]
+
+    async def read(self) -> tuple[list[ClaimRecord], bool]:
+        """(every claim sorted by id, whether the ledger record is there), from one read of the collection: the
+        store has kept its claims since an autoscaler reconciled them (module docstring)."""
+        claims, ledger_kept = [], False
         for stored in await self._store.list_records(CLAIMS):
+            if stored.id == LEDGER_ID:
+                ledger_kept = True
+                continue
             try:
                 claims.append(ClaimRecord.from_stored(stored))
             except (KeyError, TypeError, ValueError):
                 continue
-        return claims
-
-    async def ledger_kept(self) -> bool:
-        """Whether the ledger record is there: the store has kept claims since an autoscaler reconciled them
-        (module docstring). Read it after the claims, so that claims lost in between count as lost."""
-        return await self._store.get_record(LEDGER, LEDGER_ID) is not None
+        return claims, ledger_kept
 
     async def keep_ledger(self, now_wall_s: float) -> None:
         """Write the ledger record unless it is there (idempotent; a concurrent writer is fine)."""
         data = {"kept_since": now_wall_s, "holder": self._holder}
         try:
-            await self._store.put_record(LEDGER, LEDGER_ID, data, expected_version=0)
+            await self._store.put_record(CLAIMS, LEDGER_ID, data, expected_version=0)
         except VersionConflict:
             pass  # another autoscaler wrote it first: the same fact
 

@@ -346,11 +346,20 @@ class Autoscaler:
                        events: list[Event], stopped: set[str]) -> str | None:
         """Perform one planner action; returns the id of a replica it started, if any."""
         if isinstance(action, CreateNode):
+            model = action.claim.model or ""
+            backoff = self._backoff.get(model, Backoff())
+            if action.boots_replica and not backoff.may_start(now):
+                return None  # buying it starts a replica, and this model's starts are backed off
             result = await self._reconciler.create_node(action.claim)
             events.extend(result.events)
             if result.insufficient is not None:
                 self._planner = note_insufficient_capacity(self._planner, result.insufficient.offering, wall,
                                                            self.settings.planner.ice_ttl_s)
+            elif action.boots_replica and result.error is not None and not result.error.retryable:
+                # Refused for good (a launch EC2 will never accept): back off as for a failed start, or the
+                # planner asks for the same node again every tick.
+                self._backoff[model] = backoff.after_failure(now, self.settings.backoff_base_s,
+                                                             self.settings.backoff_max_s)
         elif isinstance(action, DeleteNode):
             node = next((n for n in fleet.nodes if n.id == action.node_id), None)
             if node is not None and node.state is not NodeState.INTERRUPTED and any(

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from typing import Union
 
 from kvgate.autoscaler.offers import PoolUsage, cheapest, compatible, node_units, units_per_replica
-from kvgate.providers.base import (CapacityType, Node, NodeClaim, NodeState, Offering, OfferingKey, ReplicaHandle,
-                                   ReplicaState, replica_spec_for)
+from kvgate.providers.base import (TAG_REPLICA, CapacityType, Node, NodeClaim, NodeState, Offering, OfferingKey,
+                                   ReplicaHandle, ReplicaState, replica_spec_for)
 from kvgate.registry.schema import ModelDoc
 from kvgate.registry.snapshot import Snapshot
 
@@ -113,6 +113,9 @@ class CreateNode:
     claim: NodeClaim
     price_usd_per_hour: float
     reason: str
+    # The node boots straight into the claim's replica (Offering.replica_at_boot): buying it is starting a
+    # replica, so the loop holds it back while the model's starts are backed off after failures.
+    boots_replica: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +191,10 @@ class _Host:
     planned_n: int = 0
     disrupting: bool = False
     used: int = 0  # units taken by live replicas, this tick's starts, and (pending hosts) reservations
+    # A node that boots into its replica (Offering.replica_at_boot) whose one replica was handed out: adopted,
+    # failed or being stopped. Its room is gone for good, whatever the replicas listed on it say (a stopped
+    # or draining one is not in the planner's inputs, and stopping it ends the node).
+    boot_used: bool = False
 
     def unfilled(self) -> int:
         have = sum(1 for r in self.replicas if r.model == self.planned_model)
@@ -247,7 +254,8 @@ def _index_hosts(tick: _Tick) -> None:
         host = _Host(node.id, node.pool, offering, node.capacity_type, node.price_usd_per_hour,
                      node.state is NodeState.RUNNING, node.launched_at,
                      node_units(offering, cpu) if offering else 0,
-                     planned_model=node.model, planned_n=_planned(node.tags))
+                     planned_model=node.model, planned_n=_planned(node.tags),
+                     boot_used=node.tags.get(TAG_REPLICA, node.claim_id) != node.claim_id)
         tick.hosts[host.id] = host
     for claim in sorted(inputs.claims, key=lambda c: c.id):
         if claim.id in listed_claims:
@@ -278,6 +286,8 @@ def _index_replicas(tick: _Tick) -> None:
     for replica in sorted(tick.inputs.replicas, key=lambda r: r.id):
         host = tick.hosts.get(replica.node_id)
         if replica.state is ReplicaState.FAILED:
+            if host is not None:
+                host.boot_used = True  # stopping it ends a node that boots its replica: no room there
             tick.actions.append(StopReplica(replica.id, replica.model, replica.node_id,
                                             f"failed: {replica.reason or 'no reason given'}"))
             continue
@@ -317,7 +327,8 @@ def _has_room(tick: _Tick, host: _Host, model: ModelDoc, need: int, on_demand_on
     offering = host.offering
     if not host.running or host.disrupting or offering is None:
         return False
-    if offering.replica_at_boot and (host.planned_model != model.metadata.name or tick.live(host)):
+    if offering.replica_at_boot and (host.planned_model != model.metadata.name or host.boot_used
+                                     or host.replicas):
         return False
     return compatible(model, offering, on_demand_only=on_demand_only) and host.units - host.used >= need
 
@@ -357,7 +368,7 @@ def _place(tick: _Tick, model: ModelDoc, count: int, on_demand_only: bool, reaso
                           labels={LABEL_PLANNED_REPLICAS: str(choice.replicas)})
         actions.append(CreateNode(claim, offering.price_usd_per_hour,
                                   f"{reason}: {choice.replicas} replica(s) of {name} on {offering.key} "
-                                  f"at ${offering.price_usd_per_hour:.2f}/h"))
+                                  f"at ${offering.price_usd_per_hour:.2f}/h", boots_replica=offering.replica_at_boot))
         tick.usage.setdefault(offering.pool, PoolUsage()).add(offering)
         tick.hosts[f"claim:{claim.id}"] = _Host(
             f"claim:{claim.id}", offering.pool, offering, offering.capacity_type, offering.price_usd_per_hour,
@@ -412,6 +423,7 @@ def _stop_surplus(tick: _Tick, name: str, model: ModelDoc | None, surplus: int, 
             on_demand -= 1
         tick.stopped.add(replica.id)
         host.used -= _units_of(tick, name)
+        host.boot_used = True
         tick.actions.append(StopReplica(replica.id, name, host.id, f"scale down to {want}"))
         surplus -= 1
 

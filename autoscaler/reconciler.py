@@ -22,9 +22,9 @@ repaired by the next call, whoever makes it) compares what the providers list wi
 Order matters: nodes are listed BEFORE claims are read. A claim is written before its node is
 bought, so every node in the list had its claim written before the claims were read, and a node is
 never taken for an orphan because its claim was written between the two reads. The ledger record
-(`autoscaler.claims`) is read AFTER the claims, so a store emptied between the two reads counts as
-emptied, and written at the end of a round that listed every pool, so a node in a pool that could not
-be listed is adopted in a later round rather than released. Adopting where releasing was meant costs
+(`autoscaler.claims`) is read with the claims in one read, so the two can only be seen, or lost, together,
+and written at the end of a round that listed every pool, so a node in a pool that could not be listed is
+adopted in a later round rather than released. Adopting where releasing was meant costs
 at most the planner's empty-node grace for a node nothing runs on; releasing where adopting was meant
 (Redis restarted empty) would stop every replica of the fleet.
 
@@ -134,8 +134,8 @@ class Reconciler:
             except ProviderError as exc:
                 unreachable.append(pool)
                 scratch.events.append(self._event(None, EventKind.PROVIDER_ERROR, f"pool {pool}: list failed: {exc}"))
-        claims = {record.claim_id: record for record in await self._claims.list()}  # after the node lists
-        ledger_kept = await self._claims.ledger_kept()  # after the claims (module docstring)
+        records, ledger_kept = await self._claims.read()  # after the node lists; claims and ledger in one read
+        claims = {record.claim_id: record for record in records}
         live: list[Node] = []
         nodes_by_claim: dict[str, list[Node]] = {}
         for nodes in listed.values():

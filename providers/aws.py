@@ -45,16 +45,17 @@ import botocore.exceptions
 
 from kvgate.clock import Clock
 from kvgate.providers.aws_ec2 import (
-    MISSING_INSTANCE_CODES, TAG_REPLICA, Backoff, cluster_filters, enrich_from_instance_types,
+    MISSING_INSTANCE_CODES, Backoff, cluster_filters, enrich_from_instance_types,
     enrich_spot_prices, instances_of, map_error, node_from_instance, run_instances_request, tags_of,
 )
-from kvgate.providers.aws_userdata import ENGINE_GRPC_PORT, ENGINE_PORT, READY_TAG, render_user_data
+from kvgate.providers.aws_userdata import (ENGINE_GRPC_PORT, ENGINE_PORT, READY_TAG, render_user_data,
+                                          user_data_payload)
 from kvgate.providers.base import (
-    TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState,
+    TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_REPLICA, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState,
     NotFound, Offering, OfferingKey, ProviderError, ProviderUnavailable, ReplicaHandle,
     ReplicaSpec, ReplicaState, check_quota, node_tags, offerings_from_pool,
 )
-from kvgate.registry.schema import AwsSettings, CapacityType, PoolSpec
+from kvgate.registry.schema import AwsSettings, CapacityType, KvgateInstall, PoolSpec
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class AwsProvider:
         self._clock = clock
         self._sleep = sleep if sleep is not None else clock.sleep
         self._backoff = backoff
-        self._kvgate_version = kvgate_version or installed_version()
+        self._pinned_version = kvgate_version
         self._stockout_ttl_s = stockout_ttl_s
         self._drain_timeout_s = drain_timeout_s
         # An EC2 node runs the one replica its claim's user data starts at boot (see start_replica).
@@ -117,6 +118,13 @@ class AwsProvider:
                                        config=config)
         except botocore.exceptions.BotoCoreError as exc:
             raise ProviderError(f"pool {pool_name!r}: cannot build an EC2 client: {exc}") from None
+
+    def _kvgate_version(self, install: KvgateInstall) -> str | None:
+        """The version an index install pins when the pool names none: the one given, else this installation's.
+        Read only when needed, so a pool that installs from a wheel or an image works from a plain checkout."""
+        if not install.index_url or install.version:
+            return None
+        return self._pinned_version or installed_version()
 
     @property
     def pool(self) -> str:
@@ -232,9 +240,13 @@ class AwsProvider:
             if self._settings.install is None:  # the registry refuses such a pool; a hand-built PoolSpec may not
                 raise ProviderError(f"pool {self._pool!r} has no aws.install: new nodes would have no kvgate",
                                     retryable=False)
-            user_data = render_user_data(claim.replica, claim_id=claim.id, pool=self._pool, cluster=self._cluster,
-                                         install=self._settings.install, version=self._kvgate_version,
-                                         drain_timeout_s=self._drain_timeout_s)
+            try:
+                user_data = user_data_payload(render_user_data(
+                    claim.replica, claim_id=claim.id, pool=self._pool, cluster=self._cluster,
+                    install=self._settings.install, version=self._kvgate_version(self._settings.install),
+                    drain_timeout_s=self._drain_timeout_s))
+            except ValueError as exc:  # a registry value no node could boot with: no launch will take it
+                raise ProviderError(f"pool {self._pool!r}, claim {claim.id}: {exc}", retryable=False) from None
         request = run_instances_request(offering=offering, claim_id=claim.id, tags=tags,
                                         image_id=await self._image(), settings=self._settings, user_data=user_data)
         try:

@@ -18,7 +18,6 @@ from kvgate.providers.base import (
 )
 from kvgate.registry.schema import AwsSettings, CapacityType
 
-TAG_REPLICA = "kvgate:replica"  # the replica id of the one engine a node runs (see providers.aws)
 
 # EC2 error codes, from https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html
 CAPACITY_CODES = frozenset({
@@ -73,7 +72,7 @@ def cluster_filters(cluster: str, pool: str) -> list[dict[str, Any]]:
 
 
 def run_instances_request(*, offering: Offering, claim_id: str, tags: Mapping[str, str], image_id: str,
-                          settings: AwsSettings, user_data: str | None) -> dict[str, Any]:
+                          settings: AwsSettings, user_data: str | bytes | None) -> dict[str, Any]:
     """The RunInstances parameters for one node. ClientToken = claim id makes EC2 itself return the same
     instance for a repeated call (idempotent for ~1 h; the shell also looks the claim up by tag first)."""
     tag_list = [{"Key": key, "Value": value} for key, value in sorted(tags.items())]

@@ -36,6 +36,7 @@ __all__ = [
     "CapacityType", "OfferingKey", "Offering", "NodeClaim", "NodeState", "Node", "ReplicaState",
     "ReplicaSpec", "ReplicaHandle", "ProviderError", "InsufficientCapacity", "QuotaExceeded", "NotFound",
     "ProviderUnavailable", "NodeNotReady", "Provider", "TAG_CLUSTER", "TAG_CLAIM", "TAG_POOL", "TAG_MODEL",
+    "TAG_REPLICA",
     "node_tags", "offerings_from_pool", "check_quota", "replica_spec_for", "engine_args",
 ]
 
@@ -45,6 +46,9 @@ TAG_CLUSTER = "kvgate:cluster"
 TAG_CLAIM = "kvgate:claim"
 TAG_POOL = "kvgate:pool"
 TAG_MODEL = "kvgate:model"
+# On a node that boots into its replica (Offering.replica_at_boot): that replica's id, the claim id until
+# `start_replica` adopts it under the caller's id. A node whose boot replica was handed out has no room left.
+TAG_REPLICA = "kvgate:replica"
 
 
 def _frozen_mapping(value: Mapping[str, str] | None) -> Mapping[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import re
+import unicodedata
 from urllib.parse import urlsplit
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -57,7 +58,14 @@ class Metadata(_Strict):
         return name
 
 
+def _unprintable(text: str) -> str:
+    """The line breaks and control or format characters in `text` (YAML, shells and URLs split on them)."""
+    return "".join(sorted({ch for ch in text if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp")}))
+
+
 def _check_source(source: str, *, allow_builtin: bool) -> str:
+    if _unprintable(source):
+        raise ValueError(f"{source!r} holds {_unprintable(source)!r}: no line break or control character in a source")
     if source.startswith("builtin:"):
         if not allow_builtin:
             raise ValueError(f"{source!r}: adapters cannot be built in; give a local directory or s3://bucket/prefix")
@@ -406,8 +414,9 @@ class KvgateInstall(_Strict):
             raise FieldProblem("version", "version goes with index_url; a wheel or an image has its own")
         for name in ("preinstalled", "wheel_url", "index_url", "version"):
             value = getattr(self, name)
-            if value is not None and any(ch in value for ch in "\n\r\"'`$\\ "):
-                raise FieldProblem(name, f"{value!r} holds a space, quote, '$', '\\' or newline")
+            if value is not None and (_unprintable(value) or any(ch in value for ch in "\"'`$\\ ")):
+                raise FieldProblem(name, f"{value!r} holds a space, quote, '$', '\\', line break or control "
+                                   "character")
         return self
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.autoscaler.claims import LEDGER_ID
 from kvgate.autoscaler.status import STATUS_COLLECTION, STATUS_ID
 from kvgate.clock import FakeClock
 from kvgate.state import MemoryStateStore
 from tests.autoscaler.fleet_helpers import load_test_registry, make_autoscaler, members, observe
-from kvgate.providers.base import ReplicaState
+from kvgate.providers.base import Node, NodeClaim, Offering, ProviderError, ReplicaState
 from kvgate.providers.fake import FakeProvider
 
 
@@ -129,6 +130,33 @@ async def test_a_replica_that_keeps_failing_is_retried_with_exponential_backoff(
     failures = [e["message"] for e in status["events"] if e["kind"] == "replica_failed"]
     assert len(failures) == 4 and all("CUDA out of memory" in m for m in failures)
     assert status["models"]["m"]["ready"] == 1  # the fifth start worked
+
+
+class RefusedBootNodes(FakeProvider):
+    """A pool whose nodes boot into their replica (Offering.replica_at_boot, as AWS) and whose every launch is
+    refused for good, as EC2 refuses user data over its size limit."""
+
+    async def offerings(self) -> list[Offering]:
+        return [replace(o, replica_at_boot=True) for o in await super().offerings()]
+
+    async def create(self, claim: NodeClaim) -> Node:
+        self.calls.append(("create", (claim.id,)))
+        raise ProviderError("user data is 17,095 bytes; EC2 takes at most 16,384", retryable=False)
+
+
+async def test_a_boot_node_refused_for_good_is_retried_with_the_models_backoff(snapshot, store, clock) -> None:
+    # Buying such a node is starting a replica: a refusal backs the model off (5, 10, 20 s ...) instead of
+    # buying again every tick.
+    provider = RefusedBootNodes("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock)
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+    bought_at: list[float] = []
+
+    async def demand() -> None:
+        await observe(store, clock, queued=1)
+        bought_at.extend([clock.now()] * (len(calls(provider, "create")) - len(bought_at)))
+
+    await run_ticks(autoscaler, clock, 40, demand)
+    assert [round(b - a) for a, b in zip(bought_at, bought_at[1:])] == [5, 10, 20]
 
 
 async def test_a_preempted_spot_node_is_replaced_on_demand_without_backoff(tmp_path: Path, store, clock) -> None:
@@ -306,7 +334,8 @@ async def test_release_fleet_stops_every_replica_and_deletes_every_node(snapshot
     events = await autoscaler.release_fleet()
 
     assert await provider.list() == [] and await provider.list_replicas() == []
-    assert await store.list_members() == [] and await store.list_records("claims") == []
+    assert await store.list_members() == []
+    assert [r.id for r in await store.list_records("claims")] == [LEDGER_ID]  # no claim left; the ledger stays
     assert [e.kind.value for e in events] == ["node_delete"] * 3
     assert len(calls(provider, "stop_replica")) == 3
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,10 +18,11 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
+from kvgate.autoscaler.claims import ClaimStore
 from kvgate.clock import RealClock
 from kvgate.state import RedisStateStore
 from tests.autoscaler.fleet_helpers import write_registry
-from tests.services import free_loopback_port, running
+from tests.services import asks_for_a_password, free_loopback_port, running
 
 PASSWORD = "hunter2"
 
@@ -36,16 +36,6 @@ spec:
   scaling: {min_replicas: 0, max_replicas: 1, max_queue_wait_s: 30}
   placement: {pools: [gpu]}
 """
-
-
-def asks_for_a_password(port: int) -> bool:
-    """A redis-server with a password answers an unauthenticated PING with -NOAUTH: it is up."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"-NOAUTH")
-    except OSError:
-        return False
 
 
 def in_redis(url: str, prefix: str, action):
@@ -110,8 +100,8 @@ def test_the_process_scales_reloads_and_stops_cleanly_on_sigterm(tmp_path: Path,
             process.wait()
     assert in_redis(redis_url, prefix, lambda store: store.lease_holder("autoscaler")) is None
     # the node was not deleted on the way out: its claim is still there for the next autoscaler to adopt
-    claims = in_redis(redis_url, prefix, lambda store: store.list_records("claims"))
-    assert [(c.data["phase"], c.data["node_id"]) for c in claims] == [("confirmed", status["nodes"][0]["id"])]
+    claims = in_redis(redis_url, prefix, lambda store: ClaimStore(store, "reader").list())
+    assert [(c.phase.value, c.node_id) for c in claims] == [("confirmed", status["nodes"][0]["id"])]
     assert "left running for the next autoscaler to adopt" in log_path.read_text()
 
 

@@ -13,6 +13,7 @@ import asyncio
 import time
 from pathlib import Path
 
+from kvgate.autoscaler.claims import ClaimStore
 from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings, FixedSnapshot, provider_factory_for
 from kvgate.clock import RealClock
 from kvgate.state import MemoryStateStore
@@ -61,7 +62,7 @@ async def test_a_restarted_autoscaler_adopts_the_running_local_replica(tmp_path:
         await second.stop()
         await second.release_fleet()  # what `kvgate up` does on Ctrl-C: nothing left behind
         assert await local.list_replicas() == [] and await local.list() == []
-        assert await store.list_members() == [] and await store.list_records("claims") == []
+        assert await store.list_members() == [] and await ClaimStore(store, "reader").list() == []
     finally:
         for autoscaler in (first, second):
             if autoscaler is None:

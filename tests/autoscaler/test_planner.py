@@ -192,6 +192,46 @@ def test_a_booted_node_gets_its_planned_replica_started(tmp_path: Path) -> None:
     assert [(type(a).__name__, getattr(a, "node_id", None)) for a in actions] == [("StartReplica", "n1")]
 
 
+def boot_node(node_id: str, key: str, *, model: str, replica: str | None, price: float) -> Node:
+    """A node that booted into its replica, as the AWS provider lists it: `replica` is the id its boot replica
+    was adopted under (None: not adopted yet, the tag still holds the claim id)."""
+    base = node(node_id, key, model=model, price=price)
+    return replace(base, tags={**base.tags, "kvgate:replica": replica or base.claim_id})
+
+
+def boot_plan(snap: Snapshot, desired: dict[str, int], nodes: tuple[Node, ...], replicas: tuple[ReplicaHandle, ...],
+              ) -> list[NodeAction]:
+    inputs = PlannerInputs(snap, desired, nodes, replicas, boot_offerings(snap), (), PlannerSettings(), "t")
+    return plan_nodes(inputs, PlannerState(), T0)[1]
+
+
+def test_a_boot_node_whose_replica_is_being_stopped_is_no_room(tmp_path: Path) -> None:
+    # Scale-down from 2 to 1 stops one of r1, r2. Stopping it terminates its node, so nothing may start on
+    # that node in the same tick, a consolidation's replacement included.
+    snap = registry(tmp_path)
+    nodes = (boot_node("n1", "east:l40s-1:on_demand:a", model="steady", replica="r1", price=2.0),
+             boot_node("n4", "east:l40s-4:on_demand:a", model="steady", replica="r2", price=7.0))
+    actions = boot_plan(snap, {"steady": 1}, nodes, (replica("r1", "steady", "n1"), replica("r2", "steady", "n4")))
+    [stop] = [a for a in actions if isinstance(a, StopReplica)]
+    assert not [a for a in actions if isinstance(a, StartReplica) and a.node_id == stop.node_id]
+
+
+def test_a_boot_node_whose_replica_is_draining_or_failed_is_no_room(tmp_path: Path) -> None:
+    # r1 was adopted on n1 and is draining (the loop leaves draining replicas out of the planner's inputs);
+    # demand came back: n1 looks empty but its replica is gone with it, so a new node is bought.
+    snap = registry(tmp_path)
+    draining = (boot_node("n1", "east:l40s-1:on_demand:a", model="steady", replica="r1", price=2.0),)
+    actions = boot_plan(snap, {"steady": 1}, draining, ())
+    assert not [a for a in actions if isinstance(a, StartReplica)]
+    assert [a.claim.model for a in actions if isinstance(a, CreateNode)] == ["steady"]
+    # The boot replica failed before anyone adopted it: stop it (the node goes), start nothing there.
+    fresh = (boot_node("n2", "east:l40s-1:on_demand:a", model="steady", replica=None, price=2.0),)
+    failed = (replica("c-n2", "steady", "n2", ReplicaState.FAILED),)
+    actions = boot_plan(snap, {"steady": 1}, fresh, failed)
+    assert [type(a).__name__ for a in actions if not isinstance(a, CreateNode)] == ["StopReplica"]
+    assert all(a.boots_replica for a in actions if isinstance(a, CreateNode))
+
+
 # ------------------------------------------------------------------------ insufficient capacity fallback
 
 

@@ -71,6 +71,16 @@ def chat(base_url: str) -> tuple[int, str]:
         return error.code, ""
 
 
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM (kvgate drains and exits), then SIGKILL after 30 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def members(redis_url: str, prefix: str) -> list[dict[str, Any]]:
     """The membership records as the gateways read them, through kvgate's own Redis store."""
     async def read() -> list[dict[str, Any]]:
@@ -111,12 +121,7 @@ def control_plane(tmp_path: Path, redis_url: str, registry: str, env: dict[str, 
             yield gateway, prefix
             assert autoscaler.poll() is None, (tmp_path / "autoscaler.log").read_text()[-3000:]
     finally:
-        autoscaler.terminate()
-        try:
-            autoscaler.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            autoscaler.kill()
-            autoscaler.wait()
+        stop(autoscaler)
 
 
 def test_local_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: str) -> None:
@@ -186,8 +191,7 @@ def node_script(user_data: str) -> tuple[list[str], list[str]]:
     document = yaml.safe_load(user_data)
     files = {f["path"]: f["content"] for f in document["write_files"]}
     engine = shlex.split(files["/usr/local/bin/kvgate-engine"].split("exec ", 1)[1].replace("\\\n", " "))
-    installs = [part.strip() for step in document["runcmd"] if step[:2] == ["bash", "-c"]
-                for part in step[2].split("&&") if "pip install" in part]
+    installs = [line for line in files["/usr/local/bin/kvgate-install"].splitlines() if "/bin/pip install" in line]
     return engine, installs
 
 
@@ -236,8 +240,7 @@ def test_aws_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: str
             assert [i["InstanceId"] for i in instances_of(ec2, cluster)] == [instance["InstanceId"]]
     finally:
         if node is not None and node.poll() is None:
-            node.terminate()
-            node.wait(timeout=30)
+            stop(node)
         if cluster:
             ids = [i["InstanceId"] for i in instances_of(ec2, cluster)]
             if ids:
@@ -283,15 +286,6 @@ def stored(world: Any, resource: str, name: str) -> dict[str, Any] | None:
 def started(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log_path, "wb") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 async def test_kubernetes_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: str) -> None:

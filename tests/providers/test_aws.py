@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import gzip
+import os
 import shlex
 import subprocess
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -22,13 +25,13 @@ from botocore.awsrequest import AWSResponse
 
 from kvgate.clock import FakeClock
 from kvgate.providers.aws import AwsProvider
-from kvgate.providers.aws_ec2 import TAG_REPLICA, node_state
-from kvgate.providers.aws_userdata import READY_TAG, render_user_data
-from kvgate.registry.schema import KvgateInstall
+from kvgate.providers.aws_ec2 import node_state
+from kvgate.providers.aws_userdata import READY_TAG, render_user_data, user_data_payload
 from kvgate.providers.base import (
-    TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, CapacityType, InsufficientCapacity, NodeClaim, NodeNotReady,
+    TAG_CLAIM, TAG_CLUSTER, TAG_MODEL, TAG_POOL, TAG_REPLICA, CapacityType, InsufficientCapacity, NodeClaim, NodeNotReady,
     NodeState, ProviderError, ProviderUnavailable, QuotaExceeded, ReplicaSpec, ReplicaState, engine_args,
 )
+from kvgate.registry.schema import KvgateInstall
 from tests.providers.subject_aws import POOL, ErrorInjector, _Raw, claim, moto_session, pool_spec
 
 SPEC = ReplicaSpec(model="tiny-llama", source="builtin:tiny-llama", max_model_len=512,
@@ -282,8 +285,8 @@ def test_user_data_renders_valid_cloud_config_and_shell() -> None:
     document = yaml.safe_load(text)
     files = {f["path"]: f for f in document["write_files"]}
     assert set(files) == {"/usr/local/bin/kvgate-engine", "/etc/systemd/system/kvgate-engine.service",
-                          "/usr/local/bin/kvgate-register"}
-    for path in ("/usr/local/bin/kvgate-engine", "/usr/local/bin/kvgate-register"):
+                          "/usr/local/bin/kvgate-install", "/usr/local/bin/kvgate-register"}
+    for path in ("/usr/local/bin/kvgate-engine", "/usr/local/bin/kvgate-install", "/usr/local/bin/kvgate-register"):
         checked = subprocess.run(["bash", "-n"], input=files[path]["content"], text=True, capture_output=True)
         assert checked.returncode == 0, f"{path}: {checked.stderr}"
     # The engine script runs exactly base.engine_args, quoting intact (an adapter name with a space).
@@ -294,21 +297,20 @@ def test_user_data_renders_valid_cloud_config_and_shell() -> None:
                                    cache_dir="/var/cache/kvgate", drain_timeout_s=20)
     unit = files["/etc/systemd/system/kvgate-engine.service"]["content"]
     assert "ExecStart=/usr/local/bin/kvgate-engine" in unit and "TimeoutStopSec=25" in unit
+    assert ["bash", "/usr/local/bin/kvgate-install"] in document["runcmd"]
     assert any("enable" in step and "kvgate-engine.service" in step for step in document["runcmd"])
+    # A failed install is reported at once, not after the 30 min wait for /health.
+    assert "trap 'touch /run/kvgate-install-failed' ERR" in files["/usr/local/bin/kvgate-install"]["content"]
+    assert "if [ -e /run/kvgate-install-failed ]; then break; fi" in files["/usr/local/bin/kvgate-register"]["content"]
     with pytest.raises(ValueError, match="quote"):
         render_user_data(SPEC, claim_id="c", pool="gpu'; rm -rf /", cluster="prod", install=WHEEL, version="0.1.0")
 
 
 def install_commands(text: str) -> list[list[str]]:
-    """The argv of every pip install the user data runs (bash -c "... && pip install ...")."""
-    found = []
-    for step in yaml.safe_load(text)["runcmd"]:
-        script = step[2] if step[:2] == ["bash", "-c"] else ""
-        for part in script.split("&&"):
-            argv = shlex.split(part)
-            if argv and argv[0].endswith("/pip") and argv[1] == "install":
-                found.append(argv)
-    return found
+    """The argv of every pip install in the node's install script."""
+    files = {f["path"]: f["content"] for f in yaml.safe_load(text)["write_files"]}
+    return [shlex.split(line) for line in files["/usr/local/bin/kvgate-install"].splitlines()
+            if line.split(" ", 1)[0].endswith("/pip")]
 
 
 @pytest.mark.parametrize("install,expected_pip,expected_kvgate", [
@@ -322,7 +324,7 @@ def install_commands(text: str) -> list[list[str]]:
     (KvgateInstall(index_url="https://pypi.internal/simple", version="0.3.0"),
      [["/opt/kvgate/bin/pip", "install", "--quiet", "--index-url", "https://pypi.internal/simple",
        "kvgate[engine]==0.3.0"]], "/opt/kvgate/bin/kvgate"),
-    # On the image already: nothing is installed at boot, the engine runs the image's command.
+    # On the image already: nothing is installed at boot (the script checks it is there), the engine runs it.
     (KvgateInstall(preinstalled="/usr/local/bin/kvgate"), [], "/usr/local/bin/kvgate"),
 ])
 def test_nodes_get_kvgate_from_where_the_pool_says_never_from_pypi_by_name(
@@ -331,6 +333,57 @@ def test_nodes_get_kvgate_from_where_the_pool_says_never_from_pypi_by_name(
     assert install_commands(text) == expected_pip
     engine = {f["path"]: f for f in yaml.safe_load(text)["write_files"]}["/usr/local/bin/kvgate-engine"]["content"]
     assert shlex.split(engine.split("exec ", 1)[1].replace("\\\n", " "))[:2] == [expected_kvgate, "engine"]
+
+
+def test_the_install_script_finds_or_installs_a_python_of_at_least_3_11() -> None:
+    # Ubuntu 22.04 (the default Deep Learning AMI) has python3 3.10, which kvgate does not run on.
+    text = render_user_data(SPEC, claim_id="claim-1", pool="gpu", cluster="prod", install=WHEEL, version=None)
+    script = {f["path"]: f["content"] for f in yaml.safe_load(text)["write_files"]}["/usr/local/bin/kvgate-install"]
+    assert "sys.version_info < (3, 11)" in script and "apt-get install -y -q python3.11 python3.11-venv" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_an_install_that_fails_leaves_the_marker_the_register_script_reports(tmp_path) -> None:
+    # Run the node's install script for an image that lacks the kvgate it should have; the marker goes to
+    # a temporary path instead of /run.
+    text = render_user_data(SPEC, claim_id="claim-1", pool="gpu", cluster="prod", version=None,
+                            install=KvgateInstall(preinstalled=str(tmp_path / "no-such-kvgate")))
+    script = {f["path"]: f["content"] for f in yaml.safe_load(text)["write_files"]}["/usr/local/bin/kvgate-install"]
+    marker = tmp_path / "install-failed"
+    ran = subprocess.run(["bash", "-c", script.replace("/run/kvgate-install-failed", str(marker))])
+    assert ran.returncode != 0 and marker.exists()
+    (tmp_path / "no-such-kvgate").write_text("#!/bin/sh\n")
+    (tmp_path / "no-such-kvgate").chmod(0o755)
+    marker.unlink()
+    ran = subprocess.run(["bash", "-c", script.replace("/run/kvgate-install-failed", str(marker))])
+    assert ran.returncode == 0 and not marker.exists()
+
+
+@pytest.mark.parametrize("source", [
+    "/models/a\nbootcmd: [[sh, -c, id]]\nx: |1 #",  # a newline would add a cloud-init key run as root
+    "/models/a\u2028b", "/models/a\x85b", "/models/a\u200bb",  # line breaks to YAML; a format character
+])
+def test_a_value_that_could_reshape_the_user_data_is_refused(source: str) -> None:
+    spec = ReplicaSpec(model="m", source=source)
+    with pytest.raises(ValueError, match="line break or control character"):
+        render_user_data(spec, claim_id="c", pool="gpu", cluster="prod", install=WHEEL, version="0.1.0")
+    with pytest.raises(ValueError, match="line break or control character"):
+        render_user_data(SPEC, claim_id="c", pool="gpu", cluster="prod", version="0.1.0",
+                         install=KvgateInstall.model_construct(wheel_url=f"https://a/{source[-2:]}k.whl"))
+
+
+def test_user_data_over_ec2s_limit_is_gzipped_and_refused_past_it() -> None:
+    # 150 adapters of realistic names: ~17 KB of text, over EC2's 16,384 bytes; gzipped it fits.
+    adapters = tuple((f"customer-{i:03d}-support-lora", f"s3://acme-adapters/customers/{i:03d}/support-lora-v3")
+                     for i in range(150))
+    text = render_user_data(replace(SPEC, adapters=adapters), claim_id="claim-1", pool="gpu", cluster="prod",
+                            install=WHEEL, version=None)
+    assert len(text.encode()) > 16_384
+    payload = user_data_payload(text)
+    assert isinstance(payload, bytes) and len(payload) <= 16_384 and gzip.decompress(payload).decode() == text
+    assert user_data_payload("#cloud-config\n") == "#cloud-config\n"  # small ones stay readable text
+    with pytest.raises(ValueError, match="over EC2's 16,384"):
+        user_data_payload("#cloud-config\n" + os.urandom(30_000).hex())  # random hex: gzip halves it at best
 
 
 @pytest.mark.parametrize("state,reason,events,expected", [

@@ -64,6 +64,11 @@ def test_provider_blocks_must_match_the_provider() -> None:
     assert "needs a region" in error_of(PoolSpec, {"provider": "aws", "offers": [offer]})
 
 
+def test_a_source_with_a_line_break_or_control_character_is_refused() -> None:
+    for source in ("/models/a\nbootcmd: [id]", "s3://m/a\u2028b", "/models/a\x00"):
+        assert "no line break or control character" in error_of(ModelSpec, {"source": source})
+
+
 def test_an_aws_pool_says_where_its_nodes_get_kvgate() -> None:
     offer = {"instance_type": "g5.xlarge", "gpu_kind": "A10G", "gpu_count": 1, "price_usd_per_hour": 1}
     aws = {"provider": "aws", "region": "us-east-1", "offers": [offer]}
@@ -75,6 +80,8 @@ def test_an_aws_pool_says_where_its_nodes_get_kvgate() -> None:
     assert "goes with index_url" in error_of(PoolSpec, {**aws, "aws": {"install": {"wheel_url": "https://a/k.whl",
                                                                                    "version": "0.1.0"}}})
     assert "holds a space" in error_of(PoolSpec, {**aws, "aws": {"install": {"wheel_url": "https://a/k.whl; rm -rf /"}}})
+    # A Unicode line separator is a line break to YAML: it would end the cloud-init value it sits in.
+    assert "line break" in error_of(PoolSpec, {**aws, "aws": {"install": {"preinstalled": "/opt/k\u2028#"}}})
     for install in ({"preinstalled": "/opt/kvgate/bin/kvgate"}, {"wheel_url": "https://a/k.whl"},
                     {"index_url": "https://pypi.internal/simple", "version": "0.1.0"}):
         assert PoolSpec.model_validate({**aws, "aws": {"install": install}}).aws.install is not None
