@@ -89,17 +89,39 @@ def _problems(data: Any) -> list[str]:
             problems.append(f"spec.{key}: must be a list of mappings")
     if "nodeSelector" in spec and not isinstance(spec["nodeSelector"], Mapping):
         problems.append("spec.nodeSelector: must map label names to values")
+    if spec.get("restartPolicy", "Always") != "Always":
+        problems.append(f"spec.restartPolicy: a Deployment's pods restart Always, not {spec['restartPolicy']!r}")
+    names: list[str] = []
     for index, container in enumerate(spec.get("containers") or ()):
-        if not isinstance(container, Mapping):
+        if isinstance(container, Mapping):
+            problems += _container_problems(f"spec.containers[{index}]", container, seen=names)
+    return problems
+
+
+def _container_problems(where: str, container: Mapping[str, Any], *, seen: list[str]) -> list[str]:
+    """What is wrong with one container of the template; `seen` collects the names so far (a second
+    container of one name, the engine's above all, would be dropped without a word)."""
+    name = container.get("name")
+    if not name:
+        return [f"{where}.name: required; name the engine's container '{ENGINE_CONTAINER}'"]
+    problems = [f"{where}.name: {name!r} is taken by an earlier container"] if name in seen else []
+    seen.append(name)
+    if name == ENGINE_CONTAINER:
+        problems += [f"{where}.{key}: kvgate sets it from the registry Model; remove it"
+                     for key in OWNED_CONTAINER_FIELDS if key in container]
+    elif not container.get("image"):
+        problems.append(f"{where}.image: required for the sidecar {name!r}")
+    for key, field in (("env", "name"), ("volumeMounts", "mountPath")):
+        entries = container.get(key) or []
+        if not isinstance(entries, list) or not all(isinstance(e, Mapping) and e.get(field) for e in entries):
+            problems.append(f"{where}.{key}: must be a list of mappings, each with a {field}")
             continue
-        where = f"spec.containers[{index}]"
-        if not container.get("name"):
-            problems.append(f"{where}.name: required; name the engine's container '{ENGINE_CONTAINER}'")
-        elif container["name"] == ENGINE_CONTAINER:
-            problems += [f"{where}.{key}: kvgate sets it from the registry Model; remove it"
-                         for key in OWNED_CONTAINER_FIELDS if key in container]
-        elif not container.get("image"):
-            problems.append(f"{where}.image: required for the sidecar {container['name']!r}")
+        keys = [e[field] for e in entries]
+        problems += [f"{where}.{key}: {k!r} is given twice" for k in sorted({k for k in keys if keys.count(k) > 1})]
+    resources = container.get("resources") or {}
+    if not isinstance(resources, Mapping) or not all(isinstance(resources.get(k) or {}, Mapping)
+                                                     for k in ("requests", "limits")):
+        problems.append(f"{where}.resources: must be a mapping whose requests and limits map names to quantities")
     return problems
 
 

@@ -34,16 +34,39 @@ ALLOWED = {
 }
 
 
+def package_of(path: Path) -> list[str]:
+    """The installed package a source file belongs to: router/proxy.py -> ["kvgate", "router"]."""
+    parts = list(path.relative_to(REPO).parts[:-1])
+    return parts if parts[:1] == ["kvgate"] else ["kvgate", *parts]
+
+
 def imports_of(path: Path) -> set[str]:
-    """Every module of ours that `path` imports, by its full name; a bare top-level subsystem name (the
-    layout before one import name) counts as ours too, so it is refused rather than missed."""
+    return imports_in(path.read_text(), package_of(path), str(path))
+
+
+def imports_in(source: str, package: list[str], filename: str = "<source>") -> set[str]:
+    """Every module of ours that `source` (a file of `package`) imports, by its full name. Relative imports are
+    resolved against the package (`from ..autoscaler import planner` in router/ is kvgate.autoscaler); a bare
+    top-level subsystem name (the layout before one import name) counts as ours too, so it is refused rather
+    than missed."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - (node.level - 1)] + ([node.module] if node.module else []))
+            found.update([base] if node.module else [f"{base}.{alias.name}" for alias in node.names])
     return {name for name in found if name.split(".")[0] in ("kvgate", *SUBSYSTEMS)}
+
+
+def test_relative_imports_are_judged_by_where_they_lead() -> None:
+    package = package_of(REPO / "router" / "proxy.py")
+    assert package == ["kvgate", "router"]
+    source = "from ..autoscaler import planner\nfrom . import policies\nfrom .view import ReplicaView\n"
+    assert imports_in(source, package) == {"kvgate.autoscaler", "kvgate.router.policies", "kvgate.router.view"}
+    assert not allowed("kvgate.autoscaler", ALLOWED["router"])
 
 
 def allowed(name: str, rules: set[str]) -> bool:

@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterator, Mapping
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, urlencode
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -181,17 +181,22 @@ return {1, version}
 
 def redact_url(url: str) -> str:
     """`url` fit for a log line: a password in the user part or in the query becomes "***".
-    "redis://:s3cret@10.0.0.5:6379/0" -> "redis://:***@10.0.0.5:6379/0"."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hostport = netloc.rpartition("@")
-        netloc = f"{userinfo.partition(':')[0]}:***@{hostport}"
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
-    query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
-    if netloc == parts.netloc and query == parts.query:
-        return url  # nothing secret in it (and "unix:///path" keeps its slashes, which urlunsplit drops)
-    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+    "redis://:s3cret@10.0.0.5:6379/0" -> "redis://:***@10.0.0.5:6379/0".
+
+    The user part is everything up to the last "@", so a password holding "/", "#" or "?" (a generated
+    token, written unencoded) is hidden whole, where urlsplit would take part of it for the path."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    userinfo, at, hostpart = rest.rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.partition(':')[0]}:***@{hostpart}"
+    base, question, query = rest.partition("?")
+    if question:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k.lower() == "password" for k, _ in pairs):
+            query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
+    return f"{scheme}://{base}" + (f"?{query}" if question else "")
 
 
 class RedisStateStore:

@@ -115,17 +115,17 @@ def with_registry(values: dict[str, Any], files: dict[str, str] | None = None) -
     return merged
 
 
-def render(values: dict[str, Any], *, namespace: str = NAMESPACE) -> dict[str, str]:
+def render(values: dict[str, Any], *, namespace: str = NAMESPACE, release: str = RELEASE) -> dict[str, str]:
     """{template path: rendered text}, as `helm template RELEASE helm/kvgate -n NAMESPACE` prints it.
     Raises helm_python's HelmValuesError (values.schema.json) or HelmRenderError (`fail`)."""
     with helm.Chart.load(CHART) as chart:
-        return chart.render(values, name=RELEASE, namespace=namespace, is_install=True)
+        return chart.render(values, name=release, namespace=namespace, is_install=True)
 
 
-def manifests(values: dict[str, Any], *, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+def manifests(values: dict[str, Any], *, namespace: str = NAMESPACE, release: str = RELEASE) -> list[dict[str, Any]]:
     """Every Kubernetes object the chart renders for `values` (NOTES.txt and empty documents left out)."""
     found = []
-    for path, text in sorted(render(values, namespace=namespace).items()):
+    for path, text in sorted(render(values, namespace=namespace, release=release).items()):
         if path.endswith(".yaml"):
             found += [doc for doc in yaml.safe_load_all(text) if doc]
     return found

@@ -91,6 +91,20 @@ def test_the_engine_pod_template_is_a_valid_pod_template_that_kvgate_accepts(ren
     parse_engine_pod_template(template, "pod-template.yaml")  # raises on anything kvgate refuses
 
 
+def test_the_longest_release_name_helm_allows_gives_valid_distinct_names() -> None:
+    # Helm allows release names of 53 characters. A StatefulSet's pods get a controller-revision-hash label
+    # "<name>-<10-character hash>", so its name must stay within 52; "<redis>-headless" must stay a DNS label.
+    release = "a-very-long-release-name-for-a-platform-team-0123456"[:53]
+    objects = manifests(with_registry(VALUE_SETS["defaults"]), release=release)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(set(names)) == len(names)  # no two components cut to one name
+    assert all(len(name) <= 63 for _, name in names), names
+    assert all(len(name) <= 52 for kind, name in names if kind == "StatefulSet"), names
+    for obj in objects:
+        if obj["kind"] not in ("HTTPRoute",):
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
 def test_the_app_version_is_kvgates_version() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["appVersion"] == kvgate.__version__

@@ -139,6 +139,19 @@ def test_no_template_builds_the_same_deployment_as_before() -> None:
     ({"spec": {"containers": [{"name": "sidecar"}]}}, "spec.containers[0].image: required for the sidecar 'sidecar'"),
     ({"spec": {"terminationGracePeriodSeconds": 5}}, "spec.terminationGracePeriodSeconds: kvgate sets it"),
     ({"spec": {"tolerations": {"key": "x"}}}, "spec.tolerations: must be a list of mappings"),
+    # Shapes that passed the parse and then broke every engine start (the chart's schema catches them; a
+    # hand-written --engine-pod-template file does not get that check).
+    ({"spec": {"containers": [{"name": "engine", "env": {"A": "1"}}]}},
+     "spec.containers[0].env: must be a list of mappings, each with a name"),
+    ({"spec": {"containers": [{"name": "engine", "volumeMounts": {"mountPath": "/x"}}]}},
+     "spec.containers[0].volumeMounts: must be a list of mappings, each with a mountPath"),
+    ({"spec": {"containers": [{"name": "engine", "resources": {"limits": "4"}}]}},
+     "spec.containers[0].resources: must be a mapping whose requests and limits map names to quantities"),
+    ({"spec": {"containers": [{"name": "engine", "env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}]}},
+     "spec.containers[0].env: 'A' is given twice"),
+    ({"spec": {"containers": [{"name": "engine"}, {"name": "engine", "image": "x"}]}},
+     "spec.containers[1].name: 'engine' is taken by an earlier container"),
+    ({"spec": {"restartPolicy": "Never"}}, "spec.restartPolicy: a Deployment's pods restart Always, not 'Never'"),
 ])
 def test_a_bad_template_is_refused_naming_the_file_and_key(template: Any, message: str) -> None:
     with pytest.raises(ValueError) as caught:

@@ -501,6 +501,10 @@ async def test_an_unreachable_redis_is_named_in_the_error_without_its_password(
     ("redis://redis:6379/0?password=s3cret&socket_timeout=2", "redis://redis:6379/0?password=***&socket_timeout=2"),
     ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),  # nothing secret: unchanged
     ("unix:///run/redis.sock?db=1", "unix:///run/redis.sock?db=1"),
+    # Generated passwords written unencoded: urlsplit would read part of them as the path or fragment.
+    ("redis://:pa/ss@h:6379/0", "redis://:***@h:6379/0"),
+    ("redis://:pa#ss@h:6379/0", "redis://:***@h:6379/0"),
+    ("rediss://:p?ss@h:6380/0", "rediss://:***@h:6380/0"),
 ])
 def test_a_url_shown_in_logs_keeps_everything_but_the_password(url: str, shown: str) -> None:
     assert redact_url(url) == shown

@@ -18,9 +18,12 @@ test can parse each container's arguments with kvgate's own argument parser.
 {{- end }}
 {{- end }}
 
-{{/* A component's object name: <fullname>-<component>, within the 63 characters of a DNS label. */}}
+{{/* A component's object name: <fullname>-<component>, at most 52 characters. A StatefulSet's pods carry a
+controller-revision-hash label <name>-<10-character hash> that must fit a label's 63, and "<name>-headless" must
+fit a DNS label; the fullname is cut, never the component, so two components never collapse into one name. */}}
 {{- define "kvgate.componentName" -}}
-{{- printf "%s-%s" (include "kvgate.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- $room := sub 51 (len .component) | int }}
+{{- printf "%s-%s" (include "kvgate.fullname" .root | trunc $room | trimSuffix "-") .component }}
 {{- end }}
 
 {{- define "kvgate.selectorLabels" -}}
