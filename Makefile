@@ -28,7 +28,7 @@ help:
 	@echo "make proto   regenerate the gRPC stubs in kvgate/v1 from proto/"
 	@echo "make clean   remove .venv and caches"
 
-setup: $(STAMP) $(CHECKOV_STAMP) system-deps
+setup: $(STAMP) system-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -64,7 +64,7 @@ run: setup
 	$(VENV)/bin/kvgate up --registry examples/registry
 
 # pytest exits 5 when it collected nothing: that is a broken set-up, not a pass.
-test: setup
+test: setup $(CHECKOV_STAMP)
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; the set-up is broken" >&2; exit 1; fi; \
 	exit $$rc

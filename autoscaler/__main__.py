@@ -1,4 +1,4 @@
-"""`python -m autoscaler`: the same as `kvgate autoscaler`."""
+"""`python -m kvgate.autoscaler`: the same as `kvgate autoscaler`."""
 
 from kvgate.autoscaler.main import main
 

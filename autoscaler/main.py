@@ -1,4 +1,4 @@
-"""`kvgate autoscaler` / `python -m autoscaler`: the control loops, one active copy per cluster.
+"""`kvgate autoscaler` / `python -m kvgate.autoscaler`: the control loops, one active copy per cluster.
 
     kvgate autoscaler --registry DIR --state redis://host:6379/0 [--cluster NAME] [--interval-s 1]
                       [--engine-pod-template FILE]

@@ -1,4 +1,4 @@
-"""`python -m engine ...`: the replica server, as `kvgate engine ...`."""
+"""`python -m kvgate.engine ...`: the replica server, as `kvgate engine ...`."""
 
 from kvgate.engine.server.main import main
 

@@ -4,7 +4,7 @@ Three processes, so none of them measures itself:
 
   backend   a minimal aiohttp OpenAI stand-in: POST /v1/chat/completions answers at once with a short
             SSE stream (role chunk, 2 content chunks, a finish chunk with usage, [DONE]); GET /health
-  gateway   the real `python -m router` (uvloop) with one registry model whose only static replica is
+  gateway   the real `python -m kvgate.router` (uvloop) with one registry model whose only static replica is
             the backend (backend: openai, policy cache_aware)
   load      an aiohttp client in its own process: --connections at a time for --duration-s, each request
             a streamed chat completion read to its end

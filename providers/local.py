@@ -5,7 +5,7 @@ child processes on free loopback ports.
   file with O_EXCL (so two kvgate processes on one work_dir cannot take the same slot); a node is RUNNING
   at once. More claims than slots raise **QuotaExceeded** (the slot count is the pool's `max_nodes`
   quota; the offerings stay available=True, since nothing is sold out, the pool is full).
-- **Replicas**: `python -m engine ...` (`kvgate engine`) started in a new session, hence its own process
+- **Replicas**: `python -m kvgate.engine ...` (`kvgate engine`) started in a new session, hence its own process
   group, so a stop takes its whole tree. Output goes to `<work_dir>/replicas/<id>.log`; a pid file
   `<id>.json` beside it records pid, start time (clock ticks, so a recycled pid is never mistaken for
   ours), ports, model, node and cluster. `list_replicas` probes GET /health of replicas still starting:

@@ -35,7 +35,7 @@ def registry_json_schema() -> dict[str, Any]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Add the registry subcommands to `parser` (used by `kvgate registry` and `python -m registry`)."""
+    """Add the registry subcommands to `parser` (used by `kvgate registry` and `python -m kvgate.registry`)."""
     commands = parser.add_subparsers(dest="registry_command", metavar="COMMAND", required=True)
 
     validate = commands.add_parser(
@@ -122,6 +122,6 @@ def _schema(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m registry", description="kvgate registry tooling")
+    parser = argparse.ArgumentParser(prog="python -m kvgate.registry", description="kvgate registry tooling")
     configure(parser)
     return run(parser.parse_args(argv))

@@ -1,4 +1,4 @@
-"""`python -m router`: see `router.main`."""
+"""`python -m kvgate.router`: see `kvgate.router.main`."""
 
 from kvgate.router.main import main
 

@@ -1,4 +1,4 @@
-"""`kvgate router` / `python -m router`: the gateway alone, on uvloop.
+"""`kvgate router` / `python -m kvgate.router`: the gateway alone, on uvloop.
 
     kvgate router --registry DIR [--host 127.0.0.1] [--port 8080] [--state redis://...|memory://] [--key-prefix P]
                   [--admin-token TOKEN]   (or KVGATE_ADMIN_TOKEN in the environment)

@@ -78,6 +78,16 @@ def http_answers(url: str) -> bool:
         return False
 
 
+def asks_for_a_password(port: int) -> bool:
+    """A redis-server with a password answers an unauthenticated PING with -NOAUTH: it is up."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"-NOAUTH")
+    except OSError:
+        return False
+
+
 def redis_answers_ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:

@@ -1,4 +1,4 @@
-"""`kvgate sim` / `python -m autoscaler.sim`: replay a trace against kvgate's scaler and the baselines.
+"""`kvgate sim` / `python -m kvgate.autoscaler.sim`: replay a trace against kvgate's scaler and the baselines.
 
     kvgate sim --trace ../shared/traces/azure_llm_2023_conv.csv --registry examples/sim \\
         --model chat-70b --rate-scale 10 --json out.json --plot out.png

@@ -1,4 +1,4 @@
-"""`kvgate engine` / `python -m engine`: one replica server process.
+"""`kvgate engine` / `python -m kvgate.engine`: one replica server process.
 
     kvgate engine --model builtin:smollm2-135m --port 8000 [--grpc-port 9000] [--adapter NAME=SOURCE ...]
 

@@ -1,16 +1,8 @@
 """Hot reload of a registry mounted from a Kubernetes ConfigMap (the Helm chart's layout).
 
-The kubelet does not rewrite files in place. It writes each new version of the ConfigMap into a fresh
-hidden directory named by timestamp, points a `..data` symlink at it with an atomic rename, and removes
-the old directory; the files the container sees are symlinks through `..data`:
-
-    registry/
-      ..2026_01_01_00_00_00.000000001/models.yaml    the real files of one version
-      ..data -> ..2026_01_01_00_00_00.000000001      swapped atomically (rename of ..data_tmp)
-      models.yaml -> ..data/models.yaml              what `kvgate router --registry registry/` reads
-
-`KubeletVolume` (tests/registry/kubelet_volume.py) reproduces those steps, in the order of the kubelet's
-AtomicWriter, on disk, so the watcher is tested against the real layout and swap, not against files
+The kubelet swaps a `..data` symlink to a new timestamped directory rather than rewriting files in place.
+`KubeletVolume` (tests/registry/kubelet_volume.py, which draws the layout) reproduces those steps, in the
+order of the kubelet's AtomicWriter, on disk, so the watcher is tested against the real layout and swap, not against files
 edited in place.
 """
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import time
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +18,7 @@ import aiohttp
 import pytest
 
 from loadtests.sim_replica import SimReplicaConfig, start_sim_replica
-from tests.services import free_loopback_port, http_answers, kvgate_command, running
+from tests.services import asks_for_a_password, free_loopback_port, http_answers, kvgate_command, running
 
 POLL_INTERVAL_S = 1.0  # the gateway's membership poll (ReplicaTracker's default)
 PASSWORD = "hunter2"
@@ -35,16 +34,6 @@ def stamps(log: str, marker: str) -> list[float]:
         if marker in line:
             found.append(datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp())
     return found
-
-
-def asks_for_a_password(port: int) -> bool:
-    """A redis-server with a password answers an unauthenticated PING with -NOAUTH: it is up."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"-NOAUTH")
-    except OSError:
-        return False
 
 
 async def chat(session: aiohttp.ClientSession, url: str) -> int:
