@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from kvgate.autoscaler.argtypes import positive_float
 from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings, default_holder, provider_factory_for
 from kvgate.clock import RealClock
 from kvgate.providers.k8s_pod_template import EnginePodTemplate, parse_engine_pod_template
-from kvgate.state import StateStoreError, open_state_store, redact_url
+from kvgate.state import REDIS_PASSWORD_ENV, StateStoreError, open_state_store, redact_url
 from kvgate.registry.problems import RegistryInvalid
 from kvgate.registry.watch import RegistryWatcher
 
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--registry", required=True, metavar="DIR", help="registry directory (hot-reloaded)")
     parser.add_argument("--state", required=True, metavar="URL",
                         help="state store shared with the gateways: redis://host:port/db, or memory:// "
-                             "(this process only: for trying it out)")
+                             "(this process only: for trying it out); a Redis password may come from "
+                             "$KVGATE_REDIS_PASSWORD instead of the URL, out of the process's arguments")
     parser.add_argument("--cluster", default="default",
                         help="cluster name, tagged on every node bought; an autoscaler only ever touches "
                              "nodes of its own cluster (default: %(default)s)")
@@ -92,7 +94,8 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"kvgate autoscaler: {exc}", file=sys.stderr)
         return 2
     try:
-        store = open_state_store(args.state, clock, prefix=args.key_prefix)
+        store = open_state_store(args.state, clock, prefix=args.key_prefix,
+                                 password=os.environ.get(REDIS_PASSWORD_ENV))
     except ValueError as exc:
         print(f"kvgate autoscaler: --state: {str(exc).replace(args.state, redact_url(args.state))}", file=sys.stderr)
         return 2

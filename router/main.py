@@ -18,7 +18,7 @@ import sys
 from aiohttp import web
 
 from kvgate.clock import RealClock
-from kvgate.state import open_state_store
+from kvgate.state import REDIS_PASSWORD_ENV, open_state_store
 from kvgate.registry.problems import RegistryInvalid
 from kvgate.registry.watch import RegistryWatcher
 from kvgate.router.app import build_app, gateway_runner
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     parser.add_argument("--state", default=None,
                         help="state store for membership: redis://host:port/db or memory:// (default: none, "
-                             "static replicas only)")
+                             "static replicas only); a Redis password may come from $KVGATE_REDIS_PASSWORD "
+                             "instead of the URL, out of the process's arguments")
     parser.add_argument("--key-prefix", default="kvgate:",
                         help="with --state: the key prefix in Redis, the same as the autoscaler's --key-prefix "
                              "(default: %(default)s)")
@@ -92,7 +93,8 @@ async def serve(args: argparse.Namespace) -> int:
     except RegistryInvalid as exc:
         print(exc, file=sys.stderr)
         return 2
-    store = open_state_store(args.state, clock, prefix=args.key_prefix) if args.state else None
+    store = open_state_store(args.state, clock, prefix=args.key_prefix,
+                                 password=os.environ.get(REDIS_PASSWORD_ENV)) if args.state else None
     tracker = ReplicaTracker(clock=clock, store=store, member_grace_s=args.member_grace_s)
     settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None,
                                gateway_id=args.gateway_id, body_timeout_s=args.body_timeout_s,

@@ -23,6 +23,7 @@ from kvgate.state.memory import MemoryStateStore
 from kvgate.state.redis_store import RedisStateStore, redact_url
 
 __all__ = [
+    "REDIS_PASSWORD_ENV",
     "MemberRecord",
     "MemoryStateStore",
     "RedisStateStore",
@@ -40,9 +41,15 @@ __all__ = [
 _SCHEMES = ("memory", "redis", "rediss")
 
 
-def open_state_store(url: str, clock: Clock, *, prefix: str = "kvgate:") -> StateStore:
+# The environment variable a Redis password may come from instead of the URL, so that it stays out of the
+# process's arguments (which `ps` shows to anyone in the container); the commands read it, the Helm chart sets it.
+REDIS_PASSWORD_ENV = "KVGATE_REDIS_PASSWORD"
+
+
+def open_state_store(url: str, clock: Clock, *, prefix: str = "kvgate:", password: str | None = None) -> StateStore:
     """A store for `url`: "memory://" (this process only), or "redis://host:port/db" /
     "rediss://..." (shared; `prefix` namespaces the keys so several clusters can share one Redis).
+    `password` authenticates to a Redis whose URL carries none (one in the URL wins).
 
     Does no I/O: an unreachable Redis shows up as `StateStoreUnavailable` on first use.
     Raises ValueError for any other scheme, naming the allowed ones.
@@ -51,6 +58,6 @@ def open_state_store(url: str, clock: Clock, *, prefix: str = "kvgate:") -> Stat
     if scheme == "memory":
         return MemoryStateStore(clock)
     if scheme in ("redis", "rediss"):
-        return RedisStateStore.from_url(url, clock, prefix=prefix)
+        return RedisStateStore.from_url(url, clock, prefix=prefix, password=password)
     allowed = ", ".join(f"{s}://" for s in _SCHEMES)
     raise ValueError(f"state store URL {url!r}: unknown scheme {scheme!r}; allowed: {allowed}")

@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterator, Mapping
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -246,16 +246,20 @@ class RedisStateStore:
         prefix: str = "kvgate:",
         timeout_s: float = 2.0,
         gc_slack_s: float = 60.0,
+        password: str | None = None,
     ) -> RedisStateStore:
         """A store on a new client for `url` ("redis://host:port/db", "rediss://..."). Each command
         waits at most `timeout_s` for a connection or reply, and a failed connection is retried
-        twice with 25-100 ms backoff before `StateStoreUnavailable` is raised."""
+        twice with 25-100 ms backoff before `StateStoreUnavailable` is raised. `password` is used
+        when the URL carries none."""
+        extra = {"password": password} if password and urlsplit(url).password is None else {}
         client = aioredis.Redis.from_url(
             url,
             decode_responses=True,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.025), retries=2),
+            **extra,
         )
         return cls(client, clock, prefix=prefix, gc_slack_s=gc_slack_s, url=url)
 

@@ -9,6 +9,7 @@ closest honest stand-in for a cloud here; the state store and the process are re
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import signal
 import subprocess
@@ -139,14 +140,15 @@ def test_an_autoscaler_started_before_redis_waits_for_it_and_then_leads(tmp_path
     (tmp_path / "registry").mkdir()
     registry = write_registry(tmp_path / "registry", min_replicas=1)
     port = free_loopback_port()
-    state = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+    # The password comes from the environment, as the Helm chart gives it, so it is in no process argument.
+    state = f"redis://127.0.0.1:{port}/0"
     log_path = tmp_path / "autoscaler.log"
     interval_s = 0.5
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvgate.autoscaler", "--registry", str(registry), "--state", state,
              "--cluster", "late-redis", "--interval-s", str(interval_s), "--holder", "early"],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KVGATE_REDIS_PASSWORD": PASSWORD})
     try:
         wait_for(lambda: len(log_stamps(log_path.read_text(), "unreachable")) >= 6, 30,
                  "six ticks that found no Redis", log_path)
@@ -157,7 +159,8 @@ def test_an_autoscaler_started_before_redis_waits_for_it_and_then_leads(tmp_path
                      log_path=tmp_path / "redis.log"):
             wait_for(lambda: "lease_acquired: early is the active autoscaler" in log_path.read_text(), 30,
                      "the autoscaler to take the lease once Redis is up", log_path)
-            status = wait_for(lambda: status_of(state, "kvgate:"), 30, "its status record", log_path)
+            status = wait_for(lambda: status_of(f"redis://:{PASSWORD}@127.0.0.1:{port}/0", "kvgate:"), 30,
+                              "its status record", log_path)
             assert status["holder"] == "early"
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=10) == 0
@@ -170,7 +173,7 @@ def test_an_autoscaler_started_before_redis_waits_for_it_and_then_leads(tmp_path
     gaps = [later - earlier for earlier, later in zip(waits, waits[1:])]
     # One line a tick: ticks 0.5 s apart plus the ~0.1-0.2 s a refused connection and its two retries take.
     assert all(0.9 * interval_s <= gap <= interval_s + 3.0 for gap in gaps), gaps
-    assert all(f"state store redis://:***@127.0.0.1:{port}/0 unreachable: Error 111" in line
+    assert all(f"state store redis://127.0.0.1:{port}/0 unreachable: Error 111" in line
                for line in log.splitlines() if "unreachable" in line)
     assert len(log_stamps(log, "the state store answers again after")) == 1
     assert "Traceback" not in log and PASSWORD not in log

@@ -88,20 +88,12 @@ app.kubernetes.io/part-of: kvgate
 {{- end }}
 
 {{/*
-The --state URL. The password never appears in values or in the rendered args: the container gets it
-from a Secret as $KVGATE_REDIS_PASSWORD and Kubernetes substitutes $(KVGATE_REDIS_PASSWORD) into the
-argument when it starts the container. kvgate redacts it in its logs.
+The --state URL, without the password: the container gets that from a Secret as $KVGATE_REDIS_PASSWORD,
+which kvgate reads itself, so it is in no value, no rendered manifest and no process argument (`ps`).
 */}}
 {{- define "kvgate.stateURL" -}}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://:$(KVGATE_REDIS_PASSWORD)@%s:6379/0" (include "kvgate.componentName" (dict "root" . "component" "redis")) }}
-{{- else if .Values.externalRedis.existingSecret }}
-{{- $url := .Values.externalRedis.url }}
-{{- if regexMatch "^[a-z]+://[^@/]*@" $url }}
-{{- regexReplaceAll "^([a-z]+://[^@/]*)@" $url "${1}:$(KVGATE_REDIS_PASSWORD)@" }}
-{{- else }}
-{{- regexReplaceAll "^([a-z]+://)" $url "${1}:$(KVGATE_REDIS_PASSWORD)@" }}
-{{- end }}
+{{- printf "redis://%s:6379/0" (include "kvgate.componentName" (dict "root" . "component" "redis")) }}
 {{- else }}
 {{- .Values.externalRedis.url }}
 {{- end }}
