@@ -37,6 +37,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e '.[engine,test]'
+	@# setuptools leaves its build metadata at the root; the install itself lives in .venv (dist-info)
+	rm -rf kvgate.egg-info build
 	@touch $(STAMP)
 
 $(CHECKOV_STAMP): | $(PY)

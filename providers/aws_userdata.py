@@ -31,13 +31,12 @@ from __future__ import annotations
 import gzip
 import shlex
 import textwrap
-import unicodedata
 from string import Template
 
 import yaml
 
 from kvgate.providers.base import ReplicaSpec, engine_args
-from kvgate.registry.schema import KvgateInstall
+from kvgate.registry.schema import SHELL_SPECIAL, KvgateInstall, unprintable
 
 ENGINE_PORT = 8000  # the OpenAI API of the replica
 ENGINE_GRPC_PORT = 50051  # its ReplicaState stream
@@ -156,12 +155,10 @@ def install_script(install: KvgateInstall, version: str | None) -> tuple[str, st
 def _refuse_unsafe(label: str, value: str, *, in_script: bool) -> None:
     """ValueError for a line break or control character anywhere (YAML and bash would both split on it), and
     for quotes, `$`, `\\`, backticks and spaces in values written unquoted (`in_script`)."""
-    bad = [ch for ch in value if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp")]
-    if in_script:
-        bad += [ch for ch in value if ch in "\"'`$\\ "]
+    bad = unprintable(value) + ("".join(sorted({ch for ch in value if ch in SHELL_SPECIAL})) if in_script else "")
     if not value or bad:
         allowed = "no quote, '$', '\\\\', space, " if in_script else "no "
-        raise ValueError(f"{label} {value!r} is empty or holds {''.join(sorted(set(bad)))!r}: {allowed}line break "
+        raise ValueError(f"{label} {value!r} is empty or holds {bad!r}: {allowed}line break "
                          "or control character may reach a node's cloud-init")
 
 

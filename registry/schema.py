@@ -58,14 +58,21 @@ class Metadata(_Strict):
         return name
 
 
-def _unprintable(text: str) -> str:
-    """The line breaks and control or format characters in `text` (YAML, shells and URLs split on them)."""
-    return "".join(sorted({ch for ch in text if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp")}))
+# Characters no registry value may carry into a file another program parses (a cloud-init document, a shell
+# script): control, format and line/paragraph separators. YAML and shells split on them.
+UNPRINTABLE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
+# Characters a value written unquoted into a node's shell script may not hold.
+SHELL_SPECIAL = "\"'`$\\ "
+
+
+def unprintable(text: str) -> str:
+    """The line breaks and control or format characters in `text`, sorted, once each ("" for none)."""
+    return "".join(sorted({ch for ch in text if unicodedata.category(ch) in UNPRINTABLE_CATEGORIES}))
 
 
 def _check_source(source: str, *, allow_builtin: bool) -> str:
-    if _unprintable(source):
-        raise ValueError(f"{source!r} holds {_unprintable(source)!r}: no line break or control character in a source")
+    if unprintable(source):
+        raise ValueError(f"{source!r} holds {unprintable(source)!r}: no line break or control character in a source")
     if source.startswith("builtin:"):
         if not allow_builtin:
             raise ValueError(f"{source!r}: adapters cannot be built in; give a local directory or s3://bucket/prefix")
@@ -414,7 +421,7 @@ class KvgateInstall(_Strict):
             raise FieldProblem("version", "version goes with index_url; a wheel or an image has its own")
         for name in ("preinstalled", "wheel_url", "index_url", "version"):
             value = getattr(self, name)
-            if value is not None and (_unprintable(value) or any(ch in value for ch in "\"'`$\\ ")):
+            if value is not None and (unprintable(value) or any(ch in value for ch in SHELL_SPECIAL)):
                 raise FieldProblem(name, f"{value!r} holds a space, quote, '$', '\\', line break or control "
                                    "character")
         return self

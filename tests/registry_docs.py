@@ -31,3 +31,14 @@ spec:
   scaling: {{{scaling}}}
 ---
 """
+
+
+def static_model(url: str, name: str = "m") -> str:
+    """Model `name` whose one replica is the static replica at `url` (no Pool, no autoscaling)."""
+    return f"""apiVersion: kvgate/v1
+kind: Model
+metadata: {{name: {name}}}
+spec:
+  source: builtin:tiny-llama
+  routing: {{static_replicas: [{{url: '{url}'}}]}}
+"""

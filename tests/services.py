@@ -59,12 +59,17 @@ def running(command: list[str], *, name: str, ready: Callable[[], bool], timeout
             time.sleep(0.02)
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=5.0)
+
+
+def stop_process(process: subprocess.Popen, *, timeout_s: float) -> None:
+    """SIGTERM (a kvgate command drains and exits 0), then SIGKILL if it is still there after `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def http_answers(url: str) -> bool:
@@ -78,23 +83,23 @@ def http_answers(url: str) -> bool:
         return False
 
 
-def asks_for_a_password(port: int) -> bool:
-    """A redis-server with a password answers an unauthenticated PING with -NOAUTH: it is up."""
+def _ping_reply(port: int) -> bytes:
+    """What a redis-server on loopback `port` answers an unauthenticated PING with (b"" when none answers)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"-NOAUTH")
+            return sock.recv(64)
     except OSError:
-        return False
+        return b""
+
+
+def asks_for_a_password(port: int) -> bool:
+    """A redis-server with a password answers an unauthenticated PING with -NOAUTH: it is up."""
+    return _ping_reply(port).startswith(b"-NOAUTH")
 
 
 def redis_answers_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
+    return _ping_reply(port).startswith(b"+PONG")
 
 
 @contextmanager

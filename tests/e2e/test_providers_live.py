@@ -44,7 +44,7 @@ from kvgate.registry import load_registry
 from kvgate.state import RedisStateStore
 from tests.providers.subject_kubernetes import NAMESPACE as K8S_NAMESPACE, NODE_POOL, kube_world
 from tests.registry_docs import local_pool, tiny_llama
-from tests.services import free_loopback_port, http_answers, kvgate_command, running
+from tests.services import free_loopback_port, http_answers, kvgate_command, running, stop_process
 
 WHEEL_URL = "https://artifacts.example/kvgate/kvgate-0.1.0-py3-none-any.whl"
 
@@ -72,13 +72,7 @@ def chat(base_url: str) -> tuple[int, str]:
 
 
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM (kvgate drains and exits), then SIGKILL after 30 s."""
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_process(process, timeout_s=30.0)
 
 
 def members(redis_url: str, prefix: str) -> list[dict[str, Any]]:

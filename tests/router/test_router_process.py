@@ -23,7 +23,7 @@ from kvgate.state.base import MemberRecord
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.redis_store import RedisStateStore
 from kvgate.router.proxy import REPLICA_HEADER
-from tests.registry_docs import local_pool
+from tests.registry_docs import local_pool, static_model
 from tests.services import free_loopback_port, http_answers, kvgate_command, redis_server, running
 
 SLOW_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=20.0)  # 40 tokens: a 2 s stream
@@ -36,13 +36,7 @@ async def http_get(url: str) -> tuple[int, dict]:
 
 async def test_sigterm_drains_in_flight_streams_refuses_new_requests_and_exits_zero(tmp_path: Path) -> None:
     sim = await start_sim_replica(SimReplicaConfig(model="m", scheduler=SLOW_SIM))
-    (tmp_path / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
-kind: Model
-metadata: {{name: m}}
-spec:
-  source: builtin:tiny-llama
-  routing: {{static_replicas: [{{url: '{sim.url}'}}]}}
-""")
+    (tmp_path / "registry.yaml").write_text(static_model(sim.url))
     port = free_loopback_port()
     log_path = tmp_path / "router.log"
     with open(log_path, "wb") as log:

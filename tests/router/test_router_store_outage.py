@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from loadtests.sim_replica import SimReplicaConfig, start_sim_replica
+from tests.registry_docs import static_model
 from tests.services import asks_for_a_password, free_loopback_port, http_answers, kvgate_command, running
 
 POLL_INTERVAL_S = 1.0  # the gateway's membership poll (ReplicaTracker's default)
@@ -46,13 +47,7 @@ async def chat(session: aiohttp.ClientSession, url: str) -> int:
 async def test_a_gateway_started_before_redis_serves_static_replicas_and_logs_one_line_per_poll(
         tmp_path: Path) -> None:
     sim = await start_sim_replica(SimReplicaConfig(model="m"))
-    (tmp_path / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
-kind: Model
-metadata: {{name: m}}
-spec:
-  source: builtin:tiny-llama
-  routing: {{static_replicas: [{{url: '{sim.url}'}}]}}
-""")
+    (tmp_path / "registry.yaml").write_text(static_model(sim.url))
     redis_port, port = free_loopback_port(), free_loopback_port()
     state = f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0"  # nothing listens there yet
     shown = f"redis://:***@127.0.0.1:{redis_port}/0"
