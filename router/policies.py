@@ -275,8 +275,7 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     the prompt (a fleet of one, or a hot prompt cached everywhere); else ADAPTER_AFFINITY when its
     adapter fit beat another candidate's; else NEW_TEXT when some candidate holds part of the prompt,
     RENDEZVOUS when none does.
-    Measured against the previous rules (token cap, new text by rendezvous among the less loaded) in
-    docs/benchmarks.md."""
+    Where it stands against sglang-router and vllm-router: docs/benchmarks.md, Routing."""
     candidates = view.candidates(request.model)
     if not candidates:
         return _no_replica()
