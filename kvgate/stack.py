@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level != "DEBUG":
         # The gateway retries a starting engine's state stream (each refusal a warning) until the model has
         # loaded: noise here, where the progress lines and the autoscaler's events say how replicas are.
-        logging.getLogger("kvgate.router.sources").setLevel(logging.ERROR)
+        logging.getLogger("kvgate.router.load_readers").setLevel(logging.ERROR)
     settings = UpSettings(registry=args.registry, host=args.host, port=args.port, cache_dir=args.cache_dir,
                           interval_s=args.interval_s, drain_timeout_s=args.drain_timeout_s,
                           admin_token=args.admin_token or None)

@@ -42,7 +42,7 @@ from loadtests.sim_replica_model import (BLOCK_SIZE_TOKENS, CHARS_PER_TOKEN, Sch
                                          SimSequence, block_hashes, num_prompt_tokens)
 from kvgate.registry.schema import Routing  # noqa: E402
 from kvgate.router.features import RouteRequest, build_route_request  # noqa: E402
-from kvgate.router.openings import CommonOpenings  # noqa: E402
+from kvgate.router.common_openings import CommonOpenings  # noqa: E402
 from kvgate.router.policies import PolicyFn, Reason, RouteDecision, RoutingKnobs, choose  # noqa: E402
 from kvgate.router.prefix_index import PrefixIndexes, capacity_chunks  # noqa: E402
 from kvgate.router.view import ChainHold, InFlightChains, ReplicaState, ReplicaView  # noqa: E402

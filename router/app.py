@@ -25,11 +25,11 @@ from kvgate.state.base import StateStore
 from kvgate.registry.snapshot import Snapshot
 from kvgate.router.dashboard import Dashboard, gauge_values
 from kvgate.router.handlers import error_middleware, install_routes
-from kvgate.router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
+from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
                          REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY, Drain, GatewaySettings)
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.observations import ObservationPublisher
-from kvgate.router.openings import CommonOpenings
+from kvgate.router.common_openings import CommonOpenings
 from kvgate.router.proxy import Proxy, Tracker
 from kvgate.router.queueing import WaitQueues
 from kvgate.router.upstream import UpstreamPool

@@ -4,7 +4,7 @@
 to the replica's KV. A kvgate engine says instead. Its WatchState stream (proto/kvgate/v1/replica.proto)
 carries `KvBlocksStored` / `KvBlocksRemoved` / `KvBlocksAllCleared` events keyed by the block hash chain
 of `kvgate.kv_blocks`, and the gateway computes the same chain over a request's prompt tokens (with the
-engine's own tokenizer, see `sources.fetch_tokenizer`), so a look-up here is the engine's own look-up,
+engine's own tokenizer, see `load_readers.fetch_tokenizer`), so a look-up here is the engine's own look-up,
 up to the ~50 ms the stream coalesces. Every gateway reads the same streams, so gateways that share
 nothing still agree on where a prefix lives: what the LRU guess could not give them.
 
@@ -33,7 +33,7 @@ from kvgate.router.view import CacheFill, count_down
 
 @dataclass(frozen=True)
 class KvStored:
-    """Full blocks newly cached, in chain order (the event as plain values; protobuf stops in sources)."""
+    """Full blocks newly cached, in chain order (the event as plain values; protobuf stops in load_readers)."""
 
     block_hashes: tuple[int, ...]
 

@@ -17,7 +17,7 @@ import grpc
 
 from kvgate.clock import Clock
 from kvgate.router.prompt_tokens import PromptTokenizer
-from kvgate.router.sources import fetch_tokenizer
+from kvgate.router.load_readers import fetch_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from kvgate.registry.snapshot import Snapshot, UnknownName
 from kvgate.router.errors import GatewayError, bad_request, error_response, model_not_found, no_capacity
 from kvgate.router.features import build_route_request
 from kvgate.router.dashboard import dashboard_page
-from kvgate.router.keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
+from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
                          REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY)
 from kvgate.router.policies import RoutingKnobs
 from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids

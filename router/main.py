@@ -22,7 +22,7 @@ from kvgate.state import REDIS_PASSWORD_ENV, open_state_store
 from kvgate.registry.problems import RegistryInvalid
 from kvgate.registry.watch import RegistryWatcher
 from kvgate.router.app import build_app, gateway_runner
-from kvgate.router.keys import DRAIN_KEY, Drain, GatewaySettings
+from kvgate.router.app_keys import DRAIN_KEY, Drain, GatewaySettings
 
 log = logging.getLogger("kvgate.router")
 

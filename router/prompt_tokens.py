@@ -1,6 +1,6 @@
 """A request's prompt tokens exactly as a kvgate engine computes them.
 
-With the engine's own tokenizer (fetched once from a replica, `sources.fetch_tokenizer`) the gateway
+With the engine's own tokenizer (fetched once from a replica, `load_readers.fetch_tokenizer`) the gateway
 computes the block hashes the engine will look up in its prefix cache, and matches them against what
 each replica reports holding (`block_index`). This mirrors the engine's request handling
 (engine/server/protocol.py and context.py); tests/router/test_prompt_tokens.py checks the two agree on

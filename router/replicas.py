@@ -1,6 +1,6 @@
 """The gateway's live view of replicas: who exists, who is healthy, how loaded each one is.
 
-    registry static_replicas ─┐                           ┌─ kvgate backend: gRPC WatchState stream (sources.py)
+    registry static_replicas ─┐                           ┌─ kvgate backend: gRPC WatchState stream (load_readers.py)
     store.list_members() ─────┼─> TrackedReplica records ─┼─ vllm / sglang / member w/o gRPC: GET /metrics
        (every poll_interval_s)│   (one per replica,       └─ every replica: GET /health every health_interval_s
     gateway attempts/reports ─┘    tracked_replica.py)
@@ -51,7 +51,7 @@ from kvgate.router.block_index import BlockIndexes
 from kvgate.router.engine_tokenizers import EngineTokenizers, KvChain
 from kvgate.router.features import CharsPerToken
 from kvgate.router.prefix_index import PrefixIndexes
-from kvgate.router.sources import LoadReport, parse_metrics, replica_url, watch_stream
+from kvgate.router.load_readers import LoadReport, parse_metrics, replica_url, watch_stream
 from kvgate.router.tracked_replica import REPLICA_STATES, AttemptLease, TrackedReplica
 from kvgate.router.upstream import header_safe
 from kvgate.router.view import InFlightChains, ReplicaView

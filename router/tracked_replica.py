@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.registry.schema import Backend
 from kvgate.router.block_index import BlockIndex
-from kvgate.router.sources import LoadReport
+from kvgate.router.load_readers import LoadReport
 from kvgate.router.view import ChainHold, ReplicaState
 
 REPLICA_STATES = ("ready", "unlisted", "starting", "draining", "unhealthy")  # TrackedReplica.routing_state

@@ -21,7 +21,7 @@ from kvgate.registry.loader import load_registry
 from kvgate.state.memory import MemoryStateStore
 from kvgate.router.app import GatewaySettings
 from kvgate.router.observations import OBSERVATIONS_COLLECTION
-from kvgate.router.openings import MIN_REQUESTS
+from kvgate.router.common_openings import MIN_REQUESTS
 from kvgate.router.prefix_index import CACHE_EVIDENCE_MIN
 from kvgate.router.proxy import REPLICA_HEADER
 from tests.gateway_harness import eventually, running_gateway

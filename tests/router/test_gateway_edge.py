@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from kvgate.router import handlers
-from kvgate.router.keys import GatewaySettings
+from kvgate.router.app_keys import GatewaySettings
 from tests.router.sim_gateway import chat, gateway, hand_written_replica
 
 CHAT = json.dumps(chat("hello")).encode()

@@ -25,7 +25,7 @@ from kvgate.registry.loader import load_registry
 from kvgate.registry.snapshot import Snapshot
 from kvgate.router.prefix_index import DEFAULT_CAPACITY_CHUNKS, capacity_chunks
 from kvgate.router.replicas import ReplicaTracker, bearer_from_env
-from kvgate.router.sources import LoadReport, parse_metrics, replica_url
+from kvgate.router.load_readers import LoadReport, parse_metrics, replica_url
 from tests.gateway_harness import eventually
 
 FAST = {"poll_interval_s": 0.05, "health_interval_s": 0.05}
@@ -486,7 +486,7 @@ async def test_a_state_stream_that_goes_silent_is_dropped_and_reconnected() -> N
     import grpc
 
     from kvgate.v1 import replica_pb2, replica_pb2_grpc
-    from kvgate.router.sources import watch_stream
+    from kvgate.router.load_readers import watch_stream
 
     class Stalls(replica_pb2_grpc.ReplicaServicer):
         async def WatchState(self, request, context):

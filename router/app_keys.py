@@ -10,7 +10,7 @@ from aiohttp import web
 from kvgate.clock import Clock
 from kvgate.router.dashboard import Dashboard
 from kvgate.router.metrics import RouterMetrics
-from kvgate.router.openings import CommonOpenings
+from kvgate.router.common_openings import CommonOpenings
 from kvgate.router.proxy import Proxy, Tracker
 from kvgate.router.queueing import WaitQueues
 

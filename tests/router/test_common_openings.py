@@ -1,10 +1,10 @@
-"""What nearly every recent request of a model opens with (`router.openings`)."""
+"""What nearly every recent request of a model opens with (`router.common_openings`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvgate.router.openings import CommonOpenings
+from kvgate.router.common_openings import CommonOpenings
 
 
 def chain(*labels: str) -> tuple[int, ...]:
