@@ -1,31 +1,28 @@
 """Reading what the gateways observed: the "observe" step of the live loop.
 
-Each router gateway writes one record per model it serves, about once a second, into the state
-store's collection "observations" with id "<model>@<gateway_id>":
-
-    {"model": str, "gateway_id": str,
-     "queued": int,            # requests waiting at that gateway for a replica
-     "in_flight": int,         # proxied to a replica, not finished
-     "arrivals_per_s": float,  # over the last 10 s
-     "ttft_p99_s": float|null,
-     "updated_at": wall seconds}
+Each router gateway writes one `ObservationRecord` (kvgate/state/records.py) per model it serves, about
+once a second, into the state store's collection "observations" with id "<model>@<gateway_id>".
 
 `totals_by_model` (pure) sums them across gateways, skipping records older than `max_age_s` (a
-gateway that died stops counting after 10 s instead of holding its last load forever) and records
-that do not parse (one bad writer must not stop the autoscaler: they are counted, not raised).
-`read_gateway_totals` is the thin async shell over the store.
+gateway that died stops counting after 10 s instead of holding its last load forever), records
+that do not parse (one bad writer must not stop the autoscaler: they are counted, not raised) and
+records of a newer schema major (a gateway of a newer release, mid-upgrade: returned, for the shell to
+say once). `read_gateway_totals` is the thin async shell over the store.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.state import StateStore, StoredRecord
+from kvgate.state.records import MALFORMED, OBSERVATIONS_COLLECTION, ObservationRecord
+from kvgate.state.schema import NewerSchema, SkippedRecords
 
-OBSERVATIONS = "observations"
+log = logging.getLogger(__name__)
+
 # Gateways write every ~1 s; ten missed writes mean the gateway is gone, not slow.
 DEFAULT_MAX_AGE_S = 10.0
 
@@ -49,17 +46,7 @@ class ObservationRead:
     totals: Mapping[str, GatewayTotals]
     num_stale: int
     num_malformed: int
-
-
-def observation_id(model: str, gateway_id: str) -> str:
-    """The record id a gateway writes its observation of `model` under."""
-    return f"{model}@{gateway_id}"
-
-
-def _number(raw: Any, *, integer: bool) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(raw) or raw < 0:
-        raise ValueError(f"not a count: {raw!r}")
-    return int(raw) if integer else float(raw)
+    newer: Mapping[str, NewerSchema] = field(default_factory=dict)  # record id -> why it was skipped
 
 
 def totals_by_model(records: Iterable[StoredRecord], now_wall_s: float,
@@ -73,39 +60,39 @@ def totals_by_model(records: Iterable[StoredRecord], now_wall_s: float,
     """
     sums: dict[str, list[Any]] = {}
     num_stale = num_malformed = 0
+    newer: dict[str, NewerSchema] = {}
     for record in records:
-        data = record.data
         try:
-            model = data["model"]
-            if not isinstance(model, str) or not model:
-                raise ValueError("model")
-            updated_at = float(data["updated_at"])
-            queued = int(_number(data.get("queued", 0), integer=True))
-            in_flight = int(_number(data.get("in_flight", 0), integer=True))
-            arrivals = _number(data.get("arrivals_per_s", 0.0), integer=False)
-            raw_ttft = data.get("ttft_p99_s")
-            ttft = None if raw_ttft is None else _number(raw_ttft, integer=False)
-        except (KeyError, TypeError, ValueError):
+            obs = ObservationRecord.from_json(record.data)
+        except NewerSchema as exc:
+            newer[record.id] = exc
+            continue
+        except MALFORMED:
             num_malformed += 1
             continue
-        if now_wall_s - updated_at >= max_age_s:
+        if now_wall_s - obs.updated_at >= max_age_s:
             num_stale += 1
             continue
-        entry = sums.setdefault(model, [0, 0, 0.0, None, 0])
-        entry[0] += queued
-        entry[1] += in_flight
-        entry[2] += arrivals
-        if ttft is not None:
-            entry[3] = ttft if entry[3] is None else max(entry[3], ttft)
+        entry = sums.setdefault(obs.model, [0, 0, 0.0, None, 0])
+        entry[0] += obs.queued
+        entry[1] += obs.in_flight
+        entry[2] += obs.arrivals_per_s
+        if obs.ttft_p99_s is not None:
+            entry[3] = obs.ttft_p99_s if entry[3] is None else max(entry[3], obs.ttft_p99_s)
         entry[4] += 1
     totals = {
         model: GatewayTotals(model, queued=q, in_flight=f, arrivals_per_s=a, ttft_p99_s=t, num_gateways=n)
         for model, (q, f, a, t, n) in sorted(sums.items())
     }
-    return ObservationRead(totals, num_stale, num_malformed)
+    return ObservationRead(totals, num_stale, num_malformed, newer)
 
 
-async def read_gateway_totals(store: StateStore, now_wall_s: float,
-                              max_age_s: float = DEFAULT_MAX_AGE_S) -> ObservationRead:
-    """Read every observation record and sum it per model. Raises `StateStoreUnavailable`."""
-    return totals_by_model(await store.list_records(OBSERVATIONS), now_wall_s, max_age_s)
+async def read_gateway_totals(store: StateStore, now_wall_s: float, max_age_s: float = DEFAULT_MAX_AGE_S,
+                              skipped: SkippedRecords | None = None) -> ObservationRead:
+    """Read every observation record and sum it per model; a record of a newer release is logged through
+    `skipped` (once per record and version; without one, on every read). Raises `StateStoreUnavailable`."""
+    read = totals_by_model(await store.list_records(OBSERVATIONS_COLLECTION), now_wall_s, max_age_s)
+    skipped = skipped or SkippedRecords(log)
+    for record_id, exc in sorted(read.newer.items()):
+        skipped.newer(OBSERVATIONS_COLLECTION, record_id, exc)
+    return read

@@ -33,17 +33,25 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvgate.autoscaler.argtypes import positive_float
+from kvgate.autoscaler.status import EventKind
 from kvgate.clock import Clock, RealClock
-from kvgate.state import MemberRecord, MemoryStateStore, ReplicaState
+from kvgate.state import AutoscalerStatus, MemberRecord, MemoryStateStore, ReplicaState, SkippedRecords
+from kvgate.state.records import MALFORMED, read_status
 from kvgate.registry.problems import Problem, RegistryInvalid
 from kvgate.registry.snapshot import Snapshot
+
+if TYPE_CHECKING:  # imported when serving only: aiohttp, grpc and the providers' SDKs load slowly
+    from aiohttp import web
+
+    from kvgate.autoscaler.loop import Autoscaler
+    from kvgate.providers.base import Provider
+    from kvgate.registry.watch import RegistryWatcher
 
 log = logging.getLogger("kvgate.up")
 
@@ -74,11 +82,12 @@ class UpSettings:
 
 def missing_adapter_sources(snapshot: Snapshot, cwd: Path) -> list[Problem]:
     """Adapters whose local `source` directory does not exist (an engine given one fails at start).
-    Relative sources are relative to `cwd`, where the engines run. s3:// sources are not checked."""
+    Relative sources are relative to `cwd`, where the engines run. s3:// sources are not checked, nor
+    builtin: ones (the engine writes those into its cache)."""
     problems = []
     for name, adapter in sorted(snapshot.adapters.items()):
         source = adapter.spec.source
-        if "://" in source:
+        if "://" in source or source.startswith("builtin:"):
             continue
         path = Path(source).expanduser()
         if not (path if path.is_absolute() else cwd / path).is_dir():
@@ -148,10 +157,10 @@ def progress_step(progress: Progress, members: Iterable[MemberRecord], now: floa
     return new, lines, due
 
 
-def failed_models_of(status: Mapping[str, Any] | None) -> set[str]:
+def failed_models_of(status: AutoscalerStatus | None) -> set[str]:
     """Models with a replica_failed event in the autoscaler's status record."""
-    events = (status or {}).get("events") or ()
-    return {e.get("model") for e in events if e.get("kind") == "replica_failed" and e.get("model")}
+    events = status.events if status is not None else ()
+    return {e.model for e in events if e.kind == EventKind.REPLICA_FAILED and e.model}
 
 
 # --------------------------------------------------------------------------------------- the shell
@@ -160,53 +169,30 @@ def failed_models_of(status: Mapping[str, Any] | None) -> set[str]:
 async def serve(settings: UpSettings, clock: Clock | None = None) -> int:
     """Run the stack until SIGINT/SIGTERM; returns the exit status (0 after a clean stop, 1 when the
     registry is invalid, the port is taken or a model cannot be prepared: nothing is left running)."""
-    from kvgate.router.app import GatewaySettings, build_app, gateway_runner
-    from kvgate.router.replicas import ReplicaTracker  # grpc: imported only when serving
-    from kvgate.registry.watch import RegistryWatcher
-
     clock = clock or RealClock()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    try:
-        watcher = await RegistryWatcher.open(settings.registry, clock)
-        problems = missing_adapter_sources(watcher.current, Path.cwd())
-        if problems:
-            raise RegistryInvalid(str(settings.registry), problems)
-    except RegistryInvalid as exc:
-        print(f"kvgate up: {exc}", file=sys.stderr)
+    watcher = await _open_registry(settings.registry, clock)
+    if watcher is None:
         return 1
     snapshot = watcher.current
-    log.info("registry %s (version %s): %d model(s), %d adapter(s), %d pool(s); hot reload on",
-             settings.registry, snapshot.version, len(snapshot.models), len(snapshot.adapters), len(snapshot.pools))
-
     store = MemoryStateStore(clock)
-    tracker = ReplicaTracker(clock=clock, store=store, poll_interval_s=_PROGRESS_POLL_S)
-    gateway = GatewaySettings(admin_token=settings.admin_token, gateway_id="kvgate-up")
-    runner = gateway_runner(build_app(gateway, tracker, watcher, clock, store),
-                            shutdown_timeout_s=settings.drain_timeout_s)
-    await runner.setup()
-    try:
-        await _listen(runner, settings.host, settings.port)
-    except StackError as exc:
-        await runner.cleanup()
+    runner = await _open_gateway(settings, watcher, store, clock)
+    if runner is None:
         await store.close()
-        print(f"kvgate up: {exc}", file=sys.stderr)
         return 1
-    log.info("gateway listening on http://%s:%d (requests wait there while replicas start)",
-             display_host(settings.host), settings.port)
 
-    watch = asyncio.create_task(watcher.watch(), name="kvgate-registry-watch")
-    autoscaler = None
-    progress = None
+    running = RunningStack(store, runner, asyncio.create_task(watcher.watch(), name="kvgate-registry-watch"))
     try:
-        if not await _prepare_models(snapshot, settings.cache_dir, stop):
+        if not await _prepare_models(snapshot, settings.cache_dir, stop, clock):
             return 0 if stop.is_set() else 1
-        autoscaler = _build_autoscaler(watcher, store, clock, settings)
-        await autoscaler.start()
-        progress = asyncio.create_task(_report_progress(store, snapshot, settings), name="kvgate-up-progress")
+        running.autoscaler = _build_autoscaler(watcher, store, clock, settings)
+        await running.autoscaler.start()
+        running.progress = asyncio.create_task(_report_progress(store, snapshot, settings, clock),
+                                               name="kvgate-up-progress")
         await stop.wait()
         log.info("stopping: no new replicas; the gateway finishes in-flight requests (up to %.0f s)",
                  settings.drain_timeout_s)
@@ -215,20 +201,79 @@ async def serve(settings: UpSettings, clock: Clock | None = None) -> int:
         # Signals during the stop must not kill it half-way: the fleet is released whatever happens.
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: log.info("already stopping; replicas are being drained"))
-        if progress is not None:
-            progress.cancel()
-            await asyncio.gather(progress, return_exceptions=True)
-        if autoscaler is not None:
-            await autoscaler.stop()
+        await shut_down(running, clock)
+
+
+async def _open_registry(path: Path, clock: Clock) -> RegistryWatcher | None:
+    """The hot-reloading registry; None after printing every problem in it (nothing has started)."""
+    from kvgate.registry.watch import RegistryWatcher
+
+    try:
+        watcher = await RegistryWatcher.open(path, clock)
+        problems = missing_adapter_sources(watcher.current, Path.cwd())
+        if problems:
+            raise RegistryInvalid(str(path), problems)
+    except RegistryInvalid as exc:
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return None
+    snapshot = watcher.current
+    log.info("registry %s (version %s): %d model(s), %d adapter(s), %d pool(s); hot reload on",
+             path, snapshot.version, len(snapshot.models), len(snapshot.adapters), len(snapshot.pools))
+    return watcher
+
+
+async def _open_gateway(settings: UpSettings, watcher: RegistryWatcher, store: MemoryStateStore,
+                        clock: Clock) -> web.AppRunner | None:
+    """The gateway, listening on --host/--port; None after printing why it cannot listen (cleaned up)."""
+    from kvgate.router.app import GatewaySettings, build_app, gateway_runner
+    from kvgate.router.replicas import ReplicaTracker, TrackerSettings  # grpc: imported only when serving
+
+    tracker = ReplicaTracker(clock=clock, store=store, settings=TrackerSettings(poll_interval_s=_PROGRESS_POLL_S))
+    gateway = GatewaySettings(admin_token=settings.admin_token, gateway_id="kvgate-up")
+    runner = gateway_runner(build_app(gateway, tracker, watcher, clock, store),
+                            shutdown_timeout_s=settings.drain_timeout_s)
+    await runner.setup()
+    try:
+        await _listen(runner, settings.host, settings.port)
+    except StackError as exc:
         await runner.cleanup()
-        if autoscaler is not None:
-            await _release(autoscaler)
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
-        await store.close()
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return None
+    log.info("gateway listening on http://%s:%d (requests wait there while replicas start)",
+             display_host(settings.host), settings.port)
+    return runner
 
 
-async def _listen(runner: Any, host: str, port: int) -> None:
+@dataclass
+class RunningStack:
+    """What `serve` has started, for `shut_down` to stop in order; the last two once models are ready."""
+
+    store: MemoryStateStore
+    runner: web.AppRunner
+    watch: asyncio.Task[None]
+    autoscaler: Autoscaler | None = None
+    progress: asyncio.Task[None] | None = None
+
+
+async def shut_down(running: RunningStack, clock: Clock) -> None:
+    """Stop what runs, in order: the progress log and the autoscaler (no new replicas), the gateway (it lets
+    in-flight requests finish, up to the drain timeout), then the fleet (`_release`, which logs how long the
+    whole stop took, counted from here), the registry watch and the store."""
+    started = clock.now()
+    if running.progress is not None:
+        running.progress.cancel()
+        await asyncio.gather(running.progress, return_exceptions=True)
+    if running.autoscaler is not None:
+        await running.autoscaler.stop()
+    await running.runner.cleanup()
+    if running.autoscaler is not None:
+        await _release(running.autoscaler, clock, started)
+    running.watch.cancel()
+    await asyncio.gather(running.watch, return_exceptions=True)
+    await running.store.close()
+
+
+async def _listen(runner: web.AppRunner, host: str, port: int) -> None:
     from aiohttp import web
 
     try:
@@ -240,7 +285,7 @@ async def _listen(runner: Any, host: str, port: int) -> None:
         raise StackError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-async def _prepare_models(snapshot: Snapshot, cache_dir: Path | None, stop: asyncio.Event) -> bool:
+async def _prepare_models(snapshot: Snapshot, cache_dir: Path | None, stop: asyncio.Event, clock: Clock) -> bool:
     """Build or download every builtin model into the cache before replicas start (they would each do
     it, and a first download takes a minute). False when one fails (logged) or a stop came first."""
     from kvgate.engine.builtin import BUILTIN_PREFIX, ModelSourceError, default_cache_dir, resolve_model_source
@@ -252,7 +297,7 @@ async def _prepare_models(snapshot: Snapshot, cache_dir: Path | None, stop: asyn
             models_of.setdefault(model.spec.source, []).append(name)
     for source, names in sorted(models_of.items()):
         name = ", ".join(names)
-        started = time.monotonic()
+        started = clock.now()
         log.info("%s: preparing %s in %s (the first run builds or downloads it)", name, source, cache)
         # A thread, not the loop: the gateway keeps serving /health and the dashboard meanwhile.
         task = asyncio.ensure_future(asyncio.to_thread(resolve_model_source, source, cache))
@@ -268,16 +313,17 @@ async def _prepare_models(snapshot: Snapshot, cache_dir: Path | None, stop: asyn
         except ModelSourceError as exc:
             log.error("%s: cannot prepare %s: %s", name, source, exc)
             return False
-        log.info("%s: model ready at %s (%.1f s)", name, path, time.monotonic() - started)
+        log.info("%s: model ready at %s (%.1f s)", name, path, clock.now() - started)
     return True
 
 
-def _build_autoscaler(watcher: Any, store: MemoryStateStore, clock: Clock, settings: UpSettings) -> Any:
+def _build_autoscaler(watcher: RegistryWatcher, store: MemoryStateStore, clock: Clock,
+                      settings: UpSettings) -> Autoscaler:
     from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings
     from kvgate.providers.build import build_provider
     from kvgate.registry.schema import PoolDoc, Provider as ProviderKind
 
-    def provider_for(pool_name: str, pool: PoolDoc) -> Any:
+    def provider_for(pool_name: str, pool: PoolDoc) -> Provider:
         # Only local pools run engines here and need the model cache; cloud pools take no options.
         options = {"cache_dir": settings.cache_dir} if pool.spec.provider is ProviderKind.LOCAL else {}
         return build_provider(pool_name, pool.spec, cluster=CLUSTER, clock=clock, **options)
@@ -289,28 +335,31 @@ def _build_autoscaler(watcher: Any, store: MemoryStateStore, clock: Clock, setti
                       holder=f"kvgate-up-{os.getpid()}")
 
 
-async def _report_progress(store: MemoryStateStore, snapshot: Snapshot, settings: UpSettings) -> None:
-    from kvgate.autoscaler.status import STATUS_COLLECTION, STATUS_ID
-
+async def _report_progress(store: MemoryStateStore, snapshot: Snapshot, settings: UpSettings, clock: Clock) -> None:
     wanted = {name: doc.spec.scaling.min_replicas for name, doc in snapshot.models.items()
               if doc.spec.scaling.min_replicas > 0 and not doc.spec.routing.static_replicas}
     progress = Progress()
+    skipped = SkippedRecords(log)
     while True:
-        record = await store.get_record(STATUS_COLLECTION, STATUS_ID)
-        failed = failed_models_of(record.data if record is not None else None)
-        progress, lines, due = progress_step(progress, await store.list_members(), time.monotonic(), wanted, failed)
+        try:
+            status = await read_status(store, skipped)
+        except MALFORMED:  # written by this process's own autoscaler, so never expected: no model has failed
+            status = None
+        failed = failed_models_of(status)
+        progress, lines, due = progress_step(progress, await store.list_members(), clock.now(), wanted, failed)
         for line in lines:
             log.info("%s", line)
         if due:
             print(urls_banner(settings.host, settings.port), flush=True)
-        await asyncio.sleep(_PROGRESS_POLL_S)
+        await clock.sleep(_PROGRESS_POLL_S)
 
 
-async def _release(autoscaler: Any) -> None:
-    """Drain and stop every replica and release every node; then make sure no replica is listed."""
+async def _release(autoscaler: Autoscaler, clock: Clock, started: float) -> None:
+    """Drain and stop every replica and release every node; then make sure no replica is listed. The log's
+    "stopped in" counts from `started` (clock time), when the whole stop began: the gateway's drain before
+    this call is part of it."""
     from kvgate.providers.base import ProviderError
 
-    started = time.monotonic()
     try:
         await autoscaler.release_fleet()  # its events are logged by the autoscaler as they happen
     except Exception as exc:  # the memory store does not fail; anything else must not skip the sweep below
@@ -324,7 +373,7 @@ async def _release(autoscaler: Any) -> None:
             await provider.close()
         except ProviderError as exc:
             log.error("pool %s: %s", pool, exc)
-    log.info("stopped in %.1f s: every replica and node released%s", time.monotonic() - started,
+    log.info("stopped in %.1f s: every replica and node released%s", clock.now() - started,
              f" ({left} stray replica(s) killed)" if left else "")
 
 

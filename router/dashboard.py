@@ -25,7 +25,6 @@ Everything but `Dashboard`'s three coroutines is synchronous and takes time as a
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -34,14 +33,14 @@ from importlib import resources
 from typing import Any
 
 from kvgate.clock import Clock
-from kvgate.state.base import StateStore, StateStoreError, encode_record_data
+from kvgate.state.base import StateStore, StateStoreError
+from kvgate.state.records import MALFORMED, AutoscalerStatus, read_status
+from kvgate.state.schema import SkippedRecords
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.queueing import WaitQueues
 
 log = logging.getLogger("kvgate.router.dashboard")
 
-AUTOSCALER_COLLECTION = "autoscaler"  # the autoscaler writes its status record here ...
-AUTOSCALER_STATUS_ID = "status"  # ... under this id, every loop tick
 # A quantile needs a few observations to mean anything; below this the page shows a dash.
 MIN_TTFT_OBSERVATIONS = 1
 
@@ -298,13 +297,9 @@ def gauge_values(gauge: Any) -> dict[str, float]:
     return {s.labels["model"]: s.value for metric in gauge.collect() for s in metric.samples}
 
 
-def desired_of(status: Mapping[str, Any] | None) -> dict[str, int]:
-    """Desired replicas per model from an autoscaler status record; tolerant of missing fields."""
-    models = status.get("models") if isinstance(status, Mapping) else None
-    if not isinstance(models, Mapping):
-        return {}
-    return {name: int(m["desired"]) for name, m in models.items()
-            if isinstance(m, Mapping) and isinstance(m.get("desired"), int | float)}
+def desired_of(status: AutoscalerStatus | None) -> dict[str, int]:
+    """Desired replicas per model from the autoscaler's status record ({} without one)."""
+    return {} if status is None else {name: m.desired for name, m in status.models.items()}
 
 
 def dashboard_page() -> str:
@@ -330,6 +325,7 @@ class Dashboard:
         self.queues = queues
         self.clock = clock
         self.store = store
+        self._skipped = SkippedRecords(log)  # a status record of a newer release: said once
         self.window_s = window_s
         self._ready_count = ready_count
         self._model_names = model_names
@@ -342,7 +338,7 @@ class Dashboard:
 
     # ---- sampling
 
-    def take_sample(self, autoscaler: Mapping[str, Any] | None) -> Sample:
+    def take_sample(self, autoscaler: AutoscalerStatus | None) -> Sample:
         """Read every total now and add the sample to the history (synchronous: no await inside)."""
         names = list(self._model_names())
         in_flight = gauge_values(self.metrics.in_flight)
@@ -361,19 +357,19 @@ class Dashboard:
             self.take_sample(status)
             await self.clock.sleep(self.history.interval_s)
 
-    async def autoscaler_status(self) -> dict[str, Any] | None:
-        """The autoscaler's status record as plain JSON, or None (no store, no record, store down)."""
+    async def autoscaler_status(self) -> AutoscalerStatus | None:
+        """The autoscaler's status record, or None (no store, no record, store down, a record that does not
+        parse, or one of a newer release: said once)."""
         if self.store is None:
             return None
         try:
-            record = await self.store.get_record(AUTOSCALER_COLLECTION, AUTOSCALER_STATUS_ID)
+            return await read_status(self.store, self._skipped)
         except StateStoreError as exc:  # the membership poll logs the outage once a second; this adds nothing
             log.debug("reading the autoscaler status failed: %s", exc)
             return None
-        except Exception:  # a broken record: the page says "no autoscaler"
-            log.warning("reading the autoscaler status failed", exc_info=True)
+        except MALFORMED as exc:  # a broken record: the page says "no autoscaler"
+            log.warning("the autoscaler status record does not parse: %r", exc)
             return None
-        return None if record is None else json.loads(encode_record_data(record.data))
 
     async def placement(self) -> dict[str, tuple[str | None, str | None]]:
         """replica_id -> (pool, node_id) from the store's membership records; {} without a store."""
@@ -413,7 +409,7 @@ class Dashboard:
                 replica["pool"] = pool
                 replica["node"] = node
                 replica["kv_usage"] = (round((total - replica["kv_blocks_free"]) / total, 4) if total else None)
-        payload["autoscaler"] = status
+        payload["autoscaler"] = None if status is None else status.to_json()
         payload["wall"] = self.clock.wall()
         payload["dashboard"] = {"sample_interval_s": self.history.interval_s, "history_s": self.history.horizon_s,
                                 "window_s": self.window_s}

@@ -1,15 +1,11 @@
 """What a gateway tells the autoscaler: per model, the requests it holds and how fast they arrive.
 
-Each gateway writes one record per model to the state store, collection `observations`, id
-`<model>@<gateway_id>`, about once a second:
-
-    {"model", "gateway_id", "queued", "in_flight", "arrivals_per_s", "ttft_p99_s", "updated_at"}
-
-`queued` are requests waiting for a replica of the model (none ready: scaling from zero), `in_flight`
-requests proxied and not finished, `arrivals_per_s` arrivals over the last `window_s`, `ttft_p99_s` the
-time to first token over the same window (None without one), `updated_at` wall seconds. Readers (the
-autoscaler) sum over gateways and ignore records older than a few intervals, so a gateway that dies
-simply stops counting. The gateway deletes its records when it stops.
+Each gateway writes one `ObservationRecord` (kvgate/state/records.py: its fields and versioning) per
+model to the state store, collection `observations`, id `<model>@<gateway_id>`, about once a second:
+requests waiting for a replica (none ready: scaling from zero), requests in flight, arrivals over the
+last `window_s` and the time to first token over the same window. Readers (the autoscaler) sum over
+gateways and ignore records older than a few intervals, so a gateway that dies simply stops counting.
+The gateway deletes its records when it stops.
 """
 
 from __future__ import annotations
@@ -18,34 +14,12 @@ import collections
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
 
 from kvgate.clock import Clock
 from kvgate.state.base import StateStore, StateStoreError
+from kvgate.state.records import OBSERVATIONS_COLLECTION, ObservationRecord, observation_id
 
 log = logging.getLogger(__name__)
-
-OBSERVATIONS_COLLECTION = "observations"
-
-
-def observation_id(model: str, gateway_id: str) -> str:
-    return f"{model}@{gateway_id}"
-
-
-@dataclass(frozen=True)
-class GatewayObservation:
-    """One model as one gateway sees it now."""
-
-    model: str
-    gateway_id: str
-    queued: int
-    in_flight: int
-    arrivals_per_s: float
-    ttft_p99_s: float | None
-    updated_at: float
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
 
 
 class ArrivalRate:
@@ -93,7 +67,7 @@ class ObservationPublisher:
         self._rates: dict[str, ArrivalRate] = {}
         self._written: set[str] = set()
 
-    def observe(self) -> list[GatewayObservation]:
+    def observe(self) -> list[ObservationRecord]:
         """Every registry model's observation now (synchronous: one consistent reading)."""
         now, wall = self._clock.now(), self._clock.wall()
         in_flight = self._in_flight()
@@ -101,7 +75,7 @@ class ObservationPublisher:
         out = []
         for model in self._model_names():
             rate = self._rates.setdefault(model, ArrivalRate(self._window_s))
-            out.append(GatewayObservation(
+            out.append(ObservationRecord(
                 model=model, gateway_id=self.gateway_id, queued=self._queued(model),
                 in_flight=int(in_flight.get(model, 0)), arrivals_per_s=round(rate.add(now, self._arrivals[model]), 4),
                 ttft_p99_s=ttft_p99_s.get(model), updated_at=wall))

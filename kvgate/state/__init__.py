@@ -2,6 +2,8 @@
 
 `StateStore` (in `base`) is the interface; `MemoryStateStore` serves one process and
 `RedisStateStore` many. `open_state_store` picks one from a URL, for the composition root.
+The records that processes exchange through it are typed once: `MemberRecord` (in `base`), the
+observations and the autoscaler's status (in `records`), all versioned as `schema` says.
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ from kvgate.state.base import (
     VersionConflict,
 )
 from kvgate.state.memory import MemoryStateStore
+from kvgate.state.records import AutoscalerStatus, ObservationRecord
 from kvgate.state.redis_store import RedisStateStore, redact_url
+from kvgate.state.schema import NewerSchema, SkippedRecords
 
 __all__ = [
     "REDIS_PASSWORD_ENV",
+    "AutoscalerStatus",
     "MemberRecord",
     "MemoryStateStore",
+    "NewerSchema",
+    "ObservationRecord",
     "RedisStateStore",
     "ReplicaState",
+    "SkippedRecords",
     "StateStore",
     "StateStoreError",
     "StateStoreUnavailable",

@@ -20,7 +20,9 @@ import math
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from kvgate.state.schema import SCHEMA_KEY, check_schema
 
 # A JSON value as the record store accepts it. Mappings must have str keys; floats must be finite.
 JSONValue = Any
@@ -66,7 +68,10 @@ class ReplicaState(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class MemberRecord:
-    """One replica as published by the autoscaler (or the replica itself) and watched by routers."""
+    """One replica as published by the autoscaler (or the replica itself) and watched by routers.
+    Versioned as `schema` says (a newer major raises `NewerSchema` from `from_json`)."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
 
     replica_id: str
     model: str
@@ -84,6 +89,7 @@ class MemberRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            SCHEMA_KEY: self.SCHEMA_VERSION,
             "replica_id": self.replica_id,
             "model": self.model,
             "url": self.url,
@@ -96,6 +102,7 @@ class MemberRecord:
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> MemberRecord:
+        check_schema(raw, "member", cls.SCHEMA_VERSION)
         return cls(
             replica_id=raw["replica_id"],
             model=raw["model"],

@@ -19,19 +19,9 @@ from typing import Generic, TypeVar
 
 from kvgate.clock import Clock
 from kvgate.state.base import (
-    JSONValue,
-    MemberRecord,
-    StateStoreUnavailable,
-    StoredRecord,
-    TokenBucketResult,
-    VersionConflict,
-    check_bucket_args,
-    check_delta,
-    check_expected_version,
-    check_name,
-    check_ttl_s,
-    decode_record_data,
-    encode_record_data,
+    JSONValue, MemberRecord, StateStoreUnavailable, StoredRecord, TokenBucketResult, VersionConflict,
+    check_bucket_args, check_delta, check_expected_version, check_name, check_ttl_s,
+    decode_record_data, encode_record_data,
 )
 
 

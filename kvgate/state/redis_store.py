@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Iterator, Mapping
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -38,21 +39,13 @@ from redis.backoff import ExponentialBackoff
 
 from kvgate.clock import Clock
 from kvgate.state.base import (
-    JSONValue,
-    MemberRecord,
-    StateStoreError,
-    StateStoreUnavailable,
-    StoredRecord,
-    TokenBucketResult,
-    VersionConflict,
-    check_bucket_args,
-    check_delta,
-    check_expected_version,
-    check_name,
-    check_ttl_s,
-    decode_record_data,
-    encode_record_data,
+    JSONValue, MemberRecord, StateStoreError, StateStoreUnavailable, StoredRecord, TokenBucketResult,
+    VersionConflict, check_bucket_args, check_delta, check_expected_version, check_name, check_ttl_s,
+    decode_record_data, encode_record_data,
 )
+from kvgate.state.schema import NewerSchema, SkippedRecords
+
+log = logging.getLogger(__name__)
 
 # KEYS[1] members hash; ARGV: replica_id, envelope, gc_ms. Only ever lengthen the hash's backstop
 # TTL: it covers every member, and one with a shorter ttl must not cut the others' short.
@@ -227,6 +220,7 @@ class RedisStateStore:
         self._members_key = f"{prefix}members"
         self._gc_slack_s = gc_slack_s
         self._closed = False
+        self._skipped = SkippedRecords(log)  # members written by a newer release
         self._put_member = client.register_script(_PUT_MEMBER)
         self._list_members = client.register_script(_LIST_MEMBERS)
         self._remove_member = client.register_script(_REMOVE_MEMBER)
@@ -306,8 +300,14 @@ class RedisStateStore:
             envelopes = await self._list_members(
                 keys=[self._members_key], args=[repr(self._clock.wall())]
             )
-        # An envelope is "<expires_at>\n<json>"; the script already dropped the expired ones.
-        members = [MemberRecord.from_json(json.loads(e.partition("\n")[2])) for e in envelopes]
+        members = []
+        for envelope in envelopes:
+            # An envelope is "<expires_at>\n<json>"; the script already dropped the expired ones.
+            raw = json.loads(envelope.partition("\n")[2])
+            try:
+                members.append(MemberRecord.from_json(raw))
+            except NewerSchema as exc:  # a replica of a newer release, mid-upgrade: not routable by this one
+                self._skipped.newer("members", str(raw.get("replica_id")), exc)
         return sorted(
             (m for m in members if model is None or m.model == model), key=lambda m: m.replica_id
         )

@@ -1,15 +1,16 @@
 """Reading the gateways' observation records: summed across gateways, stale and malformed ones
-skipped. Table-driven over `totals_by_model` (pure) plus one read through a real memory store."""
+skipped, and those of a newer release's major skipped and said once. Table-driven over `totals_by_model` (pure) plus one read through a real memory store."""
 
 from __future__ import annotations
 
+import logging
 from types import MappingProxyType
 
 import pytest
 
 from kvgate.autoscaler.observe import GatewayTotals, read_gateway_totals, totals_by_model
 from kvgate.clock import FakeClock
-from kvgate.state import MemoryStateStore, StoredRecord
+from kvgate.state import MemoryStateStore, SkippedRecords, StoredRecord
 
 NOW = 1_700_000_100.0
 
@@ -55,3 +56,26 @@ async def test_read_through_the_store_uses_the_given_wall_time() -> None:
                                                     "updated_at": clock.wall()})
     assert (await read_gateway_totals(store, clock.wall() + 5)).totals["m"].queued == 4
     assert (await read_gateway_totals(store, clock.wall() + 10)).totals == {}
+
+
+def test_a_gateway_of_a_newer_release_adds_fields_and_still_counts() -> None:
+    read = totals_by_model([rec("m", "g1", queued=2, kv_hit_rate=0.7, schema_version=1)], NOW)
+    assert read.totals["m"].queued == 2 and read.num_malformed == 0
+
+
+def test_a_record_of_a_newer_major_is_skipped_and_returned_for_the_shell_to_log() -> None:
+    read = totals_by_model([rec("m", "g1", queued=2), rec("m", "g2", queued=5, schema_version=2)], NOW)
+    assert read.totals["m"].queued == 2 and read.num_malformed == 0
+    assert list(read.newer) == ["m@g2"] and read.newer["m@g2"].found == 2
+
+
+async def test_a_newer_major_observation_is_logged_once_across_reads(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    await store.put_record("observations", "m@g2", {"model": "m", "gateway_id": "g2", "queued": 5,
+                                                    "updated_at": clock.wall(), "schema_version": 2})
+    skipped = SkippedRecords(logging.getLogger("test.observe"))
+    with caplog.at_level(logging.WARNING, logger="test.observe"):
+        for _ in range(3):  # three ticks
+            assert (await read_gateway_totals(store, clock.wall(), skipped=skipped)).totals == {}
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["skipping state store record observations/m@g2"]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.stack import Progress, display_host, failed_models_of, missing_adapter_sources, progress_step, urls_banner
-from kvgate.state import MemberRecord, ReplicaState
+from kvgate.state import AutoscalerStatus, MemberRecord, ReplicaState
+from kvgate.state.records import StatusEvent
 from kvgate.registry import load_registry
 from tests.e2e.up_process import run_up
 from tests.services import free_loopback_port
@@ -123,8 +124,9 @@ def test_the_banner_is_due_when_a_model_that_must_run_has_failed_instead() -> No
     assert not due
     _, _, due = progress_step(Progress(), [member("r1", ReplicaState.READY, "a")], 1.0, {"a": 1, "b": 1}, {"b"})
     assert due
-    assert failed_models_of({"events": [{"model": "b", "kind": "replica_failed"},
-                                        {"model": "a", "kind": "replica_start"}]}) == {"b"}
+    status = AutoscalerStatus(updated_at=0.0, events=(StatusEvent(0.0, "b", "replica_failed", ""),
+                                                      StatusEvent(0.0, "a", "replica_start", "")))
+    assert failed_models_of(status) == {"b"}
     assert failed_models_of(None) == set()
 
 

@@ -5,6 +5,7 @@ sockets, simulated replicas published in a real MemoryStateStore; see tests/e2e/
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from pathlib import Path
 
@@ -12,12 +13,14 @@ import aiohttp
 import pytest
 
 from kvgate.clock import FakeClock
-from kvgate.state import MemoryStateStore
+from kvgate.state import AutoscalerStatus, MemoryStateStore
+from kvgate.state.records import STATUS_COLLECTION, STATUS_ID, ModelStatus
 from kvgate.router.dashboard import (Dashboard, ModelTotals, StatsHistory, collect_totals, dashboard_page,
                               histogram_quantile, window_stats)
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.queueing import WaitQueues
 from tests.e2e.dashboard_stack import MODEL, dashboard_stack, write_autoscaler_status
+from tests.eventually import eventually
 
 # ------------------------------------------------------------------------------------ quantiles
 
@@ -97,6 +100,21 @@ def _dashboard(clock: FakeClock, metrics: RouterMetrics, store: MemoryStateStore
                      sample_interval_s=2.0, history_s=10.0)
 
 
+async def test_a_status_record_of_a_newer_release_reads_as_no_autoscaler_and_is_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    dash = _dashboard(clock, RouterMetrics(), store=store)
+    status = AutoscalerStatus(updated_at=clock.wall(), models={"a": ModelStatus(desired=3, ready=2, starting=1)})
+    await store.put_record(STATUS_COLLECTION, STATUS_ID, {**status.to_json(), "added_later": [1, 2]})
+    assert await dash.autoscaler_status() == status  # a newer minor: its extra field is ignored
+    await store.put_record(STATUS_COLLECTION, STATUS_ID, {**status.to_json(), "schema_version": 2})
+    with caplog.at_level(logging.WARNING, logger="kvgate.router.dashboard"):
+        assert (await dash.extend_stats({"models": {}}))["autoscaler"] is None
+        assert await dash.autoscaler_status() is None
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["skipping state store record autoscaler/status"]
+
+
 def _traffic(metrics: RouterMetrics, dash: Dashboard, n: int, ttft_s: float) -> None:
     for _ in range(n):
         metrics.requests.labels("a", "r1", "success").inc()
@@ -111,13 +129,14 @@ def _traffic(metrics: RouterMetrics, dash: Dashboard, n: int, ttft_s: float) -> 
 async def test_samples_on_a_fake_clock_give_one_point_per_interval_with_rates() -> None:
     clock, metrics = FakeClock(), RouterMetrics()
     dash = _dashboard(clock, metrics, ready={"a": 2})
+    status = AutoscalerStatus(updated_at=clock.wall(), models={"a": ModelStatus(desired=3, ready=2, starting=1)})
     dash.take_sample(None)
     _traffic(metrics, dash, 10, ttft_s=0.2)  # 10 requests in the first 2 s
     await clock.advance(2.0)
-    dash.take_sample({"models": {"a": {"desired": 3}}})
+    dash.take_sample(status)
     _traffic(metrics, dash, 2, ttft_s=0.02)  # then 2 in the next 2 s
     await clock.advance(2.0)
-    dash.take_sample({"models": {"a": {"desired": 3}}})
+    dash.take_sample(status)
     series = dash.history.series()
     assert series["t"] == [clock.wall() - 2.0, clock.wall()]
     a = series["models"]["a"]
@@ -257,7 +276,11 @@ async def test_admin_stats_carries_windows_placement_and_the_autoscaler_record(t
             first = await stack.chat(s, "question 0")  # puts the shared system prompt in one replica's cache
             statuses = [first] + list(await asyncio.gather(*(stack.chat(s, f"question {i}") for i in range(1, 12))))
         assert statuses == [200] * 12
-        await asyncio.sleep(1.2)  # at least two samples after the traffic
+        traffic_over = (await stack.get_json("/admin/stats"))["wall"]
+
+        async def two_samples_after_the_traffic() -> bool:
+            return sum(t > traffic_over for t in (await stack.get_json("/admin/history"))["t"]) >= 2
+        await eventually(two_samples_after_the_traffic, "two history samples after the traffic")
         await write_autoscaler_status(stack.store, wall=stats["wall"], desired=3, ready=2)
         stats = await stack.get_json("/admin/stats")
     chat = stats["models"][MODEL]
