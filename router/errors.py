@@ -1,7 +1,7 @@
 """Errors the gateway sends to clients, as OpenAI error objects (DESIGN.md "Conventions").
 
-The shape is the engine's (`engine.server.protocol.ApiError`), copied rather than imported: the router
-never imports the engine. Handlers and the proxy raise `GatewayError`; the edge renders it once.
+The error class and its rendering are the engine's too (`kvgate.openai_wire`); here are the gateway's own
+refusals. Handlers and the proxy raise `GatewayError`; the edge renders it once with `error_response`.
 
     {"error": {"message": "...", "type": "NotFoundError", "param": "model", "code": "model_not_found"}}
 """
@@ -9,31 +9,14 @@ never imports the engine. Handlers and the proxy raise `GatewayError`; the edge 
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from aiohttp import web
+from kvgate.openai_wire import ApiError, bad_request, error_response
 
+__all__ = ["GatewayError", "bad_request", "error_response", "model_not_found", "no_capacity", "upstream_timeout",
+           "bad_gateway", "sse_error_event"]
 
-class GatewayError(Exception):
-    """A request the gateway refuses or cannot serve, carrying everything the error object needs."""
-
-    def __init__(self, status: int, message: str, *, type: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None, close: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-        self.close = close  # no keep-alive after the answer (aiohttp may still read an unread body for up to 10 s)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> GatewayError:
-    return GatewayError(400, message, type="BadRequestError", param=param, code=code)
+# The gateway's name for the shared error class: one class, so an error means the same on both hops.
+GatewayError = ApiError
 
 
 def model_not_found(name: str, served: list[str]) -> GatewayError:
@@ -54,13 +37,6 @@ def upstream_timeout(message: str) -> GatewayError:
 
 def bad_gateway(message: str) -> GatewayError:
     return GatewayError(502, message, type="BadGatewayError", code="upstream_unavailable")
-
-
-def error_response(error: GatewayError) -> web.Response:
-    response = web.json_response(error.body(), status=error.status, headers=error.headers)
-    if error.close:
-        response.force_close()
-    return response
 
 
 def sse_error_event(message: str, code: str) -> bytes:

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_urldispatcher import _default_expect_handler  # the 100 Continue itself; stable since aiohttp 2
 
-from kvgate.tokenizer import NotJsonText, loads_json_text, lone_surrogate_in
+from kvgate.openai_wire import BodyWording, parse_json_body
 from kvgate.registry.schema import RoutingPolicy
 from kvgate.registry.snapshot import Snapshot, UnknownName
 from kvgate.router.errors import GatewayError, bad_request, error_response, model_not_found, no_capacity
@@ -38,6 +38,8 @@ TOKENIZE_INLINE_MAX_CHARS = 4_096
 # take ~0.5 s of CPU. The thread holds the GIL too: json's C parser for all of its ~0.1 s, the Python that
 # validates and hashes only a few milliseconds at a time, so the loop serves on through most of it.
 OFF_LOOP_MIN_BYTES = 1 << 20
+# The gateway's words for a body that is not a JSON object, as its clients have seen them.
+_BODY_WORDING = BodyWording("the request body", "must be a JSON object, not {python_type}", "invalid_type")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
@@ -135,20 +137,7 @@ async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
         request.content.feed_eof()  # nothing more to read: else aiohttp reads on, meets it again and logs an ERROR
         raise GatewayError(400, f"the request body could not be read: {detail}", type="BadRequestError",
                            code="invalid_body", close=True) from exc
-    return raw, await _off_loop(len(raw), _parse_json, raw)
-
-
-def _parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = loads_json_text(raw)
-    except NotJsonText as exc:
-        raise bad_request(f"the request body is {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_type")
-    if lone_surrogate_in(raw, body):
-        raise bad_request("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not "
-                          "text", code="invalid_json")
-    return body
+    return raw, await _off_loop(len(raw), parse_json_body, raw, _BODY_WORDING)
 
 
 async def _off_loop(body_bytes: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -357,7 +346,7 @@ async def admin_stats(request: web.Request) -> web.Response:
             "replicas": replicas,
         }
     payload = {"registry_version": snapshot.version, "models": models,
-               "recent_decisions": list(proxy.recent_decisions)}
+               "recent_decisions": proxy.recent_decisions.as_json()}
     return web.json_response(await app[DASHBOARD_KEY].extend_stats(payload))
 
 

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from kvgate.router.replicas import ReplicaTracker  # the tracker pulls in grpc; only the server needs it
+    from kvgate.router.replicas import ReplicaTracker, TrackerSettings  # grpc: only the server needs it
 
     clock = RealClock()
     try:
@@ -95,7 +95,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     store = open_state_store(args.state, clock, prefix=args.key_prefix,
                                  password=os.environ.get(REDIS_PASSWORD_ENV)) if args.state else None
-    tracker = ReplicaTracker(clock=clock, store=store, member_grace_s=args.member_grace_s)
+    tracker = ReplicaTracker(clock=clock, store=store, settings=TrackerSettings(member_grace_s=args.member_grace_s))
     settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None,
                                gateway_id=args.gateway_id, body_timeout_s=args.body_timeout_s,
                                keepalive_timeout_s=args.keepalive_timeout_s)

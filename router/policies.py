@@ -1,15 +1,19 @@
 """Routing policies: pure functions `(RouteRequest, ReplicaView, RoutingKnobs) -> RouteDecision`.
 
-No I/O, no clock, no mutation: the same request and view give the same decision in every gateway,
-which is what lets gateways that share nothing agree (rendezvous hashing is keyed on request content,
-and ties are never broken by list position: sglang-router sent 12 of 12 distinct sequential prompts to
-its first worker). What a view holds differs per gateway only in its own in-flight counts: the load,
-pending prefill and the in-flight chains that make a prefix hot (with G gateways a burst is seen as hot
-once about G x hot_prefix_requests of its requests are in flight at a replica).
+`choose` runs the model's `routing.policy`: `round_robin`, `least_load`, `consistent_hash` (the rendezvous
+home of the prompt's opening, within the load bound) or `cache_aware`, the default, which sends a request
+where its prompt prefix is cached without piling load on one replica.
 
-The load bound (consistent hashing with bounded loads, Mirrokni et al. 2016), used by
-`consistent_hash` and `cache_aware`: with n candidates whose loads sum to `total`, a replica has room
-for this request when load + 1 <= cap, where
+Why pure: no I/O, no clock, no mutation, so the same request and view give the same decision in every
+gateway, and gateways that share nothing agree. Rendezvous hashing is keyed on request content, and ties
+are never broken by list position (a router that does sends distinct sequential prompts all to its first
+replica). Views differ between gateways only in their own in-flight counts: load, pending prefill and the
+in-flight chains that make a prefix hot (with G gateways a burst counts as hot at a replica once about
+G x hot_prefix_requests of its requests are in flight there).
+
+The load bound (consistent hashing with bounded loads, Mirrokni et al. 2016), used by `consistent_hash`
+and `cache_aware`: with n candidates whose loads sum to `total`, a replica has room for this request when
+load + 1 <= cap, where
 
     mean_after = (total + 1) / n                        # the mean once this request is placed
     cap = max(floor((1 + epsilon) x mean_after), ceil(mean_after))
@@ -20,50 +24,47 @@ load + 1 <= ceil(mean_after)); the floor keeps the maximum within (1 + epsilon) 
 large. Worked: 4 replicas, 99 in flight, epsilon 0.25 -> mean_after 25, cap max(floor(31.25), 25) = 31,
 so max/mean <= 31 / 25 = 1.24.
 
-In `cache_aware` the bound holds as stated (no floor) for what it exists to spread: new text, and a hot
-prefix (one that `hot_prefix_requests` of this gateway's requests in flight at the replica share, e.g.
-a burst on one system prompt: the bound makes other replicas take and cache it too). For a request
-whose own cache a replica holds (a conversation's history, shared by nothing else in flight there) the
-cap has the floor `min_load_cap_requests` (an engine batches that many at once, and moving the request
-costs its history's prefill), and past it the replica stays a candidate at `over_bound_cost_tokens`
-per request over, which the token cost below weighs against that prefill. Replayed
-(`loadtests/routing_replay.py`, six seeds a cell) against the previous rule (the bound hard for every
-request, floor 8): the Mooncake trace's hit rate over the best 0.920 -> 0.979 at 4 replicas and 0.837
--> 0.957 at 16, p99 TTFT -1% and +3%; hot_prefix hit rate 0.955 -> 0.958 and 0.893 -> 0.887, p99 -1%
-and -11%, max/mean requests at 16 replicas 1.17 -> 1.13.
+`cache_aware` holds the bound as stated for what it exists to spread: new text, and a hot prefix (one that
+`hot_prefix_requests` of this gateway's requests in flight at the replica share, e.g. a burst on one system
+prompt: other replicas then take and cache it too). For a request whose own cache a replica holds (a
+conversation's history, shared by nothing else in flight there) the cap has the floor
+`min_load_cap_requests` (an engine batches that many at once, and moving the request costs its history's
+prefill), and past it the replica stays a candidate at `over_bound_cost_tokens` per request over, which the
+token cost below weighs against that prefill. Why soft: with the bound hard for every request, a replay of
+the Mooncake trace (`loadtests/routing_replay.py`) kept 0.920 / 0.837 of the best hit rate at 4 / 16
+replicas, against 0.979 / 0.957 soft, at about the same p99.
 
-Requests are a coarse unit: one request may need 2,000 prompt tokens prefilled and the next, a later
-turn of a cached conversation, 40. Within the bound, `cache_aware` therefore chooses by a cost in tokens,
-as what delays a request's first token is the prefill queued ahead of it plus its own:
+Requests are a coarse unit (one needs 2,000 prompt tokens prefilled, the next turn of a cached
+conversation 40), so within the bound `cache_aware` chooses by a cost in tokens, as what delays a first
+token is the prefill queued ahead of it plus its own:
 
     cost = pending_prefill_tokens + miss_cost_weight x uncached
 
 `pending_prefill_tokens` are the prompt tokens this gateway routed to the replica whose first token has
 not come back, counted after its cache; `uncached` is what of this prompt the replica does not hold. With
-a weight of 1 this is the replica's time to first token in tokens, a greedy choice that gives the cache
-away at the first queue; a higher weight also charges a miss for what it costs later: the tokens are
-prefilled again while others wait behind them, and the conversation's next turns find their cache split
-or elsewhere (`loadtests/routing_replay.py` on the Mooncake replay at 4 and 16 replicas: weight 1 reached
-0.75 and 0.54 of the best hit rate, weight 16 0.93 and 0.87, and a lower p99 too; with later rules and
-sims that cache as vLLM v1 does, 16 gave 0.981 and 0.978 and the default, 24, 0.988 and 0.987).
+a weight of 1 this is the replica's time to first token, a greedy choice that gives the cache away at the
+first queue; a higher weight also charges a miss for the prefill it costs again later and the
+conversation's next turns that find their cache elsewhere (in the Mooncake replay at 4 / 16 replicas,
+weight 1 kept 0.75 / 0.54 of the best hit rate, 16 kept 0.93 / 0.87 with a lower p99; the default is 24).
 Worked, weight 16: a 1,600-token prompt; replica A holds 1,500 of it and has 2,800 tokens pending (cost
 2,800 + 1,600 = 4,400), B holds nothing and has 0 pending (cost 25,600): A. With 24,000 pending on A (cost
 25,600) they tie and the score below decides. New text (held nowhere) costs the same everywhere but for
 the queues: it goes to the least pending prefill, and on ties (idle replicas) to the rendezvous home of
-its opening. And KV use: a replica that reports its KV blocks and has fewer free tokens than the
-request's uncached part would have to evict or preempt to start it, so it has no room while another one
-does.
+its opening. It does not also weigh a replica's waiting requests: the gateway sees `num_waiting` up to a
+scrape (1 s) late, and in the replay such a weight moved p99 by no more than the seeds' spread. A replica
+that reports its KV blocks and has fewer free tokens than the request's uncached part would have to evict
+or preempt to start it, so it has no room while another one does.
 
-A replica's cache fills too, with prefixes worth keeping: those requests came back for (a system prompt,
+A replica's cache fills with prefixes worth keeping: those requests came back for (a system prompt,
 conversations' histories; the text index counts a chunk recorded again while held as its working set, the
 KV-event index a held block that a later request matched, `view.CacheFill`). Uncached tokens that would not
 fit beside that working set in `working_set_share` of the replica's KV cache push part of it out, and each
 token pushed out is a miss later, so the cost adds `miss_cost_weight x` those tokens
-(`evicted_working_set_tokens`). Without it, conversations that new text placed together on idle replicas stay
-together as their histories grow, until the engine's LRU trims each one's tail to make room for another's next
-turn. Replayed (six seeds, hot_prefix at 16 sims, whose KV caches together hold the workload's distinct tokens
-once): 0.968 -> 0.974 of the best hit rate at share 0.85 (0.970 at 1.0; 0.973-0.974 from 0.8 to 0.9), the
-other cells unchanged.
+(`evicted_working_set_tokens`). Without it, conversations that new text placed together on idle replicas
+stay together as their histories grow, until the engine's LRU trims each one's tail to make room for
+another's next turn.
+
+How `cache_aware` compares with sglang-router and vllm-router: docs/benchmarks.md, Routing.
 """
 
 from __future__ import annotations
@@ -254,6 +255,58 @@ def is_hot_at(request: RouteRequest, view: ReplicaView, replica_id: str, skip_ch
     return view.sharing(replica_id, request.prefix_hashes[skip_chunks + (match_chunks + 1) // 2 - 1]) >= min_requests
 
 
+@dataclass(frozen=True)
+class _Holdings:
+    """What each candidate holds of one request, as cache_aware weighs it; maps are by replica id."""
+
+    request: RouteRequest
+    held: Mapping[str, int]  # leading chunks each holds, counted or not: the KV test and the prediction use it
+    held_everywhere: int  # the least of `held`: what every candidate holds
+    common: int  # leading chunks that set no replica apart (`_holdings`)
+    matches: Mapping[str, int]  # chunks held past `common`, where they count (`_counted_match`), else 0
+    key: int  # the affinity key of the text after `common`: where new text goes
+    uncached: Mapping[str, int]  # prompt tokens each would prefill
+    counted_uncached: Mapping[str, int]  # ... counting as held only `common` and a counted match
+
+    def score(self, replica: ReplicaState) -> tuple[int, int, int]:
+        return cache_aware_score(self.request, replica, self.matches[replica.replica_id], self.key)
+
+
+def _holdings(request: RouteRequest, view: ReplicaView, candidates: tuple[ReplicaState, ...],
+              min_match_fraction: float) -> _Holdings:
+    held = {r.replica_id: view.match_length(r.replica_id, request.prefix_hashes) for r in candidates}
+    held_everywhere = min(held.values())
+    # What sets no replica apart: the opening every candidate holds, or nearly every request shares.
+    common = max(held_everywhere, min(request.common_opening_chunks, len(request.prefix_hashes)))
+    matches = {rid: _counted_match(request, max(0, n - common), common, min_match_fraction)
+               for rid, n in held.items()}
+    uncached = {rid: request.uncached_tokens(n) for rid, n in held.items()}  # what it would prefill
+    # What the cost counts as held: the common opening plus a counted match. A short match that does not
+    # count would otherwise still pull new conversations onto whoever holds a common opening
+    # (min_match_fraction), one weighted block at a time; and a replica that lacks the opening every
+    # request shares would never be chosen while queues are short.
+    counted_uncached = {rid: request.uncached_tokens(common + matches[rid]) for rid in held}
+    return _Holdings(request, held, held_everywhere, common, matches, request.affinity_key_after(common),
+                     uncached, counted_uncached)
+
+
+def _cache_aware_reason(h: _Holdings, candidates: tuple[ReplicaState, ...], with_room: list[ReplicaState],
+                        chosen: ReplicaState) -> Reason:
+    """Why cache_aware chose `chosen` among `with_room` (the Reason rules of its docstring)."""
+    matches, adapter = h.matches, h.request.adapter
+    # The best-scoring candidate overall: it matters only when one holds a counted match, and then only
+    # among those holding the longest.
+    longest = max(matches.values())
+    preferred = max((r for r in candidates if matches[r.replica_id] == longest), key=h.score) if longest else chosen
+    if matches[preferred.replica_id] > 0 and chosen is not preferred:
+        return Reason.LOAD_FALLBACK
+    if matches[chosen.replica_id] > 0 or _counted_match(h.request, h.held_everywhere, 0, HELD_EVERYWHERE_HIT_SHARE):
+        return Reason.PREFIX_HIT  # it holds a counted prefix, or every replica does (one replica, say)
+    if chosen.adapter_fit(adapter) > min(r.adapter_fit(adapter) for r in with_room):
+        return Reason.ADAPTER_AFFINITY
+    return Reason.NEW_TEXT if any(h.held.values()) else Reason.RENDEZVOUS
+
+
 def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -> RouteDecision:
     """kvgate's policy: among candidates under the load bound (or over it, at a cost per request over,
     for a request whose cached prefix they hold unless it is hot there: module docstring) with free
@@ -280,30 +333,15 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
     if not candidates:
         return _no_replica()
     cap = load_cap(candidates, knobs.load_epsilon)
-    held = {r.replica_id: view.match_length(r.replica_id, request.prefix_hashes) for r in candidates}
-    held_everywhere = min(held.values())
-    # What sets no replica apart: the opening every candidate holds, or nearly every request shares.
-    common = max(held_everywhere, min(request.common_opening_chunks, len(request.prefix_hashes)))
-    matches = {rid: _counted_match(request, max(0, n - common), common, knobs.min_match_fraction)
-               for rid, n in held.items()}
-    key = request.affinity_key_after(common)
-    uncached = {rid: request.uncached_tokens(n) for rid, n in held.items()}  # what it would prefill
-    # What the cost counts as held: the common opening plus a counted match. A short match that does not
-    # count would otherwise still pull new conversations onto whoever holds a common opening
-    # (min_match_fraction), one weighted block at a time; and a replica that lacks the opening every
-    # request shares would never be chosen while queues are short.
-    counted_uncached = {rid: request.uncached_tokens(common + matches[rid]) for rid in held}
-
-    def score(r: ReplicaState) -> tuple[int, int, int]:
-        return cache_aware_score(request, r, matches[r.replica_id], key)
-
+    h = _holdings(request, view, candidates, knobs.min_match_fraction)
+    matches, uncached = h.matches, h.uncached
     # The bound holds as stated for new text and for a prefix hot at the replica (the burst spreads,
     # and more replicas cache the prefix). For a request whose own cache a replica holds (a counted
     # match, not hot there) it holds from the floor up, and over it that replica stays a candidate at
     # a cost per request over: moving the request costs its prefill, which the cost weighs.
     own_cap = load_cap(candidates, knobs.load_epsilon, knobs.min_load_cap)
     own = {r.replica_id for r in candidates if matches[r.replica_id] > 0 and not is_hot_at(
-        request, view, r.replica_id, common, matches[r.replica_id], knobs.hot_prefix_requests)}
+        request, view, r.replica_id, h.common, matches[r.replica_id], knobs.hot_prefix_requests)}
     under_cap = [r for r in candidates if r.load + 1 <= (own_cap if r.replica_id in own else cap)]
     eligible = [r for r in candidates if r.replica_id in own or r.load + 1 <= cap]
     # The KV-fit test prefers replicas with free KV for the uncached part, but never sends a request
@@ -313,29 +351,18 @@ def cache_aware(request: RouteRequest, view: ReplicaView, knobs: RoutingKnobs) -
         fits.update(r.replica_id for r in under_cap)
     with_room = [r for r in eligible if r.replica_id in fits]
     # A token of a replica's working set that this prefill would push out is a miss later: it weighs as one.
-    costs = {r.replica_id: prefill_cost(r, counted_uncached[r.replica_id], knobs.miss_cost_weight)
+    costs = {r.replica_id: prefill_cost(r, h.counted_uncached[r.replica_id], knobs.miss_cost_weight)
              + knobs.miss_cost_weight * evicted_working_set_tokens(
                  request, r, view.cache_fill(r.replica_id), uncached[r.replica_id], knobs.working_set_share)
              + knobs.over_bound_cost_tokens * max(0, r.load + 1 - own_cap) for r in with_room}
     least = min(costs.values())
     cheapest = [r for r in with_room if costs[r.replica_id] == least]
-    chosen = cheapest[0] if len(cheapest) == 1 else max(cheapest, key=score)  # scores (hashes) only for ties
-    # The best-scoring candidate overall, for the reason: it matters only when one holds a counted match,
-    # and then only among those holding the longest.
-    longest = max(matches.values())
-    preferred = max((r for r in candidates if matches[r.replica_id] == longest), key=score) if longest else chosen
-    if matches[preferred.replica_id] > 0 and chosen is not preferred:
-        reason = Reason.LOAD_FALLBACK
-    elif matches[chosen.replica_id] > 0 or _counted_match(request, held_everywhere, 0, HELD_EVERYWHERE_HIT_SHARE):
-        reason = Reason.PREFIX_HIT  # it holds a counted prefix, or every replica does (one replica, say)
-    elif chosen.adapter_fit(request.adapter) > min(r.adapter_fit(request.adapter) for r in with_room):
-        reason = Reason.ADAPTER_AFFINITY
-    else:
-        reason = Reason.NEW_TEXT if any(held.values()) else Reason.RENDEZVOUS
+    chosen = cheapest[0] if len(cheapest) == 1 else max(cheapest, key=h.score)  # scores (hashes) only for ties
+    reason = _cache_aware_reason(h, candidates, with_room, chosen)
     # predicted_match_chunks is what it holds, counted or not: the prefill estimate and the
     # predicted-vs-realised check need the truth.
     chosen_cap = own_cap if chosen.replica_id in own else cap
-    return _decision(request, view, chosen, reason, len(candidates), chosen_cap, held[chosen.replica_id])
+    return _decision(request, view, chosen, reason, len(candidates), chosen_cap, h.held[chosen.replica_id])
 
 
 POLICIES: Mapping[RoutingPolicy, PolicyFn] = MappingProxyType({

@@ -58,6 +58,14 @@ class PrefixStats:
     num_corrections_total: int  # responses that realised fewer chunks than predicted
 
 
+@dataclass(frozen=True)
+class CachingJudgement:
+    """Whether a replica keeps what it computes (`PrefixIndex.caches`), with the evidence it was judged on."""
+
+    caches: bool
+    num_recent_predicted_hits: int  # responses predicted a hit in the evidence window
+
+
 class PrefixIndex:
     """An LRU of chunk hashes for one replica. Not thread-safe; the shell calls it from one event loop."""
 
@@ -224,6 +232,19 @@ class PrefixIndexes:
         if index is None:
             return 0
         return index.correct(hashes, predicted_chunks, realised_cached_tokens, chars_per_token)
+
+    def learn(self, replica_id: str, hashes: tuple[int, ...], predicted_chunks: int, realised_cached_tokens: int,
+              chars_per_token: float = CHARS_PER_TOKEN) -> CachingJudgement | None:
+        """As `correct`; the replica's caching judgement when this answer changed it, else None (also for a
+        replica already forgotten)."""
+        index = self._by_replica.get(replica_id)
+        if index is None:
+            return None
+        cached_before = index.caches()
+        index.correct(hashes, predicted_chunks, realised_cached_tokens, chars_per_token)
+        if index.caches() == cached_before:
+            return None
+        return CachingJudgement(index.caches(), index.num_recent_predicted_hits)
 
     def cache_fill(self, replica_id: str) -> CacheFill | None:
         """The replica's working set against its capacity; None for a replica never seen."""

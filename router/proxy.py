@@ -22,18 +22,18 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import HttpVersion11, web
 
 from kvgate.clock import Clock
 from kvgate.registry.schema import Routing
-from kvgate.router.block_index import BlockIndexes
 from kvgate.router.errors import GatewayError, bad_gateway, no_capacity, sse_error_event, upstream_timeout
 from kvgate.router.features import RouteRequest
 from kvgate.router.metrics import RouterMetrics
+from kvgate.router.outcomes import (Answer, DecisionRecord, DecisionRing, Learnt, caching_judgement_log,
+                                    cached_tokens_of, prompt_tokens_of, stream_end)
 from kvgate.router.policies import Reason, RouteDecision, RoutingKnobs, choose
-from kvgate.router.prefix_index import PrefixIndex, PrefixIndexes
 from kvgate.router.queueing import WaitQueues
 from kvgate.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvgate.router.view import ReplicaView
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NUM_RECENT_DECISIONS = 100
 _DRAIN_AFTER_DONE_S = 1.0
 REPLICA_HEADER = "x-kvgate-replica"  # which replica answered: for operators, tests and benchmarks
 # One id per request, the client's or the gateway's, sent to the replica (vLLM takes it as its request id
@@ -54,19 +53,15 @@ REQUEST_ID_HEADER = "X-Request-Id"
 class Tracker(Protocol):
     """What the proxy needs of `router.replicas.ReplicaTracker`."""
 
-    prefixes: PrefixIndexes
-    blocks: BlockIndexes
-
     def view(self, model: str, blocks: bool = False) -> ReplicaView: ...
+    def record_sent(self, replica_id: str, route: RouteRequest) -> None: ...
     def start_attempt(self, replica_id: str, prefix_hashes: tuple[int, ...], prefill_tokens: int = 0,
                       predict_blocks: bool = False) -> AttemptLease: ...
+    def learn(self, replica_id: str, answer: Answer) -> Learnt: ...
     def report_success(self, replica_id: str) -> None: ...
     def report_failure(self, replica_id: str) -> None: ...
     def url(self, replica_id: str) -> str: ...
     def authorization(self, replica_id: str) -> str | None: ...
-    def chars_per_token_of(self, model: str) -> float: ...
-    def learn_prompt_size(self, model: str, prompt_chars: int, prompt_tokens: int) -> None: ...
-    def tokens_disagree(self, model: str, replica_id: str) -> None: ...
     async def wait_for_replica(self, model: str, timeout_s: float) -> bool: ...
     def num_ready(self, model: str) -> int: ...
     def replica_ids(self) -> frozenset[str]: ...
@@ -98,30 +93,6 @@ class AttemptFailed(Exception):
         self.content_type = content_type
 
 
-def cached_tokens_of(payload: Any) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens of a response or final chunk, None when absent or not a
-    count (a replica's odd answer must not turn a counter back or poison the index)."""
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    return _count_of(details.get("cached_tokens") if isinstance(details, dict) else None)
-
-
-def prompt_tokens_of(payload: Any) -> int | None:
-    """usage.prompt_tokens of a response or final chunk, None when absent or not a count."""
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    return _count_of(usage.get("prompt_tokens") if isinstance(usage, dict) else None)
-
-
-# A token holds at least one byte of text, and a character at most four (UTF-8).
-_MAX_TOKENS_PER_CHAR = 4
-_MAX_COUNT = 1 << 31
-
-
-def _count_of(value: object) -> int | None:
-    """A token count: an int from 0 to 2^31 (no prompt is longer), else None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_COUNT else None
-
-
 class Proxy:
     """Routes and forwards requests; owns the recent-decision ring and per-replica outcome counts."""
 
@@ -132,7 +103,7 @@ class Proxy:
         self.metrics = metrics
         self.clock = clock
         self.queues = queues
-        self.recent_decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=NUM_RECENT_DECISIONS)
+        self.recent_decisions = DecisionRing()
         self.outcomes_by_replica: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
     async def forward(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
@@ -155,12 +126,11 @@ class Proxy:
                 continue
             num_attempts += 1
             replica_id = decision.replica_id
-            on_blocks = preq.route.hash_tokens > 0  # then held as predicted until the replica's events say
-            # The text index records what was sent (warm on blocks too, should text take over).
-            self.tracker.prefixes.record(replica_id, preq.route.text_hashes if on_blocks else preq.route.prefix_hashes)
+            self.tracker.record_sent(replica_id, preq.route)
+            # On KV blocks the chain is held as predicted until the replica's events say.
             lease = self.tracker.start_attempt(replica_id, preq.route.prefix_hashes,
                                                preq.route.uncached_tokens(decision.predicted_match_chunks),
-                                               predict_blocks=on_blocks)
+                                               predict_blocks=preq.route.hash_tokens > 0)
             try:
                 return await self._attempt(request, preq, replica_id, decision, lease)
             except asyncio.CancelledError:  # the client went away (handler cancellation), at any point of the attempt
@@ -194,13 +164,9 @@ class Proxy:
         self.metrics.decision_seconds.labels(preq.route.model).observe(self.clock.now() - started)
         self.metrics.decisions.labels(preq.route.model, decision.reason.value).inc()
         if decision.reason is not Reason.NO_REPLICA:
-            self.recent_decisions.append({
-                "wall": self.clock.wall(), "model": preq.route.model, "adapter": preq.route.adapter,
-                "request_id": preq.request_id, "replica": decision.replica_id, "reason": decision.reason.value,
-                "attempt": attempt,
-                "predicted_match_chunks": decision.predicted_match_chunks, "load": decision.load,
-                "load_cap": decision.load_cap, "num_candidates": decision.num_candidates,
-                "excluded": sorted(excluded)})
+            self.recent_decisions.append(DecisionRecord.of(decision, preq.route, request_id=preq.request_id,
+                                                           attempt=attempt, excluded=excluded,
+                                                           wall=self.clock.wall()))
         return decision
 
     def forget_replicas(self, replica_ids: Iterable[str]) -> None:
@@ -299,45 +265,22 @@ class Proxy:
         if request.version < HttpVersion11:
             response.force_close()  # no chunked framing before HTTP/1.1: the stream ends with the connection
         relay = SseRelay()
+        error: TimeoutError | UpstreamError | None = None
         try:
             await response.prepare(request)
-            ttft_observed = False
-            chunk = first
-            while True:
-                out = relay.feed(chunk)
-                if relay.done:
-                    await response.write_eof(out)  # the last events and the chunked terminator in one write
-                elif out:
-                    await response.write(out)
-                if relay.first_token and not ttft_observed:
-                    # The prompt's prefill is over at the first token, not at the first event: a server
-                    # may open the stream with a role-only chunk before it has prefilled.
-                    ttft_observed = True
-                    lease.prefilled()
-                    self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
-                if relay.done:
-                    break
-                chunk = await upstream.read(preq.routing.stream_idle_timeout_s)
-                if not chunk:
-                    break
+            await self._relay(response, upstream, first, relay, preq, lease)
         except ConnectionResetError:  # the client went away: the caller's close() aborts the upstream
             self._count(model, replica_id, "client_gone")  # (seen as handler cancellation: counted in forward)
             return response
         except (TimeoutError, UpstreamError) as exc:
-            timed_out = isinstance(exc, TimeoutError)
+            error = exc
+        end = stream_end(relay.done, error, preq.routing.stream_idle_timeout_s)
+        self._count(model, replica_id, end.outcome)
+        if end.error_code is not None:
             self.tracker.report_failure(replica_id)
-            self._count(model, replica_id, "stream_idle_timeout" if timed_out else "broken_stream")
-            message = (f"the replica sent nothing for {preq.routing.stream_idle_timeout_s:g} s" if timed_out
-                       else f"the replica's stream broke: {exc}")
-            await self._end_with_error(response, message, "stream_idle_timeout" if timed_out else "stream_broken")
-            return response
-        if not relay.done:
-            self.tracker.report_failure(replica_id)
-            self._count(model, replica_id, "broken_stream")
-            await self._end_with_error(response, "the replica's stream ended before [DONE]", "stream_broken")
+            await self._end_with_error(response, end.message, end.error_code)
             return response
         self.tracker.report_success(replica_id)
-        self._count(model, replica_id, "success")
         self._learn(preq, replica_id, decision, relay.cached_tokens, relay.prompt_tokens)
         # What follows [DONE] is only the chunked terminator; reading it lets the connection return
         # to the pool instead of being dropped. Bounded, as the client already has everything.
@@ -345,15 +288,28 @@ class Proxy:
             await upstream.read_all(_DRAIN_AFTER_DONE_S)
         return response
 
-    @staticmethod
-    def _log_caching_judgement(replica_id: str, index: PrefixIndex) -> None:
-        """Once per flip of `PrefixIndex.caches`: operators see it in /admin/stats too."""
-        if index.caches():
-            log.info("replica %s realises cached tokens again: routing on its prefix cache", replica_id)
-        else:
-            log.warning("replica %s realised no cached tokens on its last %d predicted prefix hits: routing as if "
-                        "it keeps no prefix cache (is prefix caching on there?)", replica_id,
-                        index.num_recent_predicted_hits)
+    async def _relay(self, response: web.StreamResponse, upstream: UpstreamResponse, chunk: bytes,
+                     relay: SseRelay, preq: ProxyRequest, lease: AttemptLease) -> None:
+        """Pass the replica's bytes through `relay` to the client, from `chunk` on, until `[DONE]` or the end
+        of its body. Raises what the reads and writes raise."""
+        ttft_observed = False
+        while True:
+            out = relay.feed(chunk)
+            if relay.done:
+                await response.write_eof(out)  # the last events and the chunked terminator in one write
+            elif out:
+                await response.write(out)
+            if relay.first_token and not ttft_observed:
+                # The prompt's prefill is over at the first token, not at the first event: a server
+                # may open the stream with a role-only chunk before it has prefilled.
+                ttft_observed = True
+                lease.prefilled()
+                self.metrics.ttft_seconds.labels(preq.route.model).observe(self.clock.now() - preq.arrived_at)
+            if relay.done:
+                return
+            chunk = await upstream.read(preq.routing.stream_idle_timeout_s)
+            if not chunk:
+                return
 
     @staticmethod
     async def _end_with_error(response: web.StreamResponse, message: str, code: str) -> None:
@@ -364,39 +320,19 @@ class Proxy:
 
     def _learn(self, preq: ProxyRequest, replica_id: str, decision: RouteDecision, cached_tokens: int | None,
                prompt_tokens: int | None = None) -> None:
-        """Learn from the response's usage: the model's characters per token from prompt_tokens, then
-        predicted vs realised, correcting the prefix index from cached_tokens."""
-        model, route = preq.route.model, preq.route
-        if prompt_tokens is not None:
-            # More tokens than the text's bytes allow (plus a chat template's own) are not the text's: an image
-            # part, say. They would drag the model's characters per token down, so they teach nothing.
-            if prompt_tokens <= _MAX_TOKENS_PER_CHAR * route.num_prompt_chars + 4096:
-                self.tracker.learn_prompt_size(model, route.num_prompt_chars, prompt_tokens)
-            if route.hash_tokens and prompt_tokens != route.estimated_prompt_tokens:
-                self.tracker.tokens_disagree(model, replica_id)  # its hashes cannot match the engine's either
-        predicted = min(decision.predicted_match_chunks, len(route.prefix_hashes))
-        chars_per_token = self.tracker.chars_per_token_of(model)
-        if route.hash_tokens:  # exact counts
-            predicted_tokens = route.estimated_prompt_tokens - route.uncached_tokens(predicted)
-        else:
-            predicted_tokens = int(min(predicted * route.chunk_chars, route.num_prompt_chars) / chars_per_token)
-        self.metrics.prefix_predicted_tokens.labels(model).inc(predicted_tokens)
-        if cached_tokens is None:  # a replica that does not say (vLLM without --enable-prompt-tokens-details)
-            return
-        # No more of a prompt is cached than the prompt: what the replica counted, else the gateway's count.
-        cached_tokens = min(cached_tokens, route.estimated_prompt_tokens if prompt_tokens is None else prompt_tokens)
-        if route.hash_tokens:  # the replica's events, not this response, keep the index right
-            self.tracker.blocks.tally(replica_id, predicted_tokens, cached_tokens)
-        else:
-            index = self.tracker.prefixes.get(replica_id)
-            if index is not None:  # None: the replica was forgotten meanwhile
-                cached_before = index.caches()
-                index.correct(route.prefix_hashes, predicted, cached_tokens, chars_per_token)
-                if index.caches() != cached_before:
-                    self._log_caching_judgement(replica_id, index)
-        self.metrics.prefix_realised_tokens.labels(model).inc(cached_tokens)
-        self.metrics.prefix_reported_prompt_tokens.labels(model).inc(
-            route.estimated_prompt_tokens if prompt_tokens is None else prompt_tokens)
+        """Hand the answer's usage to the tracker to learn from (`router.outcomes`), then count predicted
+        against realised cached tokens and log a replica's caching judgement when it flips."""
+        model = preq.route.model
+        learnt = self.tracker.learn(replica_id, Answer(preq.route, decision.predicted_match_chunks,
+                                                       cached_tokens, prompt_tokens))
+        lesson = learnt.lesson
+        self.metrics.prefix_predicted_tokens.labels(model).inc(lesson.predicted_tokens)
+        if lesson.cached_tokens is not None:  # None: a replica that does not say (vLLM without
+            # --enable-prompt-tokens-details), so the realised rate is over the prompts that did
+            self.metrics.prefix_realised_tokens.labels(model).inc(lesson.cached_tokens)
+            self.metrics.prefix_reported_prompt_tokens.labels(model).inc(lesson.prompt_tokens)
+        if learnt.judgement is not None:
+            log.log(*caching_judgement_log(replica_id, learnt.judgement))
 
 
 class _EventStream(web.StreamResponse):

@@ -3,29 +3,19 @@
     registry static_replicas ─┐                           ┌─ kvgate backend: gRPC WatchState stream (load_readers.py)
     store.list_members() ─────┼─> TrackedReplica records ─┼─ vllm / sglang / member w/o gRPC: GET /metrics
        (every poll_interval_s)│   (one per replica,       └─ every replica: GET /health every health_interval_s
-    gateway attempts/reports ─┘    tracked_replica.py)
+    gateway attempts/reports ─┘    tracked_replica.py)     (probes.py)
                                         └──> view(model): frozen ReplicaStates for the policies
 
 Replica ids: a static replica's id is its URL; a member's id is its membership record's replica_id.
 Routable = a live member in state READY (static replicas always are), passing health checks, not
 ejected, and not draining (by membership or by its own stream).
 
-Membership is eventually consistent, and the data path must outlive the control path. A member that
-leaves the list while READY (its heartbeat lapsed: the autoscaler crashed, restarts, fails over to a standby
-after the lease TTL, or Redis restarted empty) stays tracked, and routable whenever it is, for up to
-`member_grace_s` or until it is listed again; Envoy treats hosts that leave service discovery the same way.
-A failed health check or an ejection takes it out of rotation as it would a listed replica; it is dropped
-after UNLISTED_DROP_AFTER_CHECKS failed checks in a row (a replica that is gone). A member that leaves while
-STARTING or DRAINING is dropped at once: the autoscaler marks a replica DRAINING before it stops it on
-scale-down, and publishes one it takes out for good without a drain (a replica that failed, a preempted or
-deleted node, one its provider no longer lists) DRAINING once more and lets that record lapse. An unreachable
-store changes nothing: the last known members and the static replicas stay, the poll goes on every
-`poll_interval_s`, and each failed poll logs one WARNING line naming the store and the error (a gateway started
-before its Redis says so once a second, not with a traceback); the first poll that works logs one INFO line.
-
-Ejection (passive): `eject_after_failures` failures reported in a row eject a replica for
-`eject_for_s`; after that it stays out until a health check passes (the probe), then takes traffic
-again. A failing health check marks a replica unhealthy at once; a passing one marks it healthy.
+The tracker is the shell: it reads the registry, the store and the probes, and acts on pure decisions:
+`router.membership` says which replicas exist and when a member that left the list is dropped,
+`router.health` when a replica is ejected and readmitted. An unreachable store changes nothing: the last
+known members and the static replicas stay, the poll goes on every `poll_interval_s`, and each failed poll
+logs one WARNING line naming the store and the error (a gateway started before its Redis says so once a
+second, not with a traceback); the first poll that works logs one INFO line.
 
 All state is changed synchronously on the event loop; background tasks only await I/O and then call
 the synchronous `_apply_*` methods, so no await ever happens half-way through a change.
@@ -38,30 +28,51 @@ import contextlib
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import aiohttp
 
 from kvgate.clock import Clock
 from kvgate.state.base import MemberRecord, StateStore, StateStoreError
 from kvgate.state.outage import Outage
-from kvgate.state.base import ReplicaState as MemberState
 from kvgate.registry.schema import Backend
 from kvgate.registry.snapshot import Snapshot
 from kvgate.router.block_index import BlockIndexes
 from kvgate.router.engine_tokenizers import EngineTokenizers, KvChain
-from kvgate.router.features import CharsPerToken
+from kvgate.router.features import CharsPerToken, RouteRequest
+from kvgate.router.outcomes import Answer, Learnt, text_chain
 from kvgate.router.prefix_index import PrefixIndexes
-from kvgate.router.load_readers import LoadReport, parse_metrics, replica_url, watch_stream
+from kvgate.router.health import Ejection, after_check, after_request, newly_ejected, readmitted
+from kvgate.router.load_readers import LoadReport, watch_stream
+from kvgate.router.membership import (ModelKnobs, ReplicaSource, Unlisted, Upsert, drop_reason, judge_unlisted,
+                                      member_sources, model_knobs, static_sources, upsert)
+from kvgate.router.probes import HttpTarget, health_loop, scrape_loop
 from kvgate.router.tracked_replica import REPLICA_STATES, AttemptLease, TrackedReplica
 from kvgate.router.upstream import header_safe
 from kvgate.router.view import InFlightChains, ReplicaView
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE_TOKENS = 16
-# A member kept after its membership record lapsed is dropped after this many failed health checks in a row
-# (~6 s at the default 2 s interval): one slow check, under load, must not drop a replica nothing re-adds.
-UNLISTED_DROP_AFTER_CHECKS = 3
+
+@dataclass(frozen=True)
+class TrackerSettings:
+    """The tracker's knobs."""
+
+    poll_interval_s: float = 1.0  # membership polls and /metrics scrapes
+    health_interval_s: float = 2.0  # GET /health of every replica
+    eject_after_failures: int = 3  # requests failed in a row that eject a replica (router.health)
+    eject_for_s: float = 10.0  # ... for this long, then until a health check passes
+    prefix_chunk_chars: int = 256  # the prefix index's cut for a replica whose model the registry does not declare
+    member_grace_s: float = 600.0  # how long a READY member that left the membership list is kept (router.membership)
+
+    @property
+    def ejection(self) -> Ejection:
+        return Ejection(self.eject_after_failures, self.eject_for_s)
+
+    @property
+    def probe_timeout_s(self) -> float:
+        """A probe or scrape never outlives its interval: a stalled replica is marked, not waited on."""
+        return max(0.2, min(self.health_interval_s, self.poll_interval_s, 5.0))
 
 
 def bearer_from_env(variable: str, url: str, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -79,23 +90,17 @@ class ReplicaTracker:
     """Tracks static and member replicas of every registry model; see the module docstring.
 
     Each replica's prefix index counts in its model's `routing.prefix_chunk_chars` (the size requests
-    are cut at), so capacities and `correct()` rounding match the hashes; `prefix_chunk_chars` is only
-    the fallback for a replica whose model the registry does not (or no longer) declare."""
+    are cut at), so capacities and `correct()` rounding match the hashes; `settings.prefix_chunk_chars` is
+    only the fallback for a replica whose model the registry does not (or no longer) declare."""
 
     def __init__(self, *, clock: Clock, store: StateStore | None = None, http: aiohttp.ClientSession | None = None,
-                 poll_interval_s: float = 1.0, health_interval_s: float = 2.0, eject_after_failures: int = 3,
-                 eject_for_s: float = 10.0, prefix_chunk_chars: int = 256, member_grace_s: float = 600.0) -> None:
+                 settings: TrackerSettings = TrackerSettings()) -> None:
         self._clock = clock
         self._store = store
         self._http = http
         self._owns_http = http is None
-        self._poll_interval_s = poll_interval_s
-        self._health_interval_s = health_interval_s
-        self._eject_after_failures = eject_after_failures
-        self._eject_for_s = eject_for_s
-        self._member_grace_s = member_grace_s
-        self._default_chunk_chars = prefix_chunk_chars
-        self.prefixes = PrefixIndexes(prefix_chunk_chars)
+        self._settings = settings
+        self.prefixes = PrefixIndexes(settings.prefix_chunk_chars)
         self.blocks = BlockIndexes()  # exact, from kvgate engines' KV block events
         self.in_flight_chains = InFlightChains()  # the prefix chains of requests in flight, per replica
         self.tokenizers = EngineTokenizers(clock, self._engines_of, self._source_of)  # per model: its KvChain
@@ -127,19 +132,17 @@ class ReplicaTracker:
     def update_registry(self, snapshot: Snapshot) -> None:
         """Hot reload: add and remove static replicas, refresh per-model knobs. Idempotent."""
         self._snapshot = snapshot
-        wanted: dict[str, tuple[str, Backend, str | None, str | None]] = {}
-        for name, doc in snapshot.models.items():
-            for static in doc.spec.routing.static_replicas:
-                wanted[static.url] = (name, static.backend, static.grpc_target, static.api_key_env)
+        wanted = static_sources(snapshot)
         for replica_id, tracked in list(self._replicas.items()):
             if tracked.member_state is None and replica_id not in wanted:
                 self._drop(replica_id)
-        for url, (model, backend, grpc_target, api_key_env) in wanted.items():
-            self._upsert(url, model, url, backend, grpc_target, None)
-            self._replicas[url].authorization = bearer_from_env(api_key_env, url) if api_key_env else None
+        for url, source in wanted.items():
+            self._upsert(source)
+            self._replicas[url].authorization = bearer_from_env(source.api_key_env, url) if source.api_key_env else None
         for tracked in self._replicas.values():
+            knobs = self._model_knobs(tracked.model)
             tracked.block_size_tokens, tracked.max_loaded_adapters, tracked.prefix_chunk_chars = (
-                self._model_knobs(tracked.model))
+                knobs.block_size_tokens, knobs.max_loaded_adapters, knobs.prefix_chunk_chars)
             self._ensure_index(tracked)
         self.tokenizers.after_reload()
         self._notify()
@@ -273,32 +276,51 @@ class ReplicaTracker:
         replicas' index capacities follow the new estimate at their next load report."""
         self._chars_per_token.setdefault(model, CharsPerToken()).observe(prompt_chars, prompt_tokens)
 
+    def record_sent(self, replica_id: str, route: RouteRequest) -> None:
+        """`route`'s request goes to the replica: its text index records the chain (`outcomes.text_chain`)."""
+        self.prefixes.record(replica_id, text_chain(route))
+
+    def learn(self, replica_id: str, answer: Answer) -> Learnt:
+        """Learn from the replica's answer (`router.outcomes`): the model's characters per token first, a
+        tokenizer that counts otherwise, then predicted vs realised cached tokens into the replica's index
+        (on KV blocks only tallied: the replica's events keep that index right)."""
+        model = answer.route.model
+        if answer.teaches_prompt_size and answer.prompt_tokens is not None:
+            self.learn_prompt_size(model, answer.route.num_prompt_chars, answer.prompt_tokens)
+        if answer.tokens_disagree:
+            self.tokens_disagree(model, replica_id)
+        lesson = answer.lesson(self.chars_per_token_of(model))
+        if lesson.cached_tokens is None:
+            return Learnt(lesson)
+        if answer.route.hash_tokens:
+            self.blocks.tally(replica_id, lesson.predicted_tokens, lesson.cached_tokens)
+            return Learnt(lesson)
+        return Learnt(lesson, self.prefixes.learn(replica_id, answer.route.prefix_hashes, lesson.predicted_chunks,
+                                                  lesson.cached_tokens, lesson.chars_per_token))
+
     def report_success(self, replica_id: str) -> None:
-        tracked = self._replicas.get(replica_id)
-        if tracked is not None:
-            tracked.consecutive_failures = 0
+        """A request there got its first byte: its run of failures ends."""
+        self._apply_request(replica_id, True)
 
     def report_failure(self, replica_id: str) -> None:
         """A request failed there (connect error, 5xx before the first byte). The Nth in a row ejects."""
+        self._apply_request(replica_id, False)
+
+    def _apply_request(self, replica_id: str, ok: bool) -> None:
         tracked = self._replicas.get(replica_id)
         if tracked is None:
             return
-        tracked.consecutive_failures += 1
-        if tracked.consecutive_failures >= self._eject_after_failures and tracked.ejected_until is None:
-            tracked.ejected_until = self._clock.now() + self._eject_for_s
+        before = tracked.health
+        tracked.health = after_request(before, ok, self._clock.now(), self._settings.ejection)
+        if newly_ejected(before, tracked.health):
             log.warning("replica %s ejected for %.1f s after %d failures in a row", replica_id,
-                        self._eject_for_s, tracked.consecutive_failures)
+                        self._settings.eject_for_s, tracked.health.consecutive_failures)
             self._notify()
 
     # ------------------------------------------------------------------------------ bookkeeping
 
-    def _model_knobs(self, model: str) -> tuple[int, int, int]:
-        """(block_size_tokens, max_loaded_adapters, prefix_chunk_chars) of a model."""
-        doc = self._snapshot.models.get(model) if self._snapshot is not None else None
-        if doc is None:
-            return DEFAULT_BLOCK_SIZE_TOKENS, 0, self._default_chunk_chars
-        return (doc.spec.engine.block_size_tokens, doc.spec.engine.max_loaded_adapters,
-                doc.spec.routing.prefix_chunk_chars)
+    def _model_knobs(self, model: str) -> ModelKnobs:
+        return model_knobs(self._snapshot, model, self._settings.prefix_chunk_chars)
 
     def _ensure_index(self, tracked: TrackedReplica) -> None:
         """Create or resize the replica's prefix index to its KV capacity in its model's chunks (none for a
@@ -312,20 +334,23 @@ class ReplicaTracker:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _upsert(self, replica_id: str, model: str, url: str, backend: Backend, grpc_target: str | None,
-                member_state: MemberState | None) -> None:
-        tracked = self._replicas.get(replica_id)
-        if tracked is not None and tracked.source_key == (url, backend, grpc_target) and tracked.model == model:
-            if tracked.member_state != member_state:
-                tracked.member_state = member_state
-                self._notify()
+    def _upsert(self, source: ReplicaSource) -> None:
+        """Track `source` as `membership.upsert` says: as it is, with a new state, or as a new record."""
+        tracked = self._replicas.get(source.replica_id)
+        change = upsert(tracked.source() if tracked is not None else None, source)
+        if change is Upsert.KEEP:
+            return
+        if tracked is not None and change is Upsert.STATE:
+            tracked.member_state = source.member_state
+            self._notify()
             return
         if tracked is not None:
-            self._drop(replica_id)
-        block_size, max_adapters, chunk_chars = self._model_knobs(model)
-        tracked = TrackedReplica(replica_id, model, url.rstrip("/"), backend, grpc_target, member_state,
-                           block_size, max_adapters, chunk_chars)
-        self._replicas[replica_id] = tracked
+            self._drop(source.replica_id)
+        knobs = self._model_knobs(source.model)
+        tracked = TrackedReplica(source.replica_id, source.model, source.url.rstrip("/"), source.backend,
+                                 source.grpc_target, source.member_state, knobs.block_size_tokens,
+                                 knobs.max_loaded_adapters, knobs.prefix_chunk_chars)
+        self._replicas[source.replica_id] = tracked
         self._sorted_by_model.clear()
         self._ensure_index(tracked)
         self._start_readers(tracked)
@@ -344,7 +369,9 @@ class ReplicaTracker:
         self._notify()
 
     def _start_readers(self, tracked: TrackedReplica) -> None:
+        """Its load reader (gRPC stream, /metrics scrape, or none for an openai server) and health checks."""
         rid = tracked.replica_id
+        target = HttpTarget(tracked.url, self._http_session, tracked.auth_headers, self._settings.probe_timeout_s)
         if tracked.grpc_target:
             tracked.tasks.append(asyncio.create_task(watch_stream(
                 tracked.grpc_target, self._clock, lambda report: self._apply_stream(rid, report),
@@ -352,14 +379,18 @@ class ReplicaTracker:
             self.tokenizers.want(tracked.model)
         elif tracked.backend is not Backend.OPENAI:
             # vllm, sglang, and members without a gRPC target (foreign backends) publish /metrics.
-            tracked.tasks.append(asyncio.create_task(self._scrape_loop(tracked), name=f"kvgate-scrape-{rid}"))
-        tracked.tasks.append(asyncio.create_task(self._health_loop(tracked), name=f"kvgate-health-{rid}"))
+            tracked.tasks.append(asyncio.create_task(scrape_loop(
+                target, self._clock, self._settings.poll_interval_s, lambda report: self._apply_load(rid, report)),
+                name=f"kvgate-scrape-{rid}"))
+        tracked.tasks.append(asyncio.create_task(health_loop(
+            target, self._clock, self._settings.health_interval_s, lambda ok: self._apply_health(rid, ok)),
+            name=f"kvgate-health-{rid}"))
 
     # ------------------------------------------------------------------------------ membership
 
     async def _member_loop(self) -> None:
         while True:
-            await self._clock.sleep(self._poll_interval_s)
+            await self._clock.sleep(self._settings.poll_interval_s)
             await self._poll_members()
 
     async def _poll_members(self) -> None:
@@ -370,7 +401,7 @@ class ReplicaTracker:
             self._store_outage.failed(self._clock.now())
             num_static = sum(1 for r in self._replicas.values() if r.member_state is None)
             what = (f"routing to {num_static} static and {len(self._replicas) - num_static} last known member "
-                    f"replica(s), next try in {self._poll_interval_s:g} s")
+                    f"replica(s), next try in {self._settings.poll_interval_s:g} s")
             if isinstance(exc, StateStoreError):  # expected (Redis down, starting, restarting): one line, no trace
                 log.warning("membership poll failed: %s; %s", exc, what)
             else:  # a bug: its traceback is what fixes it
@@ -385,13 +416,12 @@ class ReplicaTracker:
 
     def _apply_members(self, records: list[MemberRecord]) -> None:
         seen = set()
-        for record in records:
-            seen.add(record.replica_id)
-            backend = Backend.KVGATE if record.grpc_target else Backend.VLLM
-            self._upsert(record.replica_id, record.model, record.url, backend, record.grpc_target, record.state)
-            tracked = self._replicas[record.replica_id]
+        for source in member_sources(records):
+            seen.add(source.replica_id)
+            self._upsert(source)
+            tracked = self._replicas[source.replica_id]
             if tracked.unlisted_since is not None:
-                log.info("replica %s is listed again after %.1f s", record.replica_id,
+                log.info("replica %s is listed again after %.1f s", source.replica_id,
                          self._clock.now() - tracked.unlisted_since)
                 tracked.unlisted_since = None
         for replica_id, tracked in list(self._replicas.items()):
@@ -399,25 +429,19 @@ class ReplicaTracker:
                 self._unlisted(tracked)
 
     def _unlisted(self, tracked: TrackedReplica) -> None:
-        """A member missing from the membership list: kept while it was READY, is not draining, has not failed
-        UNLISTED_DROP_AFTER_CHECKS health checks in a row and `member_grace_s` has not run out since it went
-        missing; dropped otherwise (module docstring)."""
-        now = self._clock.now()
-        keep = (tracked.member_state is MemberState.READY and not tracked.draining
-                and tracked.failed_checks < UNLISTED_DROP_AFTER_CHECKS)
-        since = tracked.unlisted_since
-        if since is None and keep and self._member_grace_s > 0:
+        """A member missing from the membership list: kept or dropped as `membership.judge_unlisted` says."""
+        now, grace_s, standing = self._clock.now(), self._settings.member_grace_s, tracked.standing()
+        verdict = judge_unlisted(standing, now, grace_s)
+        if verdict is Unlisted.KEEP:
+            return
+        if verdict is Unlisted.START_GRACE:
             tracked.unlisted_since = now
             log.warning("replica %s left the membership list while serving; routing to it while its health "
-                        "checks pass, for up to %.0f s", tracked.replica_id, self._member_grace_s)
+                        "checks pass, for up to %.0f s", tracked.replica_id, grace_s)
             return
-        if since is not None and keep and now - since < self._member_grace_s:
-            return
-        if since is not None:
-            why = "grace over" if keep else "draining" if tracked.draining else (
-                f"{tracked.failed_checks} failed health checks in a row")
+        if standing.unlisted_since is not None:
             log.warning("replica %s dropped %.1f s after it left the membership list (%s)", tracked.replica_id,
-                        now - since, why)
+                        now - standing.unlisted_since, drop_reason(standing))
         self._drop(tracked.replica_id)
 
     def replica_counts(self) -> dict[tuple[str, str], int]:
@@ -482,56 +506,20 @@ class ReplicaTracker:
         doc = self._snapshot.models.get(model) if self._snapshot is not None else None
         return doc.spec.source if doc is not None else ""
 
-    async def _scrape_loop(self, tracked: TrackedReplica) -> None:
-        while True:
-            try:
-                url = replica_url(tracked.url, "/metrics")
-                async with self._http_session().get(url, timeout=self._timeout(),
-                                                     headers=tracked.auth_headers()) as response:
-                    text = await response.text() if response.status == 200 else None
-                if text is not None:
-                    self._apply_load(tracked.replica_id, parse_metrics(text))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the health check decides health; a failed scrape keeps the last load
-                log.debug("scrape %s/metrics failed: %r", tracked.url, exc)
-            await self._clock.sleep(self._poll_interval_s)
-
-    async def _health_loop(self, tracked: TrackedReplica) -> None:
-        while True:
-            try:
-                url = replica_url(tracked.url, "/health")
-                async with self._http_session().get(url, timeout=self._timeout(),
-                                                     headers=tracked.auth_headers()) as response:
-                    ok = response.status == 200
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.debug("health check %s failed: %r", tracked.url, exc)
-                ok = False
-            self._apply_health(tracked.replica_id, ok)
-            await self._clock.sleep(self._health_interval_s)
-
     def _apply_health(self, replica_id: str, ok: bool) -> None:
         tracked = self._replicas.get(replica_id)
         if tracked is None:
             return
-        before = tracked.accepts_requests
-        tracked.failed_checks = 0 if ok else tracked.failed_checks + 1
-        if ok and tracked.ejected_until is not None and self._clock.now() >= tracked.ejected_until:
+        before, was_routable = tracked.health, tracked.accepts_requests
+        tracked.health = after_check(before, ok, self._clock.now())
+        if readmitted(before, tracked.health):
             log.info("replica %s passed its probe after ejection", replica_id)
-            tracked.ejected_until = None
-            tracked.consecutive_failures = 0
-        if tracked.unlisted_since is not None and tracked.failed_checks >= UNLISTED_DROP_AFTER_CHECKS:
+        if tracked.standing().gone:
             self._unlisted(tracked)  # nothing lists it and it stopped answering: gone
-        elif tracked.accepts_requests != before:
+        elif tracked.accepts_requests != was_routable:
             self._notify()
 
     def _http_session(self) -> aiohttp.ClientSession:
         if self._http is None:
             raise RuntimeError("ReplicaTracker used before start()")
         return self._http
-
-    def _timeout(self) -> aiohttp.ClientTimeout:
-        # A probe or scrape never outlives its interval: a stalled replica is marked, not waited on.
-        return aiohttp.ClientTimeout(total=max(0.2, min(self._health_interval_s, self._poll_interval_s, 5.0)))

@@ -1,6 +1,7 @@
 """One replica as the gateway tracks it (`TrackedReplica`), and what one attempt counts there until it ends
 (`AttemptLease`). `router.replicas.ReplicaTracker` keeps the records; the view policies read is their
-frozen `ReplicaState`."""
+frozen `ReplicaState`. What decides membership and health is pure (`router.membership`, `router.health`):
+a record hands it frozen values (`source`, `standing`, `health`) and takes back the result."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from dataclasses import dataclass, field
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.registry.schema import Backend
 from kvgate.router.block_index import BlockIndex
+from kvgate.router.health import Health
 from kvgate.router.load_readers import LoadReport
+from kvgate.router.membership import ReplicaSource, Standing
 from kvgate.router.view import ChainHold, ReplicaState
 
 REPLICA_STATES = ("ready", "unlisted", "starting", "draining", "unhealthy")  # TrackedReplica.routing_state
@@ -38,14 +41,12 @@ class TrackedReplica:
     # served them and the load bound pushes a prefix hit elsewhere.
     num_ended_since_report: int = 0
     authorization: str | None = None  # the Authorization header value the replica asks of its clients
-    consecutive_failures: int = 0
-    failed_checks: int = 0  # health checks failed in a row; 0 until the first, so a READY member is routable at once
-    ejected_until: float | None = None  # set while ejected; cleared by a passing probe after it
+    health: Health = field(default_factory=Health)  # health checks and ejection (router.health)
     unlisted_since: float | None = None  # a READY member missing from the membership list since (clock)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # The ReplicaState last built, until a field changes (__setattr__ drops it): every request's view
     # reads each replica of its model, and all but the one or two it touched are as they were. At 64
-    # replicas, building them all anew took 230 us per request (docs/benchmarks.md).
+    # replicas, building them all anew took 230 us per request (loadtests/bench_routing_decision.py).
     _state: ReplicaState | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -53,20 +54,17 @@ class TrackedReplica:
         if name != "_state":
             object.__setattr__(self, "_state", None)
 
-    @property
-    def source_key(self) -> tuple[str, Backend, str | None]:
-        """What the readers were started for; a change restarts them."""
-        return (self.url, self.backend, self.grpc_target)
+    def source(self) -> ReplicaSource:
+        """What it was tracked as, for `membership.upsert`."""
+        return ReplicaSource(self.replica_id, self.model, self.url, self.backend, self.grpc_target, self.member_state)
 
-    @property
-    def health_ok(self) -> bool:
-        """Its last health check passed (or none has run yet)."""
-        return self.failed_checks == 0
+    def standing(self) -> Standing:
+        """What `membership.judge_unlisted` decides on."""
+        return Standing(self.member_state, self.draining, self.health.failed_checks, self.unlisted_since)
 
     @property
     def healthy(self) -> bool:
-        return (self.health_ok and self.ejected_until is None
-                and self.member_state in (None, MemberState.READY, MemberState.DRAINING))
+        return self.health.in_rotation and self.member_state in (None, MemberState.READY, MemberState.DRAINING)
 
     @property
     def draining(self) -> bool:

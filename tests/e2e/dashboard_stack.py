@@ -24,7 +24,7 @@ from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_
 from loadtests.sim_replica_model import SchedulerSpec
 from kvgate.registry.watch import RegistryWatcher
 from kvgate.router.app import GatewaySettings, build_app, gateway_runner
-from kvgate.router.replicas import ReplicaTracker
+from kvgate.router.replicas import ReplicaTracker, TrackerSettings
 
 MODEL = "tiny-llama"  # the name a `kvgate engine` on builtin:tiny-llama serves, so sims and engines mix
 ADAPTER = "sql"
@@ -125,8 +125,8 @@ async def dashboard_stack(tmp_path: Path, *, num_replicas: int = 2, admin_token:
                                                 state=ReplicaState.READY, node_id="node-b", pool="local"), ttl_s=600)
         (tmp_path / "registry.yaml").write_text(REGISTRY)
         watcher = await RegistryWatcher.open(tmp_path, clock)
-        tracker = ReplicaTracker(clock=clock, store=store, poll_interval_s=0.25, health_interval_s=5.0,
-                                 prefix_chunk_chars=64)
+        tracker = ReplicaTracker(clock=clock, store=store, settings=TrackerSettings(
+            poll_interval_s=0.25, health_interval_s=5.0, prefix_chunk_chars=64))
         settings = GatewaySettings(admin_token=admin_token, dashboard_sample_interval_s=sample_interval_s)
         runner = gateway_runner(build_app(settings, tracker, watcher, clock, store), shutdown_timeout_s=0.5)
         await runner.setup()

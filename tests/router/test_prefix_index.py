@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvgate.router.prefix_index import (CACHE_EVIDENCE_MIN, CACHE_EVIDENCE_WINDOW, DEFAULT_CAPACITY_CHUNKS,
-                                 MAX_CAPACITY_CHUNKS, PrefixIndex, PrefixIndexes, capacity_chunks)
+                                        MAX_CAPACITY_CHUNKS, CachingJudgement, PrefixIndex, PrefixIndexes,
+                                        capacity_chunks)
 from kvgate.router.view import CacheFill
 
 
@@ -130,6 +131,19 @@ def test_caching_is_assumed_until_enough_predicted_hits_realise_nothing_and_lear
         assert index.caches()
     index.correct(chain, 2, 0)  # ...until it leaves it
     assert not index.caches()
+
+
+def test_learn_returns_the_caching_judgement_only_when_an_answer_flips_it() -> None:
+    indexes = PrefixIndexes(chunk_chars=64)
+    chain = (1, 2)
+    indexes.record("r1", chain)
+    for _ in range(CACHE_EVIDENCE_MIN - 1):
+        assert indexes.learn("r1", chain, 2, 0) is None  # still assumed to cache
+    assert indexes.learn("r1", chain, 2, 0) == CachingJudgement(False, CACHE_EVIDENCE_MIN)
+    assert indexes.learn("r1", chain, 2, 0) is None  # judged already: said once
+    assert indexes.learn("r1", chain, 2, 16) == CachingJudgement(True, CACHE_EVIDENCE_MIN + 2)
+    assert indexes.get("r1").stats().realised_cached_tokens_total == 16  # and corrected as `correct` does
+    assert indexes.learn("gone", chain, 2, 0) is None  # a replica forgotten meanwhile
 
 
 def test_correct_keeps_predicted_vs_realised_counters() -> None:

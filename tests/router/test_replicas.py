@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio
 
 from kvgate.clock import Clock, FakeClock, RealClock
-from kvgate.state.base import MemberRecord
+from kvgate.state.base import MemberRecord, StateStore
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.memory import MemoryStateStore
 from kvgate.state.redis_store import RedisStateStore
@@ -24,9 +24,9 @@ from loadtests.sim_replica_model import SchedulerSpec
 from kvgate.registry.loader import load_registry
 from kvgate.registry.snapshot import Snapshot
 from kvgate.router.prefix_index import DEFAULT_CAPACITY_CHUNKS, capacity_chunks
-from kvgate.router.replicas import ReplicaTracker, bearer_from_env
+from kvgate.router.replicas import ReplicaTracker, TrackerSettings, bearer_from_env
 from kvgate.router.load_readers import LoadReport, parse_metrics, replica_url
-from tests.gateway_harness import eventually
+from tests.eventually import eventually
 
 FAST = {"poll_interval_s": 0.05, "health_interval_s": 0.05}
 
@@ -49,8 +49,9 @@ async def sim() -> AsyncIterator[SimReplicaServer]:
 
 
 @contextlib.asynccontextmanager
-async def tracking(snapshot: Snapshot, clock: Clock | None = None, **kwargs) -> AsyncIterator[ReplicaTracker]:
-    tracker = ReplicaTracker(clock=clock or RealClock(), **{**FAST, **kwargs})
+async def tracking(snapshot: Snapshot, clock: Clock | None = None, store: StateStore | None = None,
+                   **knobs) -> AsyncIterator[ReplicaTracker]:
+    tracker = ReplicaTracker(clock=clock or RealClock(), store=store, settings=TrackerSettings(**{**FAST, **knobs}))
     await tracker.start(snapshot)
     try:
         yield tracker
@@ -204,13 +205,13 @@ async def test_three_failures_in_a_row_eject_until_a_probe_after_eject_for_s(tmp
         tracker.report_failure(sim.url)
         assert not only(tracker).healthy and tracker.num_ready("m") == 0
         await clock.advance(5.0)  # probes pass, but the ejection has 5 s to go
-        await asyncio.sleep(0.1)
+        await eventually(lambda: clock.num_sleepers >= 2)  # the probes answered and the loops sleep again
         assert not only(tracker).healthy
-        for _ in range(50):  # a probe is real HTTP: give each one real time to answer before moving on
+        for _ in range(50):  # a probe is real HTTP: each one answers before time moves on
             if only(tracker).healthy:
                 break
             await clock.advance(1.0)
-            await asyncio.sleep(0.02)
+            await eventually(lambda: clock.num_sleepers >= 2)
         assert only(tracker).healthy and tracker.num_ready("m") == 1
         assert clock.now() <= 1_000.0 + 10.0 + 3.0  # probed back within a few health intervals of the end
 
@@ -365,7 +366,7 @@ async def test_an_unlisted_member_is_dropped_after_three_failed_health_checks_in
         await sim.close()  # the node went with the autoscaler
         for failed in (1, 2):
             await clock.advance(10.0)  # the next health check is refused
-            await eventually(lambda: tracker._replicas["m-1"].failed_checks == failed)
+            await eventually(lambda: tracker._replicas["m-1"].health.failed_checks == failed)
             assert tracker.num_ready("m") == 0 and tracker.unlisted_for_s("m-1") is not None
         await clock.advance(10.0)
         await eventually(lambda: tracker.view("m").replicas == ())
