@@ -35,7 +35,6 @@ import asyncio
 import datetime as dt
 import importlib.metadata
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -55,6 +54,7 @@ from kvgate.providers.base import (
     NotFound, Offering, OfferingKey, ProviderError, ProviderUnavailable, ReplicaHandle,
     ReplicaSpec, ReplicaState, check_quota, node_tags, offerings_from_pool,
 )
+from kvgate.providers.pool_provider import PoolProvider, Sleep
 from kvgate.registry.schema import AwsSettings, CapacityType, KvgateInstall, PoolSpec
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,6 @@ log = logging.getLogger(__name__)
 # the default image when the pool sets no aws.image_id.
 DEFAULT_AMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 _GONE = (NodeState.TERMINATING, NodeState.TERMINATED)
-
-Sleep = Callable[[float], Awaitable[None]]
 
 
 def installed_version() -> str:
@@ -76,7 +74,7 @@ def installed_version() -> str:
                             "version for new nodes is unknown; pass kvgate_version") from None
 
 
-class AwsProvider:
+class AwsProvider(PoolProvider):
     """One EC2 pool of one kvgate cluster (see the module docstring for how each call maps to EC2).
 
     `session` is a boto3 Session (credentials, profile; tests register botocore event hooks on it);
@@ -90,12 +88,9 @@ class AwsProvider:
                  drain_timeout_s: float = 30.0) -> None:
         if not spec.region:
             raise ProviderError(f"pool {pool_name!r}: provider 'aws' needs a region")
-        self._pool = pool_name
-        self._cluster = cluster
+        super().__init__(pool_name, cluster=cluster, clock=clock, sleep=sleep)
         self._spec = spec
         self._settings = spec.aws or AwsSettings()
-        self._clock = clock
-        self._sleep = sleep if sleep is not None else clock.sleep
         self._backoff = backoff
         self._pinned_version = kvgate_version
         self._stockout_ttl_s = stockout_ttl_s
@@ -125,14 +120,6 @@ class AwsProvider:
         if not install.index_url or install.version:
             return None
         return self._pinned_version or installed_version()
-
-    @property
-    def pool(self) -> str:
-        return self._pool
-
-    @property
-    def cluster(self) -> str:
-        return self._cluster
 
     # ------------------------------------------------------------------------------------- the calls
 

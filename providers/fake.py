@@ -31,6 +31,7 @@ from kvgate.clock import Clock
 from kvgate.providers.base import (CapacityType, InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState, NotFound,
                             Offering, OfferingKey, ProviderUnavailable, ReplicaHandle, ReplicaSpec,
                             ReplicaState, check_quota, node_tags, offerings_from_pool)
+from kvgate.providers.pool_provider import PoolProvider
 from kvgate.registry.schema import PoolSpec
 
 
@@ -66,7 +67,7 @@ class FakeCloud:
         return next(self._ids)  # type: ignore[call-overload]
 
 
-class FakeProvider:
+class FakeProvider(PoolProvider):
     """See the module docstring. `offerings` default to the pool spec's catalogue (region `region`)."""
 
     def __init__(self, pool_name: str, spec: PoolSpec | None = None, *, cluster: str, clock: Clock,
@@ -75,9 +76,7 @@ class FakeProvider:
                  terminate_latency_s: float = 0.0) -> None:
         if spec is None and offerings is None:
             raise ValueError("FakeProvider needs a pool spec or a list of offerings")
-        self._pool = pool_name
-        self._cluster = cluster
-        self._clock = clock
+        super().__init__(pool_name, cluster=cluster, clock=clock)
         self.cloud = cloud if cloud is not None else FakeCloud()
         catalogue = offerings if offerings is not None else offerings_from_pool(pool_name, spec, default_region=region)  # type: ignore[arg-type]
         self._catalogue: list[Offering] = list(catalogue)
@@ -140,14 +139,6 @@ class FakeProvider:
                 replica.fail_reason = replica.handle.reason
 
     # --------------------------------------------------------------------------------------- Provider
-
-    @property
-    def pool(self) -> str:
-        return self._pool
-
-    @property
-    def cluster(self) -> str:
-        return self._cluster
 
     async def offerings(self) -> list[Offering]:
         self._enter("offerings")

@@ -34,7 +34,7 @@ import asyncio
 import datetime as dt
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -56,11 +56,11 @@ from kvgate.providers.k8s_manifests import (
     replicas_patch, running_claims,
 )
 from kvgate.providers.k8s_pod_template import EnginePodTemplate
+from kvgate.providers.pool_provider import PoolProvider, Sleep
 from kvgate.registry.schema import CapacityType, KubernetesSettings, PoolSpec
 
 log = logging.getLogger(__name__)
 
-Sleep = Callable[[float], Awaitable[None]]
 MERGE_PATCH = "application/merge-patch+json"
 _LOWEST_DELETION_COST = str(-(2 ** 31))  # int32 minimum: removed before any other pod
 _CONFLICT_ATTEMPTS = 5  # read-modify-write rounds before a lost race becomes ProviderUnavailable
@@ -87,7 +87,7 @@ def api_client_for(settings: KubernetesSettings) -> Any:
                             "kubernetes.kubeconfig (and context), or run kvgate inside the cluster") from None
 
 
-class KubernetesProvider:
+class KubernetesProvider(PoolProvider):
     """One Kubernetes pool of one kvgate cluster (see the module docstring for the mapping).
 
     `api_client` overrides the client built from the pool's settings; `sleep` waits between retries
@@ -97,12 +97,9 @@ class KubernetesProvider:
     def __init__(self, pool_name: str, spec: PoolSpec, *, cluster: str, clock: Clock, api_client: Any | None = None,
                  sleep: Sleep | None = None, drain_timeout_s: float = 30.0, max_attempts: int = 4,
                  pod_template: EnginePodTemplate | None = None) -> None:
-        self._pool = pool_name
-        self._cluster = cluster
+        super().__init__(pool_name, cluster=cluster, clock=clock, sleep=sleep)
         self._spec = spec
         self._settings = spec.kubernetes or KubernetesSettings()
-        self._clock = clock
-        self._sleep = sleep if sleep is not None else clock.sleep
         self._max_attempts = max_attempts
         try:
             self._node_pool = NodePoolRef.parse(self._settings.node_pool) if self._settings.node_pool else None
@@ -118,14 +115,6 @@ class KubernetesProvider:
         self._core = k8s.CoreV1Api(self._api)
         self._custom = k8s.CustomObjectsApi(self._api)
         self._own_labels = {LABEL_CLUSTER: label_value(cluster), LABEL_POOL: label_value(pool_name)}
-
-    @property
-    def pool(self) -> str:
-        return self._pool
-
-    @property
-    def cluster(self) -> str:
-        return self._cluster
 
     @property
     def namespace(self) -> str:

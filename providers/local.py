@@ -37,6 +37,7 @@ from typing import Any
 from kvgate.clock import Clock
 from kvgate.providers.base import (Node, NodeClaim, NodeState, NotFound, Offering, ProviderError, QuotaExceeded,
                             ReplicaHandle, ReplicaSpec, ReplicaState, engine_args, node_tags, offerings_from_pool)
+from kvgate.providers.pool_provider import PoolProvider
 from kvgate.providers.local_proc import (describe_exit, free_port, http_status, is_alive, log_tail, our_group, proc_stat,
                                   reap, signal_group)
 from kvgate.registry.schema import CapacityType, LocalSettings, PoolSpec
@@ -47,7 +48,7 @@ _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _KILL_WAIT_S = 5.0  # most time a SIGKILLed process takes to be gone
 
 
-class LocalProvider:
+class LocalProvider(PoolProvider):
     """See the module docstring. `command` is what runs `kvgate engine` (default: this interpreter with
     `-m engine`); `cache_dir` is passed as --cache-dir (builtin model weights); `env` is added to the
     children's environment."""
@@ -57,10 +58,8 @@ class LocalProvider:
                  env: Mapping[str, str] | None = None, delete_drain_s: float = 5.0,
                  health_timeout_s: float = 0.5) -> None:
         settings = spec.local or LocalSettings()
-        self._pool = pool_name
+        super().__init__(pool_name, cluster=cluster, clock=clock)
         self._spec = spec
-        self._cluster = cluster
-        self._clock = clock
         self._host = settings.host
         self._slots = spec.max_nodes if spec.max_nodes is not None else 1
         self.work_dir = Path(settings.work_dir)
@@ -74,14 +73,6 @@ class LocalProvider:
         self._children: dict[str, subprocess.Popen[bytes]] = {}  # replicas this instance started: reaped here
         self._ready: set[str] = set()  # replicas seen healthy once: not probed again while their process lives
         self._adopted = False
-
-    @property
-    def pool(self) -> str:
-        return self._pool
-
-    @property
-    def cluster(self) -> str:
-        return self._cluster
 
     # ------------------------------------------------------------------------------------------ nodes
 

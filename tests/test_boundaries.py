@@ -2,8 +2,8 @@
 
 | folder | may import (of ours) |
 | registry/ | nothing |
-| engine/ | registry, kvgate.v1, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks |
-| router/ | registry, kvgate.v1, kvgate.state, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks |
+| engine/ | registry, kvgate.v1, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire |
+| router/ | registry, kvgate.v1, kvgate.state, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire |
 | autoscaler/ | registry, providers, kvgate.state, kvgate.clock |
 | providers/ | registry |
 | kvgate/ leaves (everything but cli.py and stack.py) | registry |
@@ -20,10 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Every part installs under the one import name `kvgate` (pyproject.toml's package-dir); a folder's
 # subpackage is `kvgate.<folder>`.
 SUBSYSTEMS = ("registry", "engine", "router", "autoscaler", "providers")
-LEAVES = ("kvgate.clock", "kvgate.state", "kvgate.v1", "kvgate.tokenizer", "kvgate.kv_blocks")
+LEAVES = ("kvgate.clock", "kvgate.state", "kvgate.v1", "kvgate.tokenizer", "kvgate.kv_blocks", "kvgate.openai_wire")
 # The engine and the gateway must tokenize and hash prompts identically (KV block events), so both
-# import the one tokenizer and block chain.
-SHARED_WITH_ENGINE = ("kvgate.tokenizer", "kvgate.kv_blocks")
+# import the one tokenizer and block chain; and both speak the one OpenAI wire shape (errors, JSON bodies).
+SHARED_WITH_ENGINE = ("kvgate.tokenizer", "kvgate.kv_blocks", "kvgate.openai_wire")
 ALLOWED = {
     "registry": {"kvgate.registry"},
     "engine": {"kvgate.engine", "kvgate.registry", "kvgate.v1", "kvgate.clock", *SHARED_WITH_ENGINE},

@@ -1,6 +1,6 @@
 """The replica server: the OpenAI API of one engine over HTTP (aiohttp on uvloop).
 
-    protocol.py  request bodies -> validated values, ApiError (pure)
+    protocol.py  request bodies -> validated values (pure); errors are kvgate.openai_wire's ApiError
     render.py    token deltas -> OpenAI responses and stream chunks (pure)
     context.py   settings, lifecycle (ready, draining) and what every handler shares
     serving.py   /v1/completions and /v1/chat/completions: generate, answer or stream

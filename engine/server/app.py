@@ -25,12 +25,8 @@ from kvgate.engine.sequence import SamplingParams
 from kvgate.engine.server import serving
 from kvgate.engine.server.context import CONTEXT, Lifecycle, ServerContext, ServerSettings
 from kvgate.engine.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvgate.engine.server.protocol import (
-    ApiError,
-    bad_request,
-    parse_load_adapter_request,
-    parse_unload_adapter_request,
-)
+from kvgate.engine.server.protocol import parse_load_adapter_request, parse_unload_adapter_request
+from kvgate.openai_wire import ApiError, bad_request, error_response
 
 log = logging.getLogger("kvgate.engine.server")
 
@@ -55,10 +51,6 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> web.Application:
     return app
 
 
-def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status, headers=error.headers)
-
-
 @web.middleware
 async def _errors_and_admission(request: web.Request,
                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -68,9 +60,7 @@ async def _errors_and_admission(request: web.Request,
         if request.path in _UNTRACKED_PATHS:
             return await handler(request)
         if lifecycle.draining:
-            response = error_response(_draining_error(request.app[CONTEXT].settings))
-            response.force_close()  # a client that keeps this connection would only get 503s here
-            return response
+            return error_response(_draining_error(request.app[CONTEXT].settings))
         task = asyncio.current_task()
         assert task is not None  # aiohttp runs every handler in a task
         lifecycle.admit(task)
@@ -97,7 +87,8 @@ async def _errors_and_admission(request: web.Request,
 def _draining_error(settings: ServerSettings) -> ApiError:
     return ApiError(503, "This replica is draining and accepts no new requests; retry on another replica",
                     type="ServiceUnavailableError", code="draining",
-                    headers={"Retry-After": str(settings.retry_after_s)})
+                    headers={"Retry-After": str(settings.retry_after_s)},
+                    close=True)  # a client that keeps this connection would only get 503s here
 
 
 async def _warm_up(app: web.Application) -> AsyncIterator[None]:

@@ -1,7 +1,8 @@
 """OpenAI request bodies -> our request values, with errors a client can act on.
 
-Pure functions over decoded JSON (no aiohttp, no engine, no I/O), so every rule is a table-driven
-test. The HTTP layer maps `ApiError` to an OpenAI error object once, at the edge:
+Pure functions over decoded JSON (no engine, no I/O), so every rule is a table-driven test. Refusals
+are `ApiError`s (`kvgate.openai_wire`, the shape the gateway shares); the HTTP layer renders each
+once, at the edge, as an OpenAI error object:
 
     {"error": {"message": "...", "type": "BadRequestError", "param": "max_tokens", "code": "invalid_type"}}
 
@@ -17,32 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.engine.sequence import SamplingParams
-from kvgate.tokenizer import NotJsonText, loads_json_text, lone_surrogate_in
+from kvgate.openai_wire import ApiError, BodyWording, bad_request, json_type, parse_json_body
 
 MAX_LOGPROBS = 20  # the sampler returns at most this many alternatives per token
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default, which vLLM keeps
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
-
-
-class ApiError(Exception):
-    """A request the server refuses, carrying everything the OpenAI error object needs."""
-
-    def __init__(self, status: int, message: str, *, type: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, type="BadRequestError", param=param, code=code)
+# The engine's words for a body that is not a JSON object, as its clients have seen them.
+_BODY_WORDING = BodyWording("The request body", "must be a JSON object; got {json_type}", "invalid_json")
 
 
 def model_not_found(name: str, known: tuple[str, ...]) -> ApiError:
@@ -107,16 +89,7 @@ class ChatRequest:
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object. Raises ApiError 400 for invalid JSON or another top-level type."""
-    try:
-        value = loads_json_text(raw)
-    except NotJsonText as exc:
-        raise bad_request(f"The request body is {exc}", code="invalid_json") from exc
-    if not isinstance(value, dict):
-        raise bad_request(f"The request body must be a JSON object; got {_json_type(value)}", code="invalid_json")
-    if lone_surrogate_in(raw, value):
-        raise bad_request("The request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not "
-                          "text", code="invalid_json")
-    return value
+    return parse_json_body(raw, _BODY_WORDING)
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
@@ -232,7 +205,7 @@ def _stream_fields(fields: _Fields) -> tuple[bool, bool]:
     if options is None:
         return stream, False
     if not isinstance(options, dict):
-        raise bad_request(f"stream_options must be an object; got {_json_type(options)}", "stream_options",
+        raise bad_request(f"stream_options must be an object; got {json_type(options)}", "stream_options",
                           code="invalid_type")
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -288,7 +261,7 @@ def _message(value: Any, where: str) -> ChatMessage:
     for j, part in enumerate(content):
         param = f"{where}.content[{j}]"
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+            kind = part.get("type") if isinstance(part, dict) else json_type(part)
             raise bad_request(f"{param} must be a text part {{\"type\": \"text\", \"text\": ...}}; got {kind!r} "
                               f"(this server takes text only)", param)
         texts.append(part["text"])
@@ -311,20 +284,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
 class _Fields:
     """Typed reads of a JSON object's keys; errors name the key (with `prefix` for nested objects)."""
 
@@ -336,7 +295,7 @@ class _Fields:
         return self.raw.get(key)
 
     def _wrong_type(self, key: str, value: Any, wanted: str) -> ApiError:
-        return bad_request(f"{self.prefix}{key} must be {wanted}; got {_json_type(value)}", self.prefix + key,
+        return bad_request(f"{self.prefix}{key} must be {wanted}; got {json_type(value)}", self.prefix + key,
                            code="invalid_type")
 
     def _out_of_range(self, key: str, value: Any, allowed: str) -> ApiError:

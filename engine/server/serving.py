@@ -32,8 +32,6 @@ from kvgate.engine.sequence import SamplingParams
 from kvgate.engine.server.context import CONTEXT, ServerContext
 from kvgate.engine.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
-    ApiError,
-    bad_request,
     body_too_large,
     parse_chat_request,
     parse_completion_request,
@@ -41,6 +39,7 @@ from kvgate.engine.server.protocol import (
     sampling_params,
 )
 from kvgate.engine.server.render import ChatRenderer, CompletionRenderer, Renderer, Usage
+from kvgate.openai_wire import ApiError, bad_request
 
 # What engine.generate raises for one request: before its first token (a refusal), or after.
 _ENGINE_REFUSALS = (ValueError, UnknownAdapter)

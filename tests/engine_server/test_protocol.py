@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from kvgate.engine.server.protocol import (
-    ApiError,
     ChatMessage,
     SamplingRequest,
     parse_chat_request,
@@ -14,6 +13,7 @@ from kvgate.engine.server.protocol import (
     parse_load_adapter_request,
     sampling_params,
 )
+from kvgate.openai_wire import ApiError
 
 COMPLETION = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

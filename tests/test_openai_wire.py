@@ -1,0 +1,73 @@
+"""The OpenAI wire shapes the engine and the gateway share: one error class, its answer, one body parser."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvgate.openai_wire import ApiError, BodyWording, bad_request, error_response, json_type, parse_json_body
+
+CAPITAL = BodyWording("The request body", "must be a JSON object; got {json_type}", "invalid_json")
+LOWER = BodyWording("the request body", "must be a JSON object, not {python_type}", "invalid_type")
+
+
+def refusal(raw: bytes, wording: BodyWording) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse_json_body(raw, wording)
+    return caught.value
+
+
+def test_a_json_object_body_is_returned_as_a_dict() -> None:
+    assert parse_json_body(b'{"model": "m", "n": [1, 2]}', CAPITAL) == {"model": "m", "n": [1, 2]}
+
+
+@pytest.mark.parametrize("wording,message,code", [
+    (CAPITAL, "The request body must be a JSON object; got an array", "invalid_json"),
+    (LOWER, "the request body must be a JSON object, not list", "invalid_type"),
+])
+def test_another_json_type_is_a_400_in_the_servers_own_words(wording, message, code) -> None:
+    error = refusal(b"[1, 2]", wording)
+    assert (error.status, error.type, error.param, error.code, error.message) == (
+        400, "BadRequestError", None, code, message)
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b"{not json", "is not valid JSON"),
+    (b'{"x": NaN}', "is not valid JSON"),
+    (b"[" * 2000 + b"]" * 2000, "is nested too deeply to parse"),
+    (b'{"content": "\\ud800"}', "holds a lone UTF-16 surrogate escape"),
+])
+def test_bytes_that_are_no_json_text_are_invalid_json_whatever_the_wording(raw, words) -> None:
+    for wording in (CAPITAL, LOWER):
+        error = refusal(raw, wording)
+        assert (error.status, error.code) == (400, "invalid_json")
+        assert error.message.startswith(f"{wording.subject} {words}")
+
+
+def test_the_error_body_is_an_openai_error_object() -> None:
+    error = bad_request("n must be 1", "n")
+    assert error.body() == {"error": {"message": "n must be 1", "type": "BadRequestError", "param": "n",
+                                      "code": "invalid_value"}}
+
+
+def test_the_answer_carries_the_status_headers_and_body() -> None:
+    error = ApiError(503, "busy", type="ServiceUnavailableError", code="no_capacity", headers={"Retry-After": "2"})
+    response = error_response(error)
+    assert (response.status, response.headers["Retry-After"], response.content_type) == (
+        503, "2", "application/json")
+    assert json.loads(response.text) == error.body()
+    assert response.keep_alive is None  # left to aiohttp: the connection may be reused
+
+
+def test_an_error_marked_close_ends_the_connection() -> None:
+    response = error_response(ApiError(408, "slow body", type="RequestTimeoutError", close=True))
+    assert response.keep_alive is False
+
+
+@pytest.mark.parametrize("value,name", [
+    (None, "null"), (True, "a boolean"), (3, "a number"), (1.5, "a number"), ("s", "a string"),
+    ([1], "an array"), ({}, "an object"),
+])
+def test_json_type_names_a_value_as_a_message_does(value, name) -> None:
+    assert json_type(value) == name
