@@ -5,6 +5,7 @@ routers read. No I/O and no clock reads; `now` is an argument.
 - `cold_start_s`: node boot plus model load, for the scaler's forecast horizon.
 - `member_record`: a provider's `ReplicaHandle` -> the `MemberRecord` routers watch.
 - `node_statuses`: nodes + replicas -> the dashboard's node rows.
+- `pending_claims_by_model`: claims with no listed node yet, per model (replicas on their way).
 - `Backoff`: exponential back-off of replica starts for a model whose replicas keep failing.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from kvgate.autoscaler.claims import ClaimRecord
 from kvgate.autoscaler.observe import GatewayTotals
 from kvgate.autoscaler.scaler import ModelObservation
 from kvgate.autoscaler.status import NodeStatus
@@ -88,7 +90,7 @@ def retired_record(replica: ReplicaHandle, pool: str | None) -> MemberRecord:
     """The record that takes `replica` out of routing for good (it failed, or its node is going): DRAINING,
     whatever the provider says of it. Gateways stop sending to a DRAINING member at their next poll and
     drop it as soon as its record goes; a READY record that merely vanished they keep while its health
-    checks pass (`router.replicas`: an autoscaler that lapses must not empty them)."""
+    checks pass (`router.membership`: an autoscaler that lapses must not empty them)."""
     return MemberRecord(replica_id=replica.id, model=replica.model, url=replica.url,
                         grpc_target=replica.grpc_target, state=MemberState.DRAINING, node_id=replica.node_id,
                         pool=pool)
@@ -126,3 +128,14 @@ class Backoff:
 def pools_of(nodes: Iterable[Node]) -> Mapping[str, str]:
     """node id -> pool."""
     return {node.id: node.pool for node in nodes}
+
+
+def pending_claims_by_model(nodes: Iterable[Node], claims: Iterable[ClaimRecord]) -> dict[str, int]:
+    """Claims whose node is not among `nodes` (bought or being bought, not listed yet), counted per model:
+    each will boot a replica, so the scaler counts them as starting."""
+    listed = {node.id for node in nodes}
+    pending: dict[str, int] = {}
+    for record in claims:
+        if record.node_id not in listed and record.claim.model:
+            pending[record.claim.model] = pending.get(record.claim.model, 0) + 1
+    return pending

@@ -40,12 +40,13 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvgate.autoscaler.claims import ClaimConflict, ClaimStore
-from kvgate.autoscaler.fleet import (Backoff, autoscaled_models, cold_start_s, member_record, model_observation, node_statuses,
-                             retired_record)
-from kvgate.autoscaler.observe import read_gateway_totals
+from kvgate.autoscaler.fleet import (Backoff, autoscaled_models, cold_start_s, member_record, model_observation,
+                                    node_statuses, pending_claims_by_model, pools_of, retired_record)
+from kvgate.autoscaler.members import MemberPublisher
+from kvgate.autoscaler.observe import GatewayTotals, read_gateway_totals
 from kvgate.autoscaler.planner import (
     CreateNode,
     DeleteNode,
@@ -67,7 +68,7 @@ from kvgate.autoscaler.settings import (  # re-exported: the loop's public surfa
     default_holder,
     provider_factory_for,
 )
-from kvgate.autoscaler.scaler import ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
+from kvgate.autoscaler.scaler import ModelObservation, ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
 from kvgate.autoscaler.status import (
     STATUS_COLLECTION,
     STATUS_ID,
@@ -80,9 +81,10 @@ from kvgate.autoscaler.status import (
     cost_per_hour,
 )
 from kvgate.clock import Clock
-from kvgate.state import MemberRecord, StateStore, StateStoreError
-from kvgate.state import ReplicaState as MemberState
+from kvgate.state import StateStore, StateStoreError
 from kvgate.state.outage import Outage
+from kvgate.state.records import MALFORMED, read_status
+from kvgate.state.schema import SkippedRecords
 from kvgate.providers.base import NodeState, Offering, Provider, ProviderError, ReplicaHandle, ReplicaState, replica_spec_for
 from kvgate.registry.snapshot import Snapshot
 
@@ -113,6 +115,19 @@ class _Draining:
     # stop_replica waits up to drain_timeout_s for in-flight requests, so it runs beside the loop
     # (a 30 s drain must not freeze scaling for every other model); None until started.
     task: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Tick:
+    """What one tick took stock of before deciding; the later steps of the tick read it."""
+
+    snapshot: Snapshot
+    fleet: Fleet
+    pool_of: Mapping[str, str]  # node id -> pool, of the nodes listed this tick
+    stopped: set[str]  # replicas whose drain ended this tick: they may still be in this tick's listing
+    now: float  # monotonic seconds
+    wall: float  # wall-clock seconds (claims and the planner's stockout memory use it)
+    events: list[Event]  # this tick's events so far; the steps append to it
 
 
 class Autoscaler:
@@ -154,8 +169,7 @@ class Autoscaler:
         self._failed_seen: set[str] = set()  # failed replicas already reported (and backed off)
         self._preempted_seen: set[str] = set()  # interrupted nodes already reported
         self._draining: dict[str, _Draining] = {}
-        self._published: dict[str, MemberRecord] = {}  # replica id -> the record this term last put out
-        self._retired_this_tick: set[str] = set()  # replicas retired (published DRAINING) in the tick running now
+        self._members = MemberPublisher(self._store, self.settings.member_ttl_s)
         self._offerings: dict[str, tuple[float, list[Offering]]] = {}
         self._events: tuple[Event, ...] = ()
         self._unschedulable: dict[str, str] = {}
@@ -163,6 +177,7 @@ class Autoscaler:
         self._cost_rate = 0.0
         self._last_tick: float | None = None
         self._fresh_term = True
+        self._skipped = SkippedRecords(log)  # records written by a newer release: said once each
 
     @property
     def providers(self) -> Mapping[str, Provider]:
@@ -208,12 +223,12 @@ class Autoscaler:
         async def stop(replica: ReplicaHandle) -> None:
             # DRAINING while it finishes what it holds: gateways send it nothing new (the record may lapse
             # before a long stop ends; gateways drop a DRAINING member whose record goes).
-            await self._retire(retired_record(replica, pool_of[replica.node_id]))
+            await self._members.retire(retired_record(replica, pool_of[replica.node_id]))
             try:
                 await self._providers[pool_of[replica.node_id]].stop_replica(replica.id, self.settings.drain_timeout_s)
             except ProviderError as exc:
                 events.append(self._event(replica.model, EventKind.PROVIDER_ERROR, f"stop {replica.id}: {exc}"))
-            await self._unpublish(replica.id)
+            await self._members.unpublish(replica.id)
 
         await asyncio.gather(*(stop(r) for r in fleet.replicas if r.node_id in pool_of))
         for node in fleet.nodes:
@@ -263,8 +278,26 @@ class Autoscaler:
             return TickReport(leader=True, events=tuple(events), error=f"{type(exc).__name__}: {exc}")
 
     async def _lead(self, events: list[Event]) -> TickReport:
+        self._members.new_tick()
+        tick = await self._take_stock(events)
+        read = await read_gateway_totals(self._store, tick.wall, self.settings.observation_max_age_s, self._skipped)
+        decisions, observations = self._decide_models(tick, read.totals)
+        actions: list[NodeAction] = []
+        just_started: set[str] = set()
+        if tick.fleet.unreachable_pools:
+            log.warning("not planning: pools %s could not be listed", ", ".join(tick.fleet.unreachable_pools))
+        else:
+            actions = await self._plan(tick, decisions)
+            just_started = await self._act(tick, actions)
+        await self._members.publish(tick.fleet, tick.pool_of, just_started=just_started, stopped=tick.stopped,
+                                    draining=self._draining)
+        self._events = append_events(self._events, events)
+        await self._write_status(tick.fleet, decisions, observations, tick.now, tick.wall)
+        return TickReport(leader=True, actions=tuple(actions), decisions=decisions, events=tuple(events))
+
+    async def _take_stock(self, events: list[Event]) -> _Tick:
+        """Reconcile: what runs now, after repairing claims, retiring failed replicas and ending drains."""
         now, wall = self._clock.now(), self._clock.wall()
-        self._retired_this_tick = set()
         snapshot = self._snapshots.current
         self._ensure_providers(snapshot, events)
         if self._fresh_term:
@@ -274,71 +307,71 @@ class Autoscaler:
         for exc in fleet.insufficient:
             self._planner = note_insufficient_capacity(self._planner, exc.offering, wall,
                                                        self.settings.planner.ice_ttl_s)
-        pool_of = {node.id: node.pool for node in fleet.nodes}
+        pool_of = pools_of(fleet.nodes)
         await self._handle_failed(fleet, pool_of, now, events)
         stopped = await self._finish_drains(now, events)  # may still be in this tick's listing: skip them
         if self._fresh_term:
-            await self._drop_stale_members(fleet)
+            await self._members.drop_stale(fleet, self._providers)
             self._fresh_term = False
+        return _Tick(snapshot, fleet, pool_of, stopped, now, wall, events)
 
-        read = await read_gateway_totals(self._store, wall, self.settings.observation_max_age_s)
-        pending_by_model: dict[str, int] = {}
-        listed = set(pool_of)
-        for record in fleet.claims.values():
-            if record.node_id not in listed and record.claim.model:
-                pending_by_model[record.claim.model] = pending_by_model.get(record.claim.model, 0) + 1
+    def _decide_models(self, tick: _Tick, totals: Mapping[str, GatewayTotals],
+                         ) -> tuple[dict[str, ReplicaDecision], dict[str, ModelObservation]]:
+        """`decide_replicas` for every autoscaled model; an event for each count that changed."""
+        pending_by_model = pending_claims_by_model(tick.fleet.nodes, tick.fleet.claims.values())
         draining = frozenset(self._draining)
         decisions: dict[str, ReplicaDecision] = {}
-        observations = {}
-        for name in autoscaled_models(snapshot):
-            doc = snapshot.models[name]
-            obs = model_observation(name, read.totals.get(name), fleet.replicas, draining,
+        observations: dict[str, ModelObservation] = {}
+        for name in autoscaled_models(tick.snapshot):
+            doc = tick.snapshot.models[name]
+            obs = model_observation(name, totals.get(name), tick.fleet.replicas, draining,
                                     pending_by_model.get(name, 0))
-            spec = ScalerSpec.of(doc, cold_start_s(snapshot, doc))
+            spec = ScalerSpec.of(doc, cold_start_s(tick.snapshot, doc))
             previous = self._scaler.get(name)
-            self._scaler[name], decision = decide_replicas(spec, previous or ScalerState(), obs, now)
+            self._scaler[name], decision = decide_replicas(spec, previous or ScalerState(), obs, tick.now)
             decisions[name], observations[name] = decision, obs
             before = (previous.desired if previous is not None and previous.desired is not None
                       else obs.ready_replicas + obs.starting_replicas)
             if decision.desired != before:
                 kind = EventKind.SCALE_UP if decision.desired > before else EventKind.SCALE_DOWN
-                events.append(self._event(name, kind, f"{before} -> {decision.desired}: {decision.reason}"))
+                tick.events.append(self._event(name, kind, f"{before} -> {decision.desired}: {decision.reason}"))
+        return decisions, observations
 
-        actions: list[NodeAction] = []
+    async def _plan(self, tick: _Tick, decisions: Mapping[str, ReplicaDecision]) -> list[NodeAction]:
+        """`plan_nodes` over the whole fleet; draining and just-stopped replicas are left out of its view."""
+        fleet = tick.fleet
+        inputs = PlannerInputs(
+            snapshot=tick.snapshot, desired={name: d.desired for name, d in decisions.items()},
+            nodes=fleet.nodes,
+            replicas=tuple(r for r in fleet.replicas
+                           if r.id not in self._draining and r.id not in tick.stopped
+                           and r.state in (ReplicaState.STARTING, ReplicaState.READY)),
+            offerings=tuple(await self._all_offerings(tick.now, tick.events)),
+            claims=tuple(r.claim for r in fleet.claims.values() if r.node_id not in tick.pool_of),
+            settings=self.settings.planner, id_prefix=self.id_prefix)
+        self._planner, actions = plan_nodes(inputs, self._planner, tick.wall)
+        unschedulable = {a.model for a in actions if isinstance(a, Unschedulable)}
+        self._unschedulable = {m: r for m, r in self._unschedulable.items() if m in unschedulable}
+        return actions
+
+    async def _act(self, tick: _Tick, actions: list[NodeAction]) -> set[str]:
+        """Perform the planner's actions in order; returns the ids of the replicas started."""
         just_started: set[str] = set()
-        if fleet.unreachable_pools:
-            log.warning("not planning: pools %s could not be listed", ", ".join(fleet.unreachable_pools))
-        else:
-            inputs = PlannerInputs(
-                snapshot=snapshot, desired={name: d.desired for name, d in decisions.items()},
-                nodes=fleet.nodes,
-                replicas=tuple(r for r in fleet.replicas
-                               if r.id not in self._draining and r.id not in stopped
-                               and r.state in (ReplicaState.STARTING, ReplicaState.READY)),
-                offerings=tuple(await self._all_offerings(now, events)),
-                claims=tuple(r.claim for r in fleet.claims.values() if r.node_id not in listed),
-                settings=self.settings.planner, id_prefix=self.id_prefix)
-            self._planner, actions = plan_nodes(inputs, self._planner, wall)
-            unschedulable = {a.model for a in actions if isinstance(a, Unschedulable)}
-            self._unschedulable = {m: r for m, r in self._unschedulable.items() if m in unschedulable}
-            renewed_at = now
-            for action in actions:
-                if self._clock.now() - renewed_at >= self.settings.lease_ttl_s / 3:
-                    # Slow provider calls: renew before acting further, and stop acting if another
-                    # autoscaler took over meanwhile (two leaders must never buy at once).
-                    if not await self._store.acquire_lease(LEASE_NAME, self.holder, self.settings.lease_ttl_s):
-                        log.warning("lease lost during a tick; %d action(s) left to the new leader",
-                                    len(actions) - actions.index(action))
-                        break
-                    renewed_at = self._clock.now()
-                started = await self._perform(action, snapshot, fleet, now, wall, events, stopped)
-                if started is not None:
-                    just_started.add(started)
-
-        await self._publish_members(fleet, pool_of, just_started, stopped)
-        self._events = append_events(self._events, events)
-        await self._write_status(fleet, decisions, observations, now, wall)
-        return TickReport(leader=True, actions=tuple(actions), decisions=decisions, events=tuple(events))
+        renewed_at = tick.now
+        for action in actions:
+            if self._clock.now() - renewed_at >= self.settings.lease_ttl_s / 3:
+                # Slow provider calls: renew before acting further, and stop acting if another
+                # autoscaler took over meanwhile (two leaders must never buy at once).
+                if not await self._store.acquire_lease(LEASE_NAME, self.holder, self.settings.lease_ttl_s):
+                    log.warning("lease lost during a tick; %d action(s) left to the new leader",
+                                len(actions) - actions.index(action))
+                    break
+                renewed_at = self._clock.now()
+            started = await self._perform(action, tick.snapshot, tick.fleet, tick.now, tick.wall, tick.events,
+                                          tick.stopped)
+            if started is not None:
+                just_started.add(started)
+        return just_started
 
     # -- actions ---------------------------------------------------------------------------------
 
@@ -372,7 +405,7 @@ class Autoscaler:
                     continue
                 if replica.state in (ReplicaState.STARTING, ReplicaState.READY) and replica.id not in stopped:
                     # FAILED ones were retired by _handle_failed; stopped ones were drained first.
-                    await self._retire(retired_record(replica, node.pool if node is not None else None))
+                    await self._members.retire(retired_record(replica, node.pool if node is not None else None))
                 self._forget_drain(replica.id)
             try:
                 events.extend(await self._reconciler.delete_node(action.node_id, fleet, action.reason))
@@ -416,8 +449,7 @@ class Autoscaler:
                                   f"{handle.id} on {node.id} ({node.instance_type}): {action.reason}"))
         record = member_record(handle, node.pool, draining=False)
         if record is not None:
-            await self._store.put_member(record, self.settings.member_ttl_s)
-            self._published[handle.id] = record
+            await self._members.put(record)
         return handle.id
 
     async def _handle_failed(self, fleet: Fleet, pool_of: Mapping[str, str], now: float,
@@ -437,7 +469,7 @@ class Autoscaler:
             if replica.state is not ReplicaState.FAILED or replica.id in self._failed_seen:
                 continue
             self._failed_seen.add(replica.id)  # pruned below once the provider stops listing it
-            await self._retire(retired_record(replica, pool_of.get(replica.node_id)))
+            await self._members.retire(retired_record(replica, pool_of.get(replica.node_id)))
             self._forget_drain(replica.id)
             if replica.node_id in interrupted:
                 continue  # the node was preempted: not the replica's fault, no back-off
@@ -476,7 +508,7 @@ class Autoscaler:
                 continue
             del self._draining[replica_id]
             stopped.add(replica_id)
-            await self._unpublish(replica_id)
+            await self._members.unpublish(replica_id)
             events.append(self._event(entry.replica.model, EventKind.REPLICA_STOP, f"stopped {replica_id}"))
         return stopped
 
@@ -487,62 +519,15 @@ class Autoscaler:
 
     # -- publishing ------------------------------------------------------------------------------
 
-    async def _publish_members(self, fleet: Fleet, pool_of: Mapping[str, str], just_started: set[str],
-                               stopped: set[str]) -> None:
-        # Replicas started this tick are not in this tick's listing; their record is already out.
-        present = set(just_started)
-        for replica in fleet.replicas:
-            if replica.id in stopped or replica.id in self._retired_this_tick:
-                continue
-            record = member_record(replica, pool_of.get(replica.node_id), draining=replica.id in self._draining)
-            if record is None:
-                continue
-            present.add(replica.id)
-            await self._store.put_member(record, self.settings.member_ttl_s)
-            self._published[replica.id] = record
-        for gone in sorted(self._published.keys() - present):
-            last = self._published[gone]
-            if last.pool in fleet.unreachable_pools:
-                continue  # not listed this tick, not known gone: the record stays until it is, or lapses
-            await self._retire(replace(last, state=MemberState.DRAINING))  # the provider no longer lists it
-
-    async def _retire(self, record: MemberRecord) -> None:
-        """Take a replica out of routing for good: its record, DRAINING, is put out once more for
-        `member_ttl_s` and left to lapse. Gateways stop sending to it at their next poll and drop it when
-        the record goes. Removing a READY record instead would leave it in rotation until its health
-        checks fail, since gateways keep a READY member whose record merely vanished (`router.replicas`)."""
-        await self._store.put_member(record, self.settings.member_ttl_s)
-        self._published.pop(record.replica_id, None)  # not renewed: it lapses
-        self._retired_this_tick.add(record.replica_id)  # nor put out again by this tick's (older) listing
-
-    async def _unpublish(self, replica_id: str) -> None:
-        """Remove the record now: for a replica whose drain has ended (gateways saw it DRAINING)."""
-        await self._store.remove_member(replica_id)
-        self._published.pop(replica_id, None)
-
-    async def _drop_stale_members(self, fleet: Fleet) -> None:
-        # A previous leader may have left records out for replicas that are gone since: retire them now
-        # rather than at their TTL. Only our pools' records, and only of pools listed this tick.
-        live = {r.id for r in fleet.replicas}
-        for member in await self._store.list_members():
-            if (member.pool in self._providers and member.pool not in fleet.unreachable_pools
-                    and member.replica_id not in live):
-                if member.state is MemberState.DRAINING:
-                    await self._unpublish(member.replica_id)
-                else:
-                    await self._retire(replace(member, state=MemberState.DRAINING))
-
     async def _resume_status(self) -> None:
         # The dashboard's running cost and event log continue across leaders.
-        previous = await self._store.get_record(STATUS_COLLECTION, STATUS_ID)
-        if previous is None:
-            return
         try:
-            self._cost_total = float(previous.data.get("cost_usd_total", 0.0))
-            self._events = tuple(Event(float(e["t"]), e.get("model"), EventKind(e["kind"]), str(e["message"]))
-                                 for e in previous.data.get("events", ()))
-        except (KeyError, TypeError, ValueError):
+            previous = await read_status(self._store, self._skipped)
+        except MALFORMED:
             self._cost_total, self._events = 0.0, ()
+            return
+        if previous is not None:
+            self._cost_total, self._events = previous.cost_usd_total, previous.events
 
     async def _write_status(self, fleet: Fleet, decisions: Mapping[str, ReplicaDecision],
                             observations: Mapping, now: float, wall: float) -> None:
@@ -562,9 +547,9 @@ class Autoscaler:
                                        starting=obs.starting_replicas, panic=decision.panic,
                                        forecast_rps=decision.forecast_rps, arrivals_per_s=obs.arrivals_per_s,
                                        queued=obs.queued_at_gateways, reason=reason)
-        data = build_status(updated_at=wall, holder=self.holder, models=models, events=self._events,
-                            nodes=nodes, cost_usd_total=self._cost_total)
-        await self._store.put_record(STATUS_COLLECTION, STATUS_ID, data)
+        status = build_status(updated_at=wall, holder=self.holder, models=models, events=self._events,
+                              nodes=nodes, cost_usd_total=self._cost_total)
+        await self._store.put_record(STATUS_COLLECTION, STATUS_ID, status.to_json())
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -101,6 +101,16 @@ class _Round:
     insufficient: list[InsufficientCapacity] = field(default_factory=list)
 
 
+def _nodes_by_claim(listed: Mapping[str, list[Node]]) -> dict[str, list[Node]]:
+    """The listed nodes that are not TERMINATED, grouped by the claim id they are tagged with."""
+    by_claim: dict[str, list[Node]] = {}
+    for nodes in listed.values():
+        for node in nodes:
+            if node.state is not NodeState.TERMINATED:
+                by_claim.setdefault(node.claim_id, []).append(node)
+    return by_claim
+
+
 class Reconciler:
     """Crash-safe node actuation over `providers` (one per pool, keyed by pool name).
 
@@ -126,6 +136,31 @@ class Reconciler:
         what is now there. Provider errors on one claim or node are logged as events and left for
         the next round; they do not stop the round."""
         scratch = _Round()
+        listed, unreachable = await self._list_nodes(scratch)
+        records, ledger_kept = await self._claims.read()  # after the node lists; claims and ledger in one read
+        claims = {record.claim_id: record for record in records}
+        nodes_by_claim = _nodes_by_claim(listed)
+        live: list[Node] = []
+        for claim_id, nodes in sorted(nodes_by_claim.items()):
+            kept = await self._repair_listed(claim_id, nodes, claims, ledger_kept, scratch)
+            if kept is not None:
+                live.append(kept)
+        for claim_id, record in sorted(claims.items()):
+            if claim_id in nodes_by_claim or record.claim.pool not in listed:
+                continue  # has a node, or its pool is unreachable/unknown: leave it for a later round
+            created = await self._repair_unlisted(record, claims, scratch)
+            if created is not None:
+                live.append(created)
+        if not ledger_kept and not unreachable:
+            await self._claims.keep_ledger(self._clock.wall())
+        replicas = await self._list_replicas(sorted(listed), unreachable, scratch)
+        return Fleet(nodes=tuple(sorted(live, key=lambda n: n.id)),
+                     replicas=tuple(sorted(replicas, key=lambda r: r.id)),
+                     claims=dict(claims), unreachable_pools=tuple(sorted(unreachable)),
+                     events=tuple(scratch.events), insufficient=tuple(scratch.insufficient))
+
+    async def _list_nodes(self, scratch: _Round) -> tuple[dict[str, list[Node]], list[str]]:
+        """Every pool's nodes, by pool, and the pools that could not be listed."""
         listed: dict[str, list[Node]] = {}
         unreachable: list[str] = []
         for pool, provider in sorted(self._providers.items()):
@@ -134,72 +169,70 @@ class Reconciler:
             except ProviderError as exc:
                 unreachable.append(pool)
                 scratch.events.append(self._event(None, EventKind.PROVIDER_ERROR, f"pool {pool}: list failed: {exc}"))
-        records, ledger_kept = await self._claims.read()  # after the node lists; claims and ledger in one read
-        claims = {record.claim_id: record for record in records}
-        live: list[Node] = []
-        nodes_by_claim: dict[str, list[Node]] = {}
-        for nodes in listed.values():
-            for node in nodes:
-                if node.state is not NodeState.TERMINATED:
-                    nodes_by_claim.setdefault(node.claim_id, []).append(node)
-        for claim_id, nodes in sorted(nodes_by_claim.items()):
-            record = claims.get(claim_id)
-            keep = next((n for n in nodes if n.state is not NodeState.TERMINATING), None)
-            if record is None and not ledger_kept and keep is not None:  # a node going away is not kept
-                record = claims[claim_id] = await self._adopt_unclaimed(keep, scratch)
-                nodes = [keep, *(n for n in nodes if n is not keep)]
-            for extra in nodes[1:] if record is not None else ():
-                # Never expected (create is idempotent), but if a provider broke that promise the
-                # extra node is untracked: release it rather than pay for it.
-                await self._release_orphan(extra, scratch, why="a second node for one claim")
-            node = nodes[0]
-            if record is None:
-                for orphan in nodes:
-                    if orphan.state is not NodeState.TERMINATING:  # already going: asking again is noise
-                        await self._release_orphan(orphan, scratch, why="no claim")
-            elif record.phase is ClaimPhase.PENDING:
-                claims[claim_id] = await self._claims.confirm(record, node.id, self._clock.wall())
-                scratch.events.append(self._event(node.model, EventKind.NODE_ADOPTED,
-                                                  f"adopted node {node.id} of pending claim {claim_id}"))
-                live.append(node)
-            elif record.phase is ClaimPhase.DELETING:
-                if await self._finish_delete(record, node.id, scratch):
-                    claims.pop(claim_id)
-            else:
-                live.append(node)
-        for claim_id, record in sorted(claims.items()):
-            if claim_id in nodes_by_claim or record.claim.pool not in listed:
-                continue  # has a node, or its pool is unreachable/unknown: leave it for a later round
-            if record.phase is ClaimPhase.PENDING:
-                created = await self._drive_create(record, scratch)
-                if created is None:
-                    if record.claim.pool in listed and not await self._still_pending(record):
-                        claims.pop(claim_id, None)
-                    continue
-                live.append(created[0])
-                claims[claim_id] = created[1]
-            else:
-                # CONFIRMED without a node: terminated outside kvgate (spot reclaim finished, an
-                # operator). DELETING without a node: the delete went through before a crash.
-                await self._claims.remove(record)
+        return listed, unreachable
+
+    async def _repair_listed(self, claim_id: str, nodes: list[Node], claims: dict[str, ClaimRecord],
+                             ledger_kept: bool, scratch: _Round) -> Node | None:
+        """The rows of the table with a node listed, for the nodes of one claim id; updates `claims` and
+        returns the node kept live, if any."""
+        record = claims.get(claim_id)
+        keep = next((n for n in nodes if n.state is not NodeState.TERMINATING), None)
+        if record is None and not ledger_kept and keep is not None:  # a node going away is not kept
+            record = claims[claim_id] = await self._adopt_unclaimed(keep, scratch)
+            nodes = [keep, *(n for n in nodes if n is not keep)]
+        for extra in nodes[1:] if record is not None else ():
+            # Never expected (create is idempotent), but if a provider broke that promise the
+            # extra node is untracked: release it rather than pay for it.
+            await self._release_orphan(extra, scratch, why="a second node for one claim")
+        node = nodes[0]
+        if record is None:
+            for orphan in nodes:
+                if orphan.state is not NodeState.TERMINATING:  # already going: asking again is noise
+                    await self._release_orphan(orphan, scratch, why="no claim")
+            return None
+        if record.phase is ClaimPhase.PENDING:
+            claims[claim_id] = await self._claims.confirm(record, node.id, self._clock.wall())
+            scratch.events.append(self._event(node.model, EventKind.NODE_ADOPTED,
+                                              f"adopted node {node.id} of pending claim {claim_id}"))
+            return node
+        if record.phase is ClaimPhase.DELETING:
+            if await self._finish_delete(record, node.id, scratch):
                 claims.pop(claim_id)
-                if record.phase is ClaimPhase.CONFIRMED:
-                    scratch.events.append(self._event(record.claim.model, EventKind.PREEMPTED,
-                                                      f"node {record.node_id} of claim {claim_id} is gone"))
-        if not ledger_kept and not unreachable:
-            await self._claims.keep_ledger(self._clock.wall())
+            return None
+        return node
+
+    async def _repair_unlisted(self, record: ClaimRecord, claims: dict[str, ClaimRecord],
+                               scratch: _Round) -> Node | None:
+        """The rows of the table with no node listed, for a claim of a pool listed this round; updates
+        `claims` and returns the node a re-driven create bought, if any."""
+        if record.phase is ClaimPhase.PENDING:
+            created = await self._drive_create(record, scratch)
+            if created is None:
+                if not await self._still_pending(record):
+                    claims.pop(record.claim_id, None)
+                return None
+            claims[record.claim_id] = created[1]
+            return created[0]
+        # CONFIRMED without a node: terminated outside kvgate (spot reclaim finished, an
+        # operator). DELETING without a node: the delete went through before a crash.
+        await self._claims.remove(record)
+        claims.pop(record.claim_id)
+        if record.phase is ClaimPhase.CONFIRMED:
+            scratch.events.append(self._event(record.claim.model, EventKind.PREEMPTED,
+                                              f"node {record.node_id} of claim {record.claim_id} is gone"))
+        return None
+
+    async def _list_replicas(self, pools: list[str], unreachable: list[str], scratch: _Round) -> list[ReplicaHandle]:
+        """The replicas of `pools`; a pool that cannot list them joins `unreachable`."""
         replicas: list[ReplicaHandle] = []
-        for pool in sorted(listed):
+        for pool in pools:
             try:
                 replicas.extend(await self._providers[pool].list_replicas())
             except ProviderError as exc:  # its replicas are unknown this round, not gone
                 unreachable.append(pool)
                 scratch.events.append(self._event(None, EventKind.PROVIDER_ERROR,
                                                   f"pool {pool}: list_replicas failed: {exc}"))
-        return Fleet(nodes=tuple(sorted(live, key=lambda n: n.id)),
-                     replicas=tuple(sorted(replicas, key=lambda r: r.id)),
-                     claims=dict(claims), unreachable_pools=tuple(sorted(unreachable)),
-                     events=tuple(scratch.events), insufficient=tuple(scratch.insufficient))
+        return replicas
 
     # -- actions ---------------------------------------------------------------------------------
 

@@ -1,7 +1,11 @@
 """The replica scaler: how many replicas each model should have, decided from queue depth.
 
 Level 1 of the autoscaler (seconds). One pure function, `decide_replicas(spec, state, obs, now)`,
-called once per tick per model by the live loop and by the simulator alike.
+called once per tick per model by the live loop and by the simulator alike. It runs the steps below
+in order, each a pure function of its own so that it can be read and tested alone: the window and its
+demand (`measure_demand`, `RateBounds`, `forecast_concurrency`), the panic clock (`next_panic_over_at`),
+the mode (`hold_while_warming`, `follow_panic`, `follow_stable` with `apply_delays`), scale to and from
+zero (`guard_scale_to_zero`, `wake_from_zero`) and the min/max clamp (`within_limits`).
 
 The rules, and where they come from:
 - Demand is concurrency: requests queued at gateways + waiting at replicas + running. Desired replicas
@@ -119,6 +123,186 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+# -- the pure steps of one decision, in the order decide_replicas runs them ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RateBounds:
+    """How far one decision may move (KPA): between floor(ready / max_scale_down_rate) and
+    ceil(ready x max_scale_up_rate), the up bound counted on at least 1 ready so that 0 -> N is possible.
+
+    Worked numbers: 4 ready, rates 10 and 2 -> [2, 40]; 0 ready -> [0, 10]."""
+
+    max_down: int
+    max_up: int
+
+    @classmethod
+    def of(cls, scaling: Scaling, ready_replicas: int) -> RateBounds:
+        return cls(max_down=math.floor(ready_replicas / scaling.max_scale_down_rate + _EPS),
+                   max_up=math.ceil(scaling.max_scale_up_rate * max(1, ready_replicas) - _EPS))
+
+    def bound(self, replicas: int) -> int:
+        return min(self.max_up, max(self.max_down, replicas))
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one tick's windows ask for: the concurrency they average and the replicas it needs (each
+    count ceil(concurrency / target), within the rate bounds)."""
+
+    stable_conc: float  # mean ongoing requests over the stable window
+    panic_conc: float  # the same over the panic window
+    stable_desired: int
+    panic_desired: int
+    forecast_rps: float | None = None  # arrivals/s expected one cold start ahead; None when not forecasting
+    forecast_desired: int = 0  # replicas for the forecast concurrency; 0 unless the trend is rising
+
+
+def window_samples(samples: tuple[Sample, ...], obs: ModelObservation, now: float,
+                   stable_window_s: float) -> tuple[Sample, ...]:
+    """The samples still inside the stable window (older than `now`), plus this tick's."""
+    kept = tuple(x for x in samples if x.t > now - stable_window_s and x.t < now)
+    return kept + (Sample(now, float(obs.ongoing), max(0.0, obs.arrivals_per_s)),)
+
+
+def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: ForecastState, bounds: RateBounds,
+                   now: float) -> Demand:
+    """Average the windows and turn them (and the forecast, when on) into replica counts."""
+    s = spec.scaling
+    stable_conc = _mean([x.ongoing for x in samples])
+    panic_conc = _mean([x.ongoing for x in samples if x.t > now - s.panic_window_s])
+    demand = Demand(stable_conc=stable_conc, panic_conc=panic_conc,
+                    stable_desired=bounds.bound(_ceil_div(stable_conc, s.target_ongoing_requests)),
+                    panic_desired=bounds.bound(_ceil_div(panic_conc, s.target_ongoing_requests)))
+    if not (s.forecast_enabled and spec.cold_start_s > 0):
+        return demand
+    forecast_rps = forecast_rate(fstate, spec.cold_start_s, spec.forecast)
+    conc = forecast_concurrency(forecast_rps, fstate.level_rps, samples, stable_conc)
+    forecast_desired = 0 if conc is None else bounds.bound(_ceil_div(conc, s.target_ongoing_requests))
+    return replace(demand, forecast_rps=forecast_rps, forecast_desired=forecast_desired)
+
+
+def forecast_concurrency(forecast_rps: float | None, level_rps: float | None, samples: tuple[Sample, ...],
+                         stable_conc: float) -> float | None:
+    """The concurrency the forecast rate will bring; None unless the trend is rising.
+
+    Only a significant rising trend adds replicas: the forecast's level alone is a noisier copy of what
+    the stable window already says, and counting it would flap on steady load. Little's law turns the
+    rate into concurrency: concurrency = arrival rate x time in system, and the stable window gives the
+    latter (its concurrency per arrival/s). Worked numbers: 20 ongoing at 10 rps over the window and
+    15 rps forecast -> 30 ongoing.
+    """
+    mean_rps = _mean([x.arrivals_per_s for x in samples])
+    rising = forecast_rps is not None and level_rps is not None and forecast_rps > level_rps
+    if not (rising and forecast_rps is not None and mean_rps > 0):
+        return None
+    return forecast_rps * stable_conc / mean_rps
+
+
+def next_panic_over_at(scaling: Scaling, panic_over_at: float | None, panic_desired: int, ready_replicas: int,
+                       warming: bool, now: float) -> float | None:
+    """When the panic threshold was last crossed; None when calm (KPA).
+
+    Panic is entered (and extended) when panic desire / ready (at least 1) >= panic_threshold, and left
+    once a whole stable window passed without a crossing. A scaler still warming up never crosses.
+    """
+    over = not warming and panic_desired / max(1, ready_replicas) >= scaling.panic_threshold
+    if over:
+        return now
+    if panic_over_at is not None and now - panic_over_at > scaling.stable_window_s:
+        return None
+    return panic_over_at
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One tick's count before the min/max clamp, why, and the timers it leaves for the next tick."""
+
+    desired: int
+    reason: str
+    panic_max: int = 0  # most replicas wanted during this panic
+    up_since: float | None = None  # wanting more continuously since
+    down_since: float | None = None  # wanting fewer continuously since
+    down_max: int = 0  # the highest count wanted since down_since
+
+
+def hold_while_warming(scaling: Scaling, state: ScalerState, current: int, history_s: float) -> Step:
+    """A fresh scaler (first start, or a restart that lost its state) has a window of one or two
+    samples: hold what exists until a panic window of data is in, rather than jump on noise."""
+    return Step(current, f"warming up: {history_s:.0f}s of data < panic window {scaling.panic_window_s:g}s; "
+                         f"hold {current}", up_since=state.up_since, down_since=state.down_since,
+                down_max=state.down_max)
+
+
+def follow_panic(scaling: Scaling, state: ScalerState, demand: Demand, current: int, ready_replicas: int) -> Step:
+    """In panic: the panic-window count at once (no up delay), never lower than the most wanted during
+    this panic nor than `current`. The delay timers restart."""
+    held = state.panic_max if state.panic_over_at is not None else current
+    panic_max = max(held, demand.panic_desired, current)
+    return Step(panic_max, f"panic: {demand.panic_conc:.1f} ongoing over {scaling.panic_window_s:g}s / target "
+                           f"{scaling.target_ongoing_requests:g} -> {demand.panic_desired}, ready {ready_replicas}; "
+                           "never down in panic", panic_max=panic_max)
+
+
+def follow_stable(spec: ScalerSpec, state: ScalerState, demand: Demand, current: int, now: float) -> Step:
+    """Out of panic: the stable-window count, raised by the forecast, after the up or down delay."""
+    s = spec.scaling
+    why = (f"{demand.stable_conc:.1f} ongoing over {s.stable_window_s:g}s / target {s.target_ongoing_requests:g}"
+           f" -> {demand.stable_desired}")
+    if demand.forecast_desired > demand.stable_desired:
+        why += f"; forecast {demand.forecast_rps:.2f} rps in {spec.cold_start_s:g}s -> {demand.forecast_desired}"
+    return apply_delays(s, state, max(demand.stable_desired, demand.forecast_desired), current, now, why)
+
+
+def apply_delays(scaling: Scaling, state: ScalerState, proposal: int, current: int, now: float, why: str) -> Step:
+    """Move from `current` to `proposal` only once it has been wanted long enough (Ray Serve, KPA).
+
+    Up: after scale_up_delay_s of continuously wanting more. Down: after scale_down_delay_s of
+    continuously wanting less, and then to the highest count wanted during that delay, so one quiet
+    moment never sheds replicas.
+    """
+    if proposal > current:
+        up_since = now if state.up_since is None else state.up_since
+        if now - up_since >= scaling.scale_up_delay_s:
+            return Step(proposal, f"scale up: {why}")
+        return Step(current, f"hold {current}: {why}; up delay {scaling.scale_up_delay_s:g}s not over",
+                    up_since=up_since)
+    if proposal < current:
+        down_since = now if state.down_since is None else state.down_since
+        down_max = max(state.down_max if state.down_since is not None else 0, proposal)
+        if now - down_since >= scaling.scale_down_delay_s:
+            return Step(max(down_max, proposal), f"scale down: {why}")
+        return Step(current, f"hold {current}: {why}; down delay {scaling.scale_down_delay_s:g}s not over",
+                    down_since=down_since, down_max=down_max)
+    return Step(current, f"steady: {why}")
+
+
+def guard_scale_to_zero(scaling: Scaling, step: Step, current: int, last_busy_at: float | None,
+                        now: float) -> Step:
+    """Going to zero (min_replicas 0 only) waits for scale_to_zero_grace_s of idleness; before it,
+    one replica stays warm."""
+    if step.desired != 0 or current <= 0 or scaling.min_replicas != 0:
+        return step
+    idle_s = math.inf if last_busy_at is None else now - last_busy_at
+    if idle_s < scaling.scale_to_zero_grace_s:
+        return replace(step, desired=1, reason=f"hold 1: idle {idle_s:.0f}s < scale_to_zero_grace "
+                                               f"{scaling.scale_to_zero_grace_s:g}s")
+    return replace(step, reason=f"scale to zero: idle {idle_s:.0f}s >= grace {scaling.scale_to_zero_grace_s:g}s")
+
+
+def wake_from_zero(step: Step, ongoing: int, demand: Demand) -> Step:
+    """0 -> 1 (or more) at once when a request waits: no window, no delay (the gateway is holding it)."""
+    if step.desired != 0 or ongoing <= 0:
+        return step
+    return replace(step, desired=max(1, demand.stable_desired, demand.panic_desired), up_since=None,
+                   down_since=None, reason=f"scale from zero: {ongoing} request(s) waiting")
+
+
+def within_limits(scaling: Scaling, replicas: int) -> int:
+    """`replicas` clamped to [min_replicas, max_replicas]."""
+    return min(scaling.max_replicas, max(scaling.min_replicas, replicas))
+
+
 def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
                     now: float) -> tuple[ScalerState, ReplicaDecision]:
     """Decide one model's replica count at `now`; returns the new state and the decision.
@@ -128,111 +312,32 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     `now` (a repeated `now` is harmless). Raises nothing for any observation with non-negative counts.
     """
     s = spec.scaling
-    samples = tuple(x for x in state.samples if x.t > now - s.stable_window_s and x.t < now)
-    samples += (Sample(now, float(obs.ongoing), max(0.0, obs.arrivals_per_s)),)
+    samples = window_samples(state.samples, obs, now, s.stable_window_s)
     fstate = observe_rate(state.forecast, obs.arrivals_per_s, now, spec.forecast)
-    busy = obs.ongoing > 0 or obs.arrivals_per_s > 0
-    last_busy_at = now if busy else state.last_busy_at
-    current = state.desired if state.desired is not None else min(
-        s.max_replicas, max(s.min_replicas, obs.ready_replicas + obs.starting_replicas))
+    last_busy_at = now if obs.ongoing > 0 or obs.arrivals_per_s > 0 else state.last_busy_at
+    current = state.desired if state.desired is not None else within_limits(
+        s, obs.ready_replicas + obs.starting_replicas)
+    demand = measure_demand(spec, samples, fstate, RateBounds.of(s, obs.ready_replicas), now)
 
-    stable_conc = _mean([x.ongoing for x in samples])
-    panic_conc = _mean([x.ongoing for x in samples if x.t > now - s.panic_window_s])
-    # KPA's bounds are relative to ready pods, at least 1 so that 0 -> N is possible.
-    ready = max(1, obs.ready_replicas)
-    max_up = math.ceil(s.max_scale_up_rate * ready - _EPS)
-    max_down = math.floor(obs.ready_replicas / s.max_scale_down_rate + _EPS)
-
-    def bound(n: int) -> int:
-        return min(max_up, max(max_down, n))
-
-    stable_desired = bound(_ceil_div(stable_conc, s.target_ongoing_requests))
-    panic_desired = bound(_ceil_div(panic_conc, s.target_ongoing_requests))
-
-    forecast_rps: float | None = None
-    forecast_desired = 0
-    if s.forecast_enabled and spec.cold_start_s > 0:
-        forecast_rps = forecast_rate(fstate, spec.cold_start_s, spec.forecast)
-        mean_rps = _mean([x.arrivals_per_s for x in samples])
-        # Only a significant rising trend adds replicas: the forecast's level alone is a noisier copy
-        # of what the stable window already says, and counting it would flap on steady load.
-        rising = forecast_rps is not None and fstate.level_rps is not None and forecast_rps > fstate.level_rps
-        if rising and forecast_rps is not None and mean_rps > 0:
-            # Little's law: concurrency = arrival rate x time in system; the window gives the latter.
-            forecast_desired = bound(_ceil_div(forecast_rps * stable_conc / mean_rps, s.target_ongoing_requests))
-
-    # Panic: KPA enters (and extends) when panic desire / ready >= threshold, leaves a stable window later.
     history_s = now - samples[0].t
     warming = history_s < s.panic_window_s
-    over = not warming and panic_desired / ready >= s.panic_threshold
-    panic_over_at = now if over else state.panic_over_at
-    if panic_over_at is not None and not over and now - panic_over_at > s.stable_window_s:
-        panic_over_at = None
-    panic = panic_over_at is not None
-
-    up_since, down_since, down_max = state.up_since, state.down_since, state.down_max
+    panic_over_at = next_panic_over_at(s, state.panic_over_at, demand.panic_desired, obs.ready_replicas,
+                                       warming, now)
     if warming:
-        # A fresh scaler (first start, or a restart that lost its state) has a window of one or two
-        # samples: hold what exists until a panic window of data is in, rather than jump on noise.
-        desired, panic_max = current, 0
-        reason = f"warming up: {history_s:.0f}s of data < panic window {s.panic_window_s:g}s; hold {current}"
-    elif panic:
-        panic_max = max(state.panic_max if state.panic_over_at is not None else current, panic_desired, current)
-        desired = panic_max
-        reason = (f"panic: {panic_conc:.1f} ongoing over {s.panic_window_s:g}s / target "
-                  f"{s.target_ongoing_requests:g} -> {panic_desired}, ready {obs.ready_replicas}; never down in panic")
-        up_since = down_since = None
-        down_max = 0
+        step = hold_while_warming(s, state, current, history_s)
+    elif panic_over_at is not None:
+        step = follow_panic(s, state, demand, current, obs.ready_replicas)
     else:
-        panic_max = 0
-        proposal = max(stable_desired, forecast_desired)
-        why = (f"{stable_conc:.1f} ongoing over {s.stable_window_s:g}s / target {s.target_ongoing_requests:g}"
-               f" -> {stable_desired}")
-        if forecast_desired > stable_desired:
-            why += f"; forecast {forecast_rps:.2f} rps in {spec.cold_start_s:g}s -> {forecast_desired}"
-        desired = current
-        if proposal > current:
-            down_since, down_max = None, 0
-            up_since = now if up_since is None else up_since
-            if now - up_since >= s.scale_up_delay_s:
-                desired, up_since = proposal, None
-                reason = f"scale up: {why}"
-            else:
-                reason = f"hold {current}: {why}; up delay {s.scale_up_delay_s:g}s not over"
-        elif proposal < current:
-            up_since = None
-            down_since = now if down_since is None else down_since
-            down_max = max(down_max if state.down_since is not None else 0, proposal)
-            if now - down_since >= s.scale_down_delay_s:
-                desired, down_since, down_max = max(down_max, proposal), None, 0
-                reason = f"scale down: {why}"
-            else:
-                reason = f"hold {current}: {why}; down delay {s.scale_down_delay_s:g}s not over"
-        else:
-            up_since = down_since = None
-            down_max = 0
-            reason = f"steady: {why}"
+        step = follow_stable(spec, state, demand, current, now)
+    step = wake_from_zero(guard_scale_to_zero(s, step, current, last_busy_at, now), obs.ongoing, demand)
 
-    # Scale to zero only after the idle grace; before it, keep one replica warm.
-    if desired == 0 and current > 0 and s.min_replicas == 0:
-        idle_s = math.inf if last_busy_at is None else now - last_busy_at
-        if idle_s < s.scale_to_zero_grace_s:
-            desired = 1
-            reason = f"hold 1: idle {idle_s:.0f}s < scale_to_zero_grace {s.scale_to_zero_grace_s:g}s"
-        else:
-            reason = f"scale to zero: idle {idle_s:.0f}s >= grace {s.scale_to_zero_grace_s:g}s"
-    # 0 -> 1 at once when a request waits: no window, no delay (the gateway is holding it).
-    if desired == 0 and obs.ongoing > 0:
-        desired = max(1, stable_desired, panic_desired)
-        up_since = down_since = None
-        reason = f"scale from zero: {obs.ongoing} request(s) waiting"
-
-    clamped = min(s.max_replicas, max(s.min_replicas, desired))
-    if clamped != desired:
+    clamped, reason = within_limits(s, step.desired), step.reason
+    if clamped != step.desired:
         reason += f"; clamped to [{s.min_replicas}, {s.max_replicas}]"
     new_state = replace(state, desired=clamped, samples=samples, panic_over_at=panic_over_at,
-                        panic_max=panic_max, up_since=up_since, down_since=down_since, down_max=down_max,
-                        last_busy_at=last_busy_at, forecast=fstate)
-    return new_state, ReplicaDecision(desired=clamped, panic=panic, forecast_rps=forecast_rps, reason=reason,
-                                      stable_desired=stable_desired, panic_desired=panic_desired,
-                                      forecast_desired=forecast_desired)
+                        panic_max=step.panic_max, up_since=step.up_since, down_since=step.down_since,
+                        down_max=step.down_max, last_busy_at=last_busy_at, forecast=fstate)
+    return new_state, ReplicaDecision(desired=clamped, panic=panic_over_at is not None,
+                                      forecast_rps=demand.forecast_rps, reason=reason,
+                                      stable_desired=demand.stable_desired, panic_desired=demand.panic_desired,
+                                      forecast_desired=demand.forecast_desired)

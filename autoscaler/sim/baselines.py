@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 from kvgate.autoscaler.scaler import ModelObservation, ScalerSpec, ScalerState, decide_replicas
 from kvgate.autoscaler.sim.engine import SimDecision
@@ -53,6 +54,23 @@ class _Window:
     def mean(self, now: float, span_s: float) -> float:
         values = [v for t, v in self.samples if t > now - span_s]
         return sum(values) / len(values) if values else 0.0
+
+
+@dataclass(frozen=True)
+class _Baseline:
+    """What the KPA and Ray Serve baselines share: the registry's target per replica and replica limits
+    (the fields the comparison passes, in this order), and a state that starts empty (`state_type()`)."""
+
+    target: float  # target ongoing requests per replica (KPA: `autoscaling.knative.dev/target`)
+    min_replicas: int = 0
+    max_replicas: int = 1_000
+    state_type: ClassVar[type]  # set by each subclass
+
+    def initial_state(self) -> Any:
+        return self.state_type()
+
+    def within_limits(self, replicas: int) -> int:
+        return min(self.max_replicas, max(self.min_replicas, replicas))
 
 
 # ------------------------------------------------------------------------------------------ kvgate
@@ -85,10 +103,7 @@ class KpaState:
 
 
 @dataclass(frozen=True)
-class KpaPolicy:
-    target: float  # target concurrency per replica (Knative's `autoscaling.knative.dev/target`)
-    min_replicas: int = 0
-    max_replicas: int = 1_000
+class KpaPolicy(_Baseline):
     target_utilization: float = 0.7  # container-concurrency-target-percentage default
     stable_window_s: float = 60.0
     panic_window_s: float = 6.0
@@ -98,9 +113,7 @@ class KpaPolicy:
     scale_to_zero_grace_s: float = 30.0
     tick_s: float = 2.0
     name: str = "kpa"
-
-    def initial_state(self) -> KpaState:
-        return KpaState()
+    state_type: ClassVar[type] = KpaState
 
     def decide(self, state: KpaState, obs: ModelObservation, now: float) -> tuple[KpaState, SimDecision]:
         window = state.window.add(now, obs.ongoing, self.stable_window_s)
@@ -132,7 +145,7 @@ class KpaPolicy:
             elif idle_since is None or now - idle_since < self.stable_window_s + self.scale_to_zero_grace_s:
                 # Zero only once the stable window has been empty and the grace period has passed.
                 desired = min(1, state.desired if state.desired is not None else obs.ready_replicas)
-        desired = min(self.max_replicas, max(self.min_replicas, desired))
+        desired = self.within_limits(desired)
         new = KpaState(window, panic_since, max_panic, idle_since, desired)
         return new, SimDecision(desired, panic_since is not None, None, f"stable {stable} panic {panic}")
 
@@ -149,24 +162,18 @@ class RayState:
 
 
 @dataclass(frozen=True)
-class RayServePolicy:
-    target: float  # target_ongoing_requests
-    min_replicas: int = 0
-    max_replicas: int = 1_000
+class RayServePolicy(_Baseline):
     look_back_period_s: float = 30.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     tick_s: float = 1.0
     name: str = "ray-serve"
-
-    def initial_state(self) -> RayState:
-        return RayState()
+    state_type: ClassVar[type] = RayState
 
     def decide(self, state: RayState, obs: ModelObservation, now: float) -> tuple[RayState, SimDecision]:
         window = state.window.add(now, obs.ongoing, self.look_back_period_s)
         current = state.current if state.current is not None else obs.ready_replicas + obs.starting_replicas
-        wanted = min(self.max_replicas, max(self.min_replicas, _ceil_div(window.mean(now, self.look_back_period_s),
-                                                                          self.target)))
+        wanted = self.within_limits(_ceil_div(window.mean(now, self.look_back_period_s), self.target))
         since, up = state.wanting_since, state.wanting_up
         if current == 0 and obs.ongoing > 0:
             current, since = max(1, wanted), None  # scale from zero at once

@@ -117,76 +117,129 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     if unknown:
         raise SimConfigError(f"unknown policies {unknown}; choose from {list(POLICIES)}")
     model = snapshot.model(model_name)
-    trace = with_warmup(trace, warmup_s)
+    warm_trace = with_warmup(trace, warmup_s)
     base = build_fleet(snapshot, model_name)
-    keys = [p.key for p in base.placements]
-    for stockout in scenario.stockouts:  # a typo would otherwise stock out nothing, silently
-        if not any(key.startswith(stockout.key_prefix) for key in keys):
-            raise SimConfigError(f"stockout {stockout.key_prefix!r} matches none of {model_name}'s placements: "
-                                 f"{', '.join(keys)}")
-    cheapest = base.placements[0]
-    cold_start_s = cheapest.cold_start_s
-    slo_s = base.ttft_slo_s
-    scaling = model.spec.scaling
-    kvgate_knobs = _with_overrides(scaling, kvgate_scaling or {})  # checked before the long part
-
-    def fleet_for(need: tuple[int, ...]) -> FleetSetup:
-        first = max(need[:int(cold_start_s) + 1], default=0)
-        initial = min(scaling.max_replicas, max(scaling.min_replicas, first))
-        return FleetSetup(**{**base.__dict__, "initial_replicas": initial})
-
-    # The oracle's search fixes the need curve that also sets the warm start and the static peak.
-    def try_oracle(window_s: int, utilization: float) -> tuple[RunResult, tuple[int, ...]]:
-        need = tuple(min(scaling.max_replicas, n) for n in oracle_need(
-            trace, cheapest.service, utilization, window_s=window_s, tail_s=base.tail_s))
-        policy = OraclePolicy(need, cold_start_s, scaling.min_replicas)
-        return simulate(trace, fleet_for(need), policy, scenario, score_from_s=warmup_s), need
-
-    best: tuple[RunResult, tuple[int, ...], str] | None = None
-    fallback: tuple[float, RunResult, tuple[int, ...], str] | None = None  # the best attainment seen
-    for window_s in ORACLE_WINDOWS_S:
-        curve = f"mean concurrency over {window_s} s" if window_s else "peak concurrency each second"
-        # Bisect over utilization (attainment falls as utilization rises): the highest that passes.
-        low, high, passing = 0, len(ORACLE_UTILIZATIONS) - 1, None
-        while low <= high:
-            middle = (low + high) // 2
-            result, need = try_oracle(window_s, ORACLE_UTILIZATIONS[middle])
-            attainment = summarize(result, slo_s).slo_attainment
-            if attainment >= ATTAINMENT_GOAL:
-                passing, high = (result, need, ORACLE_UTILIZATIONS[middle]), middle - 1
-            else:
-                low = middle + 1
-                if fallback is None or attainment > fallback[0]:
-                    fallback = (attainment, result, need, f"{curve} / {ORACLE_UTILIZATIONS[middle]:.0%} of the batch")
-        if passing is not None and (best is None or passing[0].gpu_seconds < best[0].gpu_seconds):
-            best = (passing[0], passing[1], f"{curve} / {passing[2]:.0%} of the batch")
-    if best is None:
-        # Some requests cannot meet the SLO on any fleet (a prompt whose prefill alone is longer than the
-        # SLO): keep the oracle's best try, and say so in its rule rather than refusing to compare.
-        assert fallback is not None
-        attainment, result, need, rule = fallback
-        best = (result, need, f"{rule}; NOT meeting {ATTAINMENT_GOAL:.0%} (best {attainment:.2%}: the SLO is "
-                              "out of reach of the service model for some requests)")
-    oracle_result, need, oracle_rule = best
-    fleet = fleet_for(need)
-    target = scaling.target_ongoing_requests
-    runners: dict[str, Policy] = {
-        "kvgate": KvgatePolicy(ScalerSpec(kvgate_knobs, cold_start_s)),
-        "kpa": KpaPolicy(target, scaling.min_replicas, scaling.max_replicas),
-        "ray-serve": RayServePolicy(target, scaling.min_replicas, scaling.max_replicas),
-        "static-peak": StaticPolicy(max(need, default=1)),
-    }
+    _check_stockouts(scenario, base, model_name)
+    kvgate_knobs = _with_overrides(model.spec.scaling, kvgate_scaling or {})  # checked before the long part
+    bench = _Bench(warm_trace, base, model.spec.scaling, scenario, warmup_s)
+    oracle_result, need, oracle_rule = _search_oracle(bench)
+    fleet = bench.fleet_for(need)
+    runners = _runners(bench, kvgate_knobs, need)
     results = []
     for name in policies:
         if name == "oracle":
-            assert oracle_result is not None
             results.append(oracle_result)
         elif name == "kvgate":
             # kvgate runs the live loop's decisions end to end: the scaler, then the node planner on
             # simulated nodes (charged per node); the baselines keep the per-replica placement model.
             planned = FleetSetup(**{**fleet.__dict__, "nodes": node_planning(snapshot, model_name)})
-            results.append(simulate(trace, planned, runners[name], scenario, score_from_s=warmup_s))
+            results.append(bench.run(planned, runners[name]))
         else:
-            results.append(simulate(trace, fleet, runners[name], scenario, score_from_s=warmup_s))
-    return Comparison(trace.name, model_name, tuple(results), tuple(summarize(r, slo_s) for r in results),
-                      oracle_rule, cold_start_s)
+            results.append(bench.run(fleet, runners[name]))
+    return Comparison(warm_trace.name, model_name, tuple(results),
+                      tuple(summarize(r, base.ttft_slo_s) for r in results), oracle_rule, bench.cold_start_s)
+
+
+def _check_stockouts(scenario: Scenario, base: FleetSetup, model_name: str) -> None:
+    """A stockout whose prefix matches no placement would stock out nothing, silently: refuse it."""
+    keys = [p.key for p in base.placements]
+    for stockout in scenario.stockouts:
+        if not any(key.startswith(stockout.key_prefix) for key in keys):
+            raise SimConfigError(f"stockout {stockout.key_prefix!r} matches none of {model_name}'s placements: "
+                                 f"{', '.join(keys)}")
+
+
+def _runners(bench: _Bench, kvgate_knobs: Scaling, need: tuple[int, ...]) -> dict[str, Policy]:
+    """The policies that run here (the oracle's run is its search's); static at peak holds the need's peak."""
+    target, scaling = bench.scaling.target_ongoing_requests, bench.scaling
+    return {
+        "kvgate": KvgatePolicy(ScalerSpec(kvgate_knobs, bench.cold_start_s)),
+        "kpa": KpaPolicy(target, scaling.min_replicas, scaling.max_replicas),
+        "ray-serve": RayServePolicy(target, scaling.min_replicas, scaling.max_replicas),
+        "static-peak": StaticPolicy(max(need, default=1)),
+    }
+
+
+@dataclass(frozen=True)
+class _Bench:
+    """What every run of one comparison shares: the warmed-up trace, the model's fleet and scaling, the
+    scenario; runs are scored from `warmup_s`."""
+
+    trace: Trace
+    base: FleetSetup
+    scaling: Scaling
+    scenario: Scenario
+    warmup_s: float
+
+    @property
+    def cold_start_s(self) -> float:
+        return self.base.placements[0].cold_start_s  # of the cheapest placement
+
+    def run(self, fleet: FleetSetup, policy: Policy) -> RunResult:
+        return simulate(self.trace, fleet, policy, self.scenario, score_from_s=self.warmup_s)
+
+    def fleet_for(self, need: tuple[int, ...]) -> FleetSetup:
+        """The base fleet starting warm with the replicas `need` asks for within the first cold start."""
+        first = max(need[:int(self.cold_start_s) + 1], default=0)
+        initial = min(self.scaling.max_replicas, max(self.scaling.min_replicas, first))
+        return FleetSetup(**{**self.base.__dict__, "initial_replicas": initial})
+
+    def try_oracle(self, window_s: int, utilization: float) -> _OracleTry:
+        """One oracle run on the need curve of (window, utilization)."""
+        need = tuple(min(self.scaling.max_replicas, n) for n in oracle_need(
+            self.trace, self.base.placements[0].service, utilization, window_s=window_s, tail_s=self.base.tail_s))
+        result = self.run(self.fleet_for(need), OraclePolicy(need, self.cold_start_s, self.scaling.min_replicas))
+        return _OracleTry(result, need, utilization, summarize(result, self.base.ttft_slo_s).slo_attainment)
+
+
+@dataclass(frozen=True)
+class _OracleTry:
+    """One run of the oracle search: the need curve at one utilization of the batch, and how it scored."""
+
+    result: RunResult
+    need: tuple[int, ...]  # replicas needed in each second of the (warmed-up) trace
+    utilization: float
+    attainment: float  # the run's TTFT-SLO attainment
+
+
+def _search_oracle(bench: _Bench) -> tuple[RunResult, tuple[int, ...], str]:
+    """The cheapest oracle run that meets the goal, its need curve and its rule (module docstring).
+
+    The need curve it keeps also sets every policy's warm start and the static peak.
+    """
+    best: tuple[RunResult, tuple[int, ...], str] | None = None
+    fallback: tuple[_OracleTry, str] | None = None  # the best attainment seen, and its curve
+    for window_s in ORACLE_WINDOWS_S:
+        curve = f"mean concurrency over {window_s} s" if window_s else "peak concurrency each second"
+        passing, failing = _bisect_utilization(bench, window_s)
+        if failing is not None and (fallback is None or failing.attainment > fallback[0].attainment):
+            fallback = (failing, curve)
+        if passing is not None and (best is None or passing.result.gpu_seconds < best[0].gpu_seconds):
+            best = (passing.result, passing.need, f"{curve} / {passing.utilization:.0%} of the batch")
+    if best is not None:
+        return best
+    # Some requests cannot meet the SLO on any fleet (a prompt whose prefill alone is longer than the
+    # SLO): keep the oracle's best try, and say so in its rule rather than refusing to compare.
+    assert fallback is not None
+    tried, curve = fallback
+    return tried.result, tried.need, (f"{curve} / {tried.utilization:.0%} of the batch; NOT meeting "
+                                      f"{ATTAINMENT_GOAL:.0%} (best {tried.attainment:.2%}: the SLO is out of reach "
+                                      "of the service model for some requests)")
+
+
+def _bisect_utilization(bench: _Bench, window_s: int) -> tuple[_OracleTry | None, _OracleTry | None]:
+    """Bisect over utilization (attainment falls as utilization rises): the try at the highest that meets
+    the goal, and the best-attaining try that did not (None where there is none)."""
+    low, high = 0, len(ORACLE_UTILIZATIONS) - 1
+    passing: _OracleTry | None = None
+    failing: _OracleTry | None = None
+    while low <= high:
+        middle = (low + high) // 2
+        tried = bench.try_oracle(window_s, ORACLE_UTILIZATIONS[middle])
+        if tried.attainment >= ATTAINMENT_GOAL:
+            passing, high = tried, middle - 1
+        else:
+            low = middle + 1
+            if failing is None or tried.attainment > failing.attainment:
+                failing = tried
+    return passing, failing

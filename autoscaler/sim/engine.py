@@ -179,6 +179,8 @@ class _Run:
         self.planned: tuple[float, int] | None = None  # (when, desired) of the last planner tick
         self.fleet_changed = True
         self.placement_of = {p.key: p for p in fleet.placements}
+        self.policy_state: Any = policy.initial_state()
+        self.last_desired: int | None = None  # the count of the last tick, to count scaling actions
 
     # ---------------------------------------------------------------------------------------- events
 
@@ -188,14 +190,9 @@ class _Run:
 
     def run(self) -> RunResult:
         requests = self.trace.requests
-        if self.fleet.nodes is not None:
-            self.plan(0.0, self.fleet.initial_replicas, warm=True)  # buys the nodes, RUNNING at once
-            self.plan(0.0, self.fleet.initial_replicas, warm=True)  # starts the replicas, ready at once
-        else:
-            for _ in range(self.fleet.initial_replicas):
-                self.start_replica(0.0, warm=True)
+        self.open_fleet()
         self.push(0.0, _TICK)
-        state, last_desired, now, i = self.policy.initial_state(), None, 0.0, 0
+        i = 0
         while True:
             next_event = self.events[0][0] if self.events else math.inf
             next_arrival = requests[i].arrival_s if i < len(requests) else math.inf
@@ -209,45 +206,60 @@ class _Run:
                 self.dispatch(now)
                 continue
             _, kind, _, a, b = heapq.heappop(self.events)
-            if kind == _FREE:
-                self.finish(now, a, b)
-            elif kind == _READY:
-                replica = self.replicas.get(a)
-                if replica is not None and replica.state == "starting":
-                    replica.state = "ready"
-                    self.ready = None
-                    replica.prefill_free_at = now
-                    self.fleet_changed = True
-                    self.dispatch(now)
-            elif kind == _PREEMPT:
-                self.preempt(now, a)
-            elif kind == _NODE_UP:
-                node = self.node_serials.get(a)
-                if node is not None and node.state is NodeState.PENDING:
-                    node.state = NodeState.RUNNING
-                    self.fleet_changed = True
-            elif kind == _NODE_PREEMPT:
-                self.preempt_node(now, a)
-            else:
-                state, decision = self.policy.decide(state, self.observe(now), now)
-                desired = min(self.fleet.max_replicas, max(self.fleet.min_replicas, decision.desired))
-                if last_desired is not None and desired != last_desired and now >= self.score_from:
-                    self.actions += 1
-                last_desired = desired
-                if self.fleet.nodes is not None:
-                    if (self.fleet_changed or self.planned is None or self.planned[1] != desired
-                            or now - self.planned[0] >= _PLAN_EVERY_S):
-                        self.plan(now, desired)
-                else:
-                    self.scale_to(now, desired)
-                if now >= self.score_from:
-                    self.record(now, desired, decision.panic)
-                self.push(now + self.policy.tick_s, _TICK)
+            self.handle(now, kind, a, b)
+        return self.close()
+
+    def open_fleet(self) -> None:
+        """The run's opening fleet, ready at t=0 (`FleetSetup.initial_replicas`)."""
+        if self.fleet.nodes is not None:
+            self.plan(0.0, self.fleet.initial_replicas, warm=True)  # buys the nodes, RUNNING at once
+            self.plan(0.0, self.fleet.initial_replicas, warm=True)  # starts the replicas, ready at once
+        else:
+            for _ in range(self.fleet.initial_replicas):
+                self.start_replica(0.0, warm=True)
+
+    def handle(self, now: float, kind: int, a: int, b: int) -> None:
+        """Run one due event (`push`'s kind and arguments)."""
+        if kind == _FREE:
+            self.finish(now, a, b)
+        elif kind == _READY:
+            self.become_ready(now, a)
+        elif kind == _PREEMPT:
+            self.preempt(now, a)
+        elif kind == _NODE_UP:
+            node = self.node_serials.get(a)
+            if node is not None and node.state is NodeState.PENDING:
+                node.state = NodeState.RUNNING
+                self.fleet_changed = True
+        elif kind == _NODE_PREEMPT:
+            self.preempt_node(now, a)
+        else:
+            self.tick(now)
+
+    def tick(self, now: float) -> None:
+        """The policy observes and decides; the fleet is moved toward its count; the next tick is due."""
+        self.policy_state, decision = self.policy.decide(self.policy_state, self.observe(now), now)
+        desired = min(self.fleet.max_replicas, max(self.fleet.min_replicas, decision.desired))
+        if self.last_desired is not None and desired != self.last_desired and now >= self.score_from:
+            self.actions += 1
+        self.last_desired = desired
+        if self.fleet.nodes is not None:
+            if (self.fleet_changed or self.planned is None or self.planned[1] != desired
+                    or now - self.planned[0] >= _PLAN_EVERY_S):
+                self.plan(now, desired)
+        else:
+            self.scale_to(now, desired)
+        if now >= self.score_from:
+            self.record(now, desired, decision.panic)
+        self.push(now + self.policy.tick_s, _TICK)
+
+    def close(self) -> RunResult:
+        """Release everything at the end of the run (charging it) and score the requests after warm-up."""
         for replica in list(self.replicas.values()):
             self.release(self.end, replica)
         for node in list(self.nodes.values()):
             self.release_node(self.end, node)
-        scored = tuple(t for t, r in zip(self.ttft, requests) if r.arrival_s >= self.score_from)
+        scored = tuple(t for t, r in zip(self.ttft, self.trace.requests) if r.arrival_s >= self.score_from)
         return RunResult(self.policy.name, scored, self.gpu_seconds, self.cost_usd, self.cold_starts,
                          self.actions, self.preemptions, self.end - self.score_from, tuple(self.timeline), self.peak)
 
@@ -337,6 +349,15 @@ class _Run:
         else:
             self.cold_starts += now >= self.score_from
             self.push(replica.ready_at, _READY, replica.id)
+
+    def become_ready(self, now: float, replica_id: int) -> None:
+        replica = self.replicas.get(replica_id)
+        if replica is not None and replica.state == "starting":  # not cancelled or preempted meanwhile
+            replica.state = "ready"
+            self.ready = None
+            replica.prefill_free_at = now
+            self.fleet_changed = True
+            self.dispatch(now)
 
     def release(self, now: float, replica: _Replica) -> None:
         if replica.node is None:  # with node planning the node is charged instead (release_node)
