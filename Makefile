@@ -60,9 +60,7 @@ system-deps:
 	fi
 
 # The main job: the whole stack on this box with the demo registry (Ctrl-C stops it and every replica).
-# The demo's two LoRA adapters are written first (deterministic; a rerun rewrites nothing).
 run: setup
-	$(PY) examples/registry/demo_adapters.py .kvgate/demo-adapters
 	$(VENV)/bin/kvgate up --registry examples/registry
 
 # pytest exits 5 when it collected nothing: that is a broken set-up, not a pass.

@@ -1,7 +1,9 @@
 """Checks across documents: each document is schema-valid on its own, but do they fit together?
 
-- names are unique per kind, and no adapter shares a name with a model (both go in `model`);
-- an adapter's base model exists, has room for adapters, and accepts the adapter's rank;
+- names are unique per kind, over every document, valid or not (`duplicate_names`), and no adapter shares a
+  name with a model (both go in `model`);
+- an adapter's base model exists, has room for adapters, accepts the adapter's rank, and is the model a
+  built-in adapter is made for;
 - a model's placement names existing pools, and some allowed pool sells an offer it can run on;
 - a tenant names models or adapters that exist, and no two tenants share an API key.
 
@@ -13,18 +15,24 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvgate.registry.problems import KeyPath, Problem
-from kvgate.registry.schema import CapacityType, ModelDoc, Offer, PoolDoc
+from kvgate.registry.schema import BUILTIN_ADAPTERS, CapacityType, ModelDoc, Offer, PoolDoc
 from kvgate.registry.snapshot import LoadedDocument
+from kvgate.registry.yamlsource import SourceDocument
 
 ALL_MODELS = "*"
 
 
 def cross_check(documents: list[LoadedDocument],
                 declared_elsewhere: frozenset[tuple[str, str]] = frozenset()) -> list[Problem]:
-    """Every problem between `documents`. `declared_elsewhere` holds (kind, name) of documents that
-    exist but failed validation: references to them are not dangling, and they are not checked."""
-    unique, duplicates = _unique_by_kind(documents)
-    problems = duplicates
+    """Every problem between `documents` but duplicate names (`duplicate_names` sees the invalid documents
+    too; here the first of two documents of one name is checked). `declared_elsewhere` holds (kind, name)
+    of documents that exist but failed validation: references to them are not dangling, what uses them
+    is not checked against them, and they are not checked."""
+    first: dict[tuple[str, str], LoadedDocument] = {}
+    for loaded in documents:
+        first.setdefault((loaded.kind, loaded.name), loaded)
+    unique = list(first.values())
+    problems: list[Problem] = []
     broken = {kind: {name for k, name in declared_elsewhere if k == kind} for kind in ("Model", "Adapter", "Pool")}
     models = {d.name: d for d in unique if d.kind == "Model"}
     adapters = {d.name: d for d in unique if d.kind == "Adapter"}
@@ -40,7 +48,10 @@ def cross_check(documents: list[LoadedDocument],
             problems += _check_adapter(adapter, models)
     pool_docs = {name: loaded.document for name, loaded in pools.items()}
     for model in models.values():
-        if not any(name in broken["Pool"] for name in model.document.spec.placement.pools):
+        # An invalid Pool might have been the one this model fits; its own problem is the one to fix. No
+        # pools listed means every pool, the invalid ones too.
+        allowed = model.document.spec.placement.pools or tuple(broken["Pool"])
+        if not any(name in broken["Pool"] for name in allowed):
             problems += _check_placement(model, pool_docs)
     problems += _check_tenants(tenants, models, adapters, broken["Model"] | broken["Adapter"])
     return problems
@@ -50,19 +61,19 @@ def _at(loaded: LoadedDocument, path: KeyPath, message: str) -> Problem:
     return Problem(loaded.origin.file, loaded.origin.line_of(path), loaded.label, path, message)
 
 
-def _unique_by_kind(documents: Iterable[LoadedDocument]) -> tuple[list[LoadedDocument], list[Problem]]:
-    first: dict[tuple[str, str], LoadedDocument] = {}
+def duplicate_names(declared: Iterable[tuple[str, str, SourceDocument]]) -> list[Problem]:
+    """A problem at each document that repeats the (kind, name) of an earlier one. `declared`: the
+    (kind, name, document) of every document in reading order, valid or not, so that a duplicate is
+    reported even when one of the copies has problems of its own."""
+    first: dict[tuple[str, str], SourceDocument] = {}
     problems = []
-    for loaded in documents:
-        key = (loaded.kind, loaded.name)
-        if key in first:
-            earlier = first[key].origin
-            problems.append(_at(loaded, ("metadata", "name"),
-                                f"duplicate {loaded.kind} name {loaded.name!r}; first defined at "
-                                f"{earlier.file}:{earlier.line}"))
-        else:
-            first[key] = loaded
-    return list(first.values()), problems
+    for kind, name, source in declared:
+        earlier = first.setdefault((kind, name), source)
+        if earlier is not source:
+            path = ("metadata", "name")
+            problems.append(Problem(source.file, source.line_of(path), f"{kind}/{name}", path,
+                                    f"duplicate {kind} name {name!r}; first defined at {earlier.file}:{earlier.line}"))
+    return problems
 
 
 def _check_adapter(adapter: LoadedDocument, models: dict[str, LoadedDocument]) -> list[Problem]:
@@ -73,10 +84,16 @@ def _check_adapter(adapter: LoadedDocument, models: dict[str, LoadedDocument]) -
         return [_at(adapter, ("spec", "base_model"), f"no Model named {spec.base_model!r}; models: {known}")]
     engine = base.document.spec.engine
     problems = []
+    made_for = BUILTIN_ADAPTERS.get(spec.source.removeprefix("builtin:")) if spec.source.startswith("builtin:") else None
+    if made_for is not None and base.document.spec.source != f"builtin:{made_for}":
+        problems.append(_at(adapter, ("spec", "source"),
+                            f"{spec.source} is made for builtin:{made_for}, but Model/{base.name} has source "
+                            f"{base.document.spec.source!r}"))
     if spec.rank > engine.max_adapter_rank:
         problems.append(_at(adapter, ("spec", "rank"),
-                            f"rank {spec.rank} exceeds Model/{base.name} engine.max_adapter_rank "
-                            f"({engine.max_adapter_rank}); raise that or use a smaller rank"))
+                            f"rank {spec.rank} exceeds Model/{base.name} spec.engine.max_adapter_rank "
+                            f"({engine.max_adapter_rank}, its engines' --max-lora-rank); raise that or use a "
+                            "smaller rank"))
     if engine.max_loaded_adapters == 0:
         problems.append(_at(adapter, ("spec", "base_model"),
                             f"Model/{base.name} has engine.max_loaded_adapters 0, so no adapter can be loaded"))

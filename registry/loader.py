@@ -2,8 +2,9 @@
 
 The order of work: read every `*.yaml` / `*.yml` file under the directory (hidden ones skipped),
 validate each document on its own (schema), then check the documents against each other
-(`registry.checks`). Problems from all three stages are collected, so one run reports everything;
-only a registry with no problems becomes a snapshot.
+(`registry.checks`: duplicate names over every document, valid or not; the rest over the valid ones).
+Problems from all three stages are collected, so one run reports everything; only a registry with no
+problems becomes a snapshot.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def registry_files(root: Path) -> list[Path]:
 
 def load_documents(source: str | Path, environ: Mapping[str, str]
                    ) -> tuple[list[LoadedDocument], list[Problem], frozenset[tuple[str, str]]]:
-    """Parse and schema-validate every document. Returns the good ones, every problem found, and the
-    (kind, name) that invalid documents declare."""
+    """Parse and schema-validate every document, and find duplicate names. Returns the good documents,
+    every problem found, and the (kind, name) that invalid documents declare."""
     root = Path(source)
     if not root.exists():
         return [], [Problem(str(source), 0, "", (), "does not exist")], frozenset()
@@ -66,6 +67,7 @@ def load_documents(source: str | Path, environ: Mapping[str, str]
     loaded: list[LoadedDocument] = []
     problems: list[Problem] = []
     invalid: set[tuple[str, str]] = set()
+    declared: list[tuple[str, str, SourceDocument]] = []
     for path in files:
         display = str(path) if root.is_file() else str(Path(source) / path.relative_to(root))
         sources, file_problems = read_file(path, display, environ)
@@ -73,11 +75,14 @@ def load_documents(source: str | Path, environ: Mapping[str, str]
         for src in sources:
             document, doc_problems = _validate(src)
             problems += doc_problems
+            kind_name = _declared(src.data)
+            if kind_name is not None and kind_name[0] in DOCUMENT_CLASSES:
+                declared.append((*kind_name, src))
             if document is not None:
                 loaded.append(document)
-            elif (declared := _declared(src.data)) is not None:
-                invalid.add(declared)
-    return loaded, problems, frozenset(invalid)
+            elif kind_name is not None:
+                invalid.add(kind_name)
+    return loaded, problems + checks.duplicate_names(declared), frozenset(invalid)
 
 
 def _declared(data: Any) -> tuple[str, str] | None:
@@ -109,13 +114,23 @@ def _validate(src: SourceDocument) -> tuple[LoadedDocument | None, list[Problem]
     try:
         document = cls.model_validate(data)
     except ValidationError as exc:
-        found = [_problem_from_error(src, label, cls, error) for error in exc.errors()]
+        found = [_problem_from_error(src, label, cls, error) for error in _causes(exc.errors())]
         # A value left as `${UNSET}` fails the schema too; the unset variable is the problem to show.
         reported = {p.path for p in early}
         return None, early + [p for p in found if p.path not in reported]
     if early:
         return None, early
     return LoadedDocument(document=document, origin=src), []
+
+
+def _causes(errors: list[Any]) -> list[Any]:
+    """Drop the errors that only follow from others: a list whose one item is invalid is also "too short
+    after validation" (pydantic), which would send a person looking for a missing item."""
+    def inner(error: Any) -> bool:
+        loc = tuple(error["loc"])
+        return any(len(other["loc"]) > len(loc) and tuple(other["loc"][:len(loc)]) == loc for other in errors)
+
+    return [error for error in errors if not (error["type"] == "too_short" and inner(error))]
 
 
 def _problem_from_error(src: SourceDocument, label: str, cls: type[BaseModel], error: Any) -> Problem:

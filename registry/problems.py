@@ -30,9 +30,12 @@ class Problem:
     document: str  # "Model/llama-3-8b", "Model/?" when the name itself is missing, "" for file-level problems
     path: KeyPath
     message: str
+    column: int = 0  # 1-based; 0 when only the line is known (YAML syntax errors know the column)
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}" if self.line else self.file
+        if self.line and self.column:
+            where += f":{self.column}"
         parts = [where]
         if self.document:
             parts.append(self.document)

@@ -15,7 +15,7 @@ import enum
 import re
 import unicodedata
 from urllib.parse import urlsplit
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Annotated, Literal, Union
 
@@ -25,6 +25,8 @@ API_VERSION = "kvgate/v1"
 # A GPU kind naming "no accelerator": CPU-only nodes (the local demo pool) offer it with 0 GPUs.
 CPU_KIND = "cpu"
 BUILTIN_MODELS = ("tiny-llama", "smollm2-135m")
+# The engine's built-in demo adapters (engine.lora.builtin) -> the built-in model each is made for.
+BUILTIN_ADAPTERS = MappingProxyType({"smollm2-demo-a": "smollm2-135m", "smollm2-demo-b": "smollm2-135m"})
 
 _NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -70,16 +72,14 @@ def unprintable(text: str) -> str:
     return "".join(sorted({ch for ch in text if unicodedata.category(ch) in UNPRINTABLE_CATEGORIES}))
 
 
-def _check_source(source: str, *, allow_builtin: bool) -> str:
+def _check_source(source: str, *, builtins: Collection[str], what: str) -> str:
+    """`builtins`: the names `builtin:NAME` may give; `what`: "model" or "adapter", for the message."""
     if unprintable(source):
         raise ValueError(f"{source!r} holds {unprintable(source)!r}: no line break or control character in a source")
     if source.startswith("builtin:"):
-        if not allow_builtin:
-            raise ValueError(f"{source!r}: adapters cannot be built in; give a local directory or s3://bucket/prefix")
-        name = source.removeprefix("builtin:")
-        if name not in BUILTIN_MODELS:
-            allowed = ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
-            raise ValueError(f"unknown built-in model {source!r}; built-ins are {allowed}")
+        if source.removeprefix("builtin:") not in builtins:
+            allowed = ", ".join(f"builtin:{n}" for n in builtins)
+            raise ValueError(f"unknown built-in {what} {source!r}; built-ins are {allowed}")
     elif source.startswith("s3://"):
         bucket = source.removeprefix("s3://").split("/", 1)[0]
         if not bucket:
@@ -87,7 +87,7 @@ def _check_source(source: str, *, allow_builtin: bool) -> str:
     elif "://" in source:
         scheme = source.split("://", 1)[0]
         raise ValueError(f"unsupported scheme {scheme!r} in {source!r}; use a local path, s3://bucket/prefix"
-                         + (" or builtin:NAME" if allow_builtin else ""))
+                         " or builtin:NAME")
     elif not source.strip():
         raise ValueError("source is empty")
     return source
@@ -331,7 +331,7 @@ class ModelSpec(_Strict):
     @field_validator("source")
     @classmethod
     def _source(cls, source: str) -> str:
-        return _check_source(source, allow_builtin=True)
+        return _check_source(source, builtins=BUILTIN_MODELS, what="model")
 
     @model_validator(mode="after")
     def _base_within_max(self) -> ModelSpec:
@@ -346,15 +346,16 @@ class ModelSpec(_Strict):
 
 class AdapterSpec(_Strict):
     base_model: str = Field(description="The Model this LoRA adapter applies to.")
-    source: str = Field(description="A PEFT directory (adapter_config.json, adapter_model.safetensors) "
-                                    "or s3://bucket/prefix.")
+    source: str = Field(description="A PEFT directory (adapter_config.json, adapter_model.safetensors), "
+                                    "s3://bucket/prefix, or builtin:NAME, a demo adapter for builtin:smollm2-135m "
+                                    f"({', '.join(BUILTIN_ADAPTERS)}).")
     rank: int = Field(ge=1, le=512, description="LoRA rank; at most the base model's engine.max_adapter_rank.")
     description: str = ""
 
     @field_validator("source")
     @classmethod
     def _source(cls, source: str) -> str:
-        return _check_source(source, allow_builtin=False)
+        return _check_source(source, builtins=BUILTIN_ADAPTERS, what="adapter")
 
 
 # ----------------------------------------------------------------------------------------------- Pool

@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -82,15 +83,52 @@ def read_file(path: Path, display_name: str, environ: Mapping[str, str]) -> tupl
                 )
             )
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else 0
-        what = " ".join(part for part in (exc.context, exc.problem) if part)
-        problems.append(Problem(display_name, line, "", (), f"is not valid YAML: {what}"))
+        line, column, message = describe_yaml_error(exc)
+        problems.append(Problem(display_name, line, "", (), f"is not valid YAML: {message}", column))
     except yaml.YAMLError as exc:
         problems.append(Problem(display_name, 0, "", (), f"is not valid YAML: {exc}"))
     finally:
         loader.dispose()
     return documents, problems
+
+
+# PyYAML's names for tokens, in the words of a person who writes YAML.
+_TOKEN_WORDS = (("'<stream end>'", "the end of the file"), ("<block end>", "the end of the block"),
+                ("'<block mapping start>'", "a key at a different indentation"),
+                ("'<block sequence start>'", "a '- ' item at a different indentation"),
+                ("'?'", "a key at a different indentation"), ("'-'", "a '- ' item at a different indentation"))
+# Terse scanner problems with one usual cause: the fix to try first.
+_HINTS = MappingProxyType({"mapping values are not allowed here": "check the indentation, or quote a value that holds ': '",
+          "found character '\\t' that cannot start any token": "YAML indents with spaces, never tabs"})
+
+
+def describe_yaml_error(exc: yaml.MarkedYAMLError) -> tuple[int, int, str]:
+    """(line, column, one-line message) of a YAML syntax error; 1-based, 0 when unknown.
+
+    The position is where PyYAML noticed the error. The construct it was inside (an unclosed `[` or
+    quote) is named with its own position, since that is usually what needs the fix:
+    "expected ',' or ']', got the end of the file (in the flow sequence that opens at line 3, column 7)".
+    """
+    mark = exc.problem_mark or exc.context_mark
+    line, column = (mark.line + 1, mark.column + 1) if mark else (0, 0)
+    expected, found_sep, found = " ".join((exc.problem or "").split()).partition(", but ")
+    problem = _words(expected + (", " + found if found_sep else ""))
+    problem += f" ({_HINTS[problem]})" if problem in _HINTS else ""
+    context, at = " ".join((exc.context or "").split()), exc.context_mark
+    if not context or at is None or at is mark or context == "while scanning for the next token":
+        return line, column, problem or context or "syntax error"
+    where = f"line {at.line + 1}, column {at.column + 1}"
+    if context.startswith("while "):  # "while parsing a flow sequence": the construct left open
+        construct = context.split(" ", 2)[-1].removeprefix("a ").removeprefix("an ")
+        return line, column, f"{problem} (in the {construct} that opens at {where})"
+    return line, column, f"{context} at {where}; {problem} here"  # "found duplicate anchor 'x'; first occurrence"
+
+
+def _words(found: str) -> str:
+    """"got '<stream end>'" -> "got the end of the file"."""
+    for token, words in _TOKEN_WORDS:
+        found = found.replace(token, words)
+    return found
 
 
 class _Builder:

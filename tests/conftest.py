@@ -1,13 +1,25 @@
-"""Fixtures shared by every suite: real external services, started once per test session."""
+"""Fixtures shared by every suite: real external services, started once per test session; and the cache
+directory of the whole run."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 
 import pytest
 
+from kvgate.engine.builtin import CACHE_DIR_ENV
+from tests.engine.builtin_cache import shared_cache_dir
 from tests.services import free_loopback_port, http_answers, redis_server, running
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Builtin models, downloads and adapters go to the checkout's own gitignored cache (`.kvgate-cache`),
+    never to the user's ~/.cache/kvgate: a rerun reuses what the last run built. Set in the environment
+    before any test runs, so every engine, `kvgate up` and autoscaler process a test starts inherits it.
+    A KVGATE_CACHE_DIR set by the caller (CI sharing one cache between checkouts) is kept."""
+    os.environ.setdefault(CACHE_DIR_ENV, str(shared_cache_dir()))
 
 
 @pytest.fixture(scope="session")

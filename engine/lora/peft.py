@@ -157,7 +157,8 @@ def _parse_config(raw: dict[str, Any], path: Path, max_rank: int) -> tuple[int, 
         raise fail("r", "a positive integer")
     if rank > max_rank:
         raise AdapterLoadError(f"{path}: key 'r' is {rank}, above this engine's max_lora_rank {max_rank}; "
-                               f"raise max_lora_rank or use an adapter of rank <= {max_rank}")
+                               f"raise it (kvgate engine --max-lora-rank; a registry Model's "
+                               f"spec.engine.max_adapter_rank) or use an adapter of rank <= {max_rank}")
     alpha = raw.get("lora_alpha", 8)  # PEFT's default
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
         raise fail("lora_alpha", "a positive number")

@@ -18,7 +18,8 @@ from aiohttp import web
 
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.server.metrics import ServerMetrics
-from kvgate.engine.server.protocol import ChatMessage, bad_request, model_not_found
+from kvgate.engine.server.protocol import ChatMessage, model_not_found
+from kvgate.openai_wire import bad_request
 from kvgate.tokenizer import ChatTemplateError
 
 # Text longer than this (characters) is tokenized on a thread: about a millisecond of tokenizer work,
@@ -31,7 +32,10 @@ class ServerSettings:
     """What shapes the HTTP side of one replica. Time is injected: main.py passes the real clocks
     explicitly, tests pass fakes (the defaults are the real clocks, for scripts)."""
 
-    served_model_name: str  # the `model` clients send for the base model
+    served_model_name: str  # the `model` clients send for the base model, the one /v1/models lists
+    # Other names clients may send for the base model: `kvgate engine --model builtin:smollm2-135m` serves
+    # `smollm2-135m` and answers to `builtin:smollm2-135m` too, the name its user just typed.
+    model_aliases: tuple[str, ...] = ()
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get a 413
     drain_timeout_s: float = 30.0  # after SIGTERM: how long in-flight requests may take before they are aborted
     retry_after_s: int = 5  # the Retry-After of a 503 while draining: about how long a replacement takes
@@ -119,12 +123,15 @@ class ServerContext:
         return tuple(dict.fromkeys((*info.registered, *info.loaded)))
 
     def resolve_model(self, name: str) -> str | None:
-        """The adapter a request's `model` names: None for the base model. Raises ApiError 404."""
+        """The adapter a request's `model` names: None for the base model (its served name or an alias; an
+        adapter of an alias's name wins). Raises ApiError 404 naming what is served."""
         if name == self.model_name:
             return None
         adapters = self.adapter_names()
         if name in adapters:
             return name
+        if name in self.settings.model_aliases:
+            return None
         raise model_not_found(name, (self.model_name, *adapters))
 
     def encode_text(self, text: str) -> list[int]:

@@ -51,6 +51,12 @@ def served_name(args: argparse.Namespace) -> str:
         return args.served_model_name
     return args.model.removeprefix("builtin:")
 
+
+def model_aliases(args: argparse.Namespace) -> tuple[str, ...]:
+    """Other names the base model answers to: --model as given, when it is not the served name."""
+    return () if args.model == served_name(args) else (args.model,)
+
+
 def parse_bytes(text: str) -> int:
     """'256MiB' -> 268435456; units B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (of 1024)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
@@ -206,7 +212,7 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
     from kvgate.engine.server.app import build_app
     from kvgate.engine.server.context import CONTEXT, ServerSettings
 
-    settings = ServerSettings(served_model_name=served_name(args),
+    settings = ServerSettings(served_model_name=served_name(args), model_aliases=model_aliases(args),
                               max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s,
                               now=time.monotonic, wall=time.time)
     app = build_app(engine, settings)

@@ -52,7 +52,7 @@ def test_only_some_layers_may_be_adapted(tmp_path) -> None:
     ("missing dir", "not a directory"),
     ("missing config", "adapter_config.json: not found"),
     ("missing weights", "adapter_model.safetensors: not found"),
-    ("rank too large", "key 'r' is 32, above this engine's max_lora_rank 16"),
+    ("rank too large", "key 'r' is 32, above this engine's max_lora_rank 16; raise it (kvgate engine --max-lora-rank"),
     ("rank zero", "key 'r' must be a positive integer; got 0"),
     ("negative alpha", "key 'lora_alpha' must be a positive number; got -1"),
     ("unsupported module", "lists unsupported module(s) embed_tokens; supported: q_proj"),

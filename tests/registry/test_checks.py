@@ -59,6 +59,21 @@ def test_names_are_unique_per_kind(write_registry) -> None:
     assert message.startswith("duplicate Model name 'tiny'; first defined at ")
 
 
+def test_a_duplicate_name_is_reported_even_when_one_copy_is_invalid(write_registry) -> None:
+    invalid = MODEL + "  scaling: {max_replicas: 0}\n"
+    for first, second in ((invalid, MODEL), (MODEL, invalid)):
+        found = messages(write_registry, POOL, first, second)
+        assert len(found) == 2 and sum(m.startswith("duplicate Model name 'tiny'; first defined at ") for m in found) == 1
+
+
+def test_an_invalid_pool_is_reported_once_not_again_as_missing_on_its_models(write_registry) -> None:
+    bad_pool = POOL.replace("price_usd_per_hour: 0", "price_usd_per_hour: -1")
+    named = MODEL + "  placement: {pools: [local]}\n"
+    for model in (MODEL, named):  # every pool allowed, or this one named
+        (message,) = messages(write_registry, bad_pool, model)  # not also "too short", nor "no Pool is declared"
+        assert message == "Input should be greater than or equal to 0; got -1"
+
+
 def test_the_same_name_may_be_used_by_different_kinds(write_registry) -> None:
     root = write_registry({"a.yaml": POOL + "---\n" + MODEL.replace("name: tiny", "name: local")})
     assert load_registry(root, {}).model("local")
@@ -72,7 +87,21 @@ def test_adapter_and_model_names_must_differ(write_registry) -> None:
 
 def test_adapter_rank_must_fit_the_base_model(write_registry) -> None:
     (message,) = messages(write_registry, POOL, MODEL, ADAPTER.replace("rank: 8", "rank: 64"))
-    assert message == "rank 64 exceeds Model/tiny engine.max_adapter_rank (16); raise that or use a smaller rank"
+    assert message == ("rank 64 exceeds Model/tiny spec.engine.max_adapter_rank (16, its engines' --max-lora-rank); "
+                       "raise that or use a smaller rank")
+
+
+def test_a_builtin_adapter_must_sit_on_the_builtin_model_it_was_made_for(write_registry) -> None:
+    demo = ADAPTER.replace("source: /adapters/helper", "source: builtin:smollm2-demo-a")
+    (message,) = messages(write_registry, POOL, MODEL, demo)
+    assert message == "builtin:smollm2-demo-a is made for builtin:smollm2-135m, but Model/tiny has source 'builtin:tiny-llama'"
+    smollm2 = MODEL.replace("builtin:tiny-llama", "builtin:smollm2-135m")
+    assert load_registry(write_registry({"a.yaml": "---\n".join([POOL, smollm2, demo])}), {}).adapter("helper")
+
+
+def test_an_unknown_builtin_adapter_lists_the_builtin_ones(write_registry) -> None:
+    (message,) = messages(write_registry, POOL, MODEL, ADAPTER.replace("/adapters/helper", "builtin:sql"))
+    assert message == "unknown built-in adapter 'builtin:sql'; built-ins are builtin:smollm2-demo-a, builtin:smollm2-demo-b"
 
 
 def test_adapter_needs_a_base_model_that_can_load_adapters(write_registry) -> None:

@@ -128,10 +128,26 @@ def test_merge_keys_may_be_overridden(write_registry) -> None:
     assert [(o.capacity_type.value, o.price_usd_per_hour) for o in offers] == [("on_demand", 0.0), ("spot", 0.5)]
 
 
-def test_yaml_syntax_error_names_the_line(write_registry) -> None:
+def test_yaml_syntax_error_names_line_and_column_and_where_the_open_bracket_is(write_registry) -> None:
     root = write_registry({"a.yaml": POOL, "b.yaml": "apiVersion: kvgate/v1\nkind: Model\nspec: [unclosed\n"})
-    found = problems_of(root)
-    assert len(found) == 1 and found[0].startswith(f"{root}/b.yaml:4: is not valid YAML")
+    assert problems_of(root) == [f"{root}/b.yaml:4:1: is not valid YAML: expected ',' or ']', got the end of the "
+                                 "file (in the flow sequence that opens at line 3, column 7)"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("a: b\n  c: d\n", "2:4: is not valid YAML: mapping values are not allowed here (check the indentation, or "
+                       "quote a value that holds ': ')"),
+    ("a:\n\t- b\n", "2:1: is not valid YAML: found character '\\t' that cannot start any token (YAML indents with "
+                   "spaces, never tabs)"),
+    ("a:\n  - b\n c: d\n", "3:2: is not valid YAML: expected the end of the block, found a key at a different "
+                          "indentation (in the block mapping that opens at line 1, column 1)"),
+    ("a: &x 1\nb: &x 2\n", "2:4: is not valid YAML: found duplicate anchor 'x'; first occurrence at line 1, column 4; "
+                         "second occurrence here"),
+])
+def test_yaml_syntax_errors_are_one_line_in_words(write_registry, text: str, expected: str) -> None:
+    root = write_registry({"a.yaml": text})
+    (found,) = problems_of(root)
+    assert found == f"{root}/a.yaml:{expected}" and "\n" not in found
 
 
 def test_unknown_kind_and_non_mapping_documents(write_registry) -> None:
