@@ -7,10 +7,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.autoscaler.fleet_helpers import write_registry
+from tests.eventually import eventually_sync
 from tests.services import free_loopback_port
 
 
@@ -50,11 +50,9 @@ def test_the_state_password_is_not_printed(tmp_path: Path) -> None:
             [sys.executable, "-m", "kvgate.autoscaler", "--registry", str(write_registry(tmp_path)),
              "--state", f"redis://:hunter2@127.0.0.1:{port}/0", "--interval-s", "0.2"],
             stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while "kvgate autoscaler " not in log_path.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)  # a few standby ticks more
+    try:  # the start-up line, then standby ticks, each logging the store it cannot reach
+        eventually_sync(lambda: log_path.read_text().count("acting as standby this tick") >= 3,
+                        lambda: f"three standby ticks in the log:\n{log_path.read_text()[-3000:]}")
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=10)

@@ -23,6 +23,7 @@ from kvgate.autoscaler.claims import ClaimStore
 from kvgate.clock import RealClock
 from kvgate.state import RedisStateStore
 from tests.autoscaler.fleet_helpers import write_registry
+from tests.eventually import eventually_sync
 from tests.services import asks_for_a_password, free_loopback_port, running
 
 PASSWORD = "hunter2"
@@ -50,13 +51,8 @@ def in_redis(url: str, prefix: str, action):
 
 
 def wait_for(condition, timeout_s: float, what: str, log_path: Path):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; autoscaler log:\n{log_path.read_text()[-3000:]}")
+    return eventually_sync(condition, lambda: f"{what}; autoscaler log:\n{log_path.read_text()[-3000:]}",
+                           timeout_s, poll_s=0.1)
 
 
 def status_of(url: str, prefix: str):

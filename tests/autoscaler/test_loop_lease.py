@@ -23,6 +23,7 @@ from kvgate.clock import FakeClock
 from kvgate.state import StateStore
 from kvgate.providers.fake import FakeCloud, FakeProvider
 from tests.autoscaler.fleet_helpers import Killed, kill_at, load_test_registry, make_autoscaler, observe, open_store
+from tests.eventually import eventually
 
 
 
@@ -153,8 +154,7 @@ async def test_a_leader_whose_lease_lapsed_mid_tick_stops_buying(snapshot, two_s
     b = make_autoscaler(snapshot, two_stores[1], clock, other, holder="b")
     await observe(two_stores[0], clock, queued=9)  # ceil(9 / 4) = 3 replicas: three CreateNode actions
     tick_a = asyncio.create_task(a.tick())
-    while clock.num_sleepers == 0:  # redis round trips take real time: wait until a sits in create
-        await asyncio.sleep(0.005)
+    await eventually(lambda: clock.num_sleepers, "a sits in its first create")  # redis round trips take real time
     await clock.advance(10.5)  # a is inside its first create; its lease lapsed at +10 s
     other.fail_next(1, methods=["list"])  # b leads but cannot see the pool, so it leaves a's claim alone
     assert (await b.tick()).leader

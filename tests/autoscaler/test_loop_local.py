@@ -9,8 +9,6 @@ process and frees the slot.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 from kvgate.autoscaler.claims import ClaimStore
@@ -18,17 +16,15 @@ from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings, FixedSnapshot
 from kvgate.clock import RealClock
 from kvgate.state import MemoryStateStore
 from kvgate.registry import load_registry
+from tests.eventually import eventually
 from tests.registry_docs import local_pool, tiny_llama
 
 
 async def ready_members(store: MemoryStateStore, timeout_s: float) -> list:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    async def all_ready() -> list:
         members = await store.list_members()
-        if members and all(m.state.value == "ready" for m in members):
-            return members
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"no ready replica after {timeout_s} s: {await store.list_members()}")
+        return members if members and all(m.state.value == "ready" for m in members) else []
+    return await eventually(all_ready, "every replica ready", timeout_s, poll_s=0.1)
 
 
 async def test_a_restarted_autoscaler_adopts_the_running_local_replica(tmp_path: Path) -> None:
@@ -51,7 +47,14 @@ async def test_a_restarted_autoscaler_adopts_the_running_local_replica(tmp_path:
         second = Autoscaler(snapshot, store, clock, provider_factory=provider_factory_for("t", clock),
                             settings=settings, holder="second")
         await second.start()
-        await asyncio.sleep(1.5)  # several ticks as leader
+        leading_ticks: set[float] = set()  # the status record's updated_at, written once per tick as leader
+
+        async def ticked_as_leader() -> bool:
+            record = await store.get_record("autoscaler", "status")
+            if record is not None and record.data["holder"] == "second":
+                leading_ticks.add(record.data["updated_at"])
+            return len(leading_ticks) >= 3
+        await eventually(ticked_as_leader, "three ticks of the second autoscaler as leader", poll_s=0.02)
         [adopted] = await ready_members(store, 10)
 
         assert second.is_leader

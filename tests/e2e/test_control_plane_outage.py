@@ -9,13 +9,11 @@ checks) until a new autoscaler takes the lease, adopts the replica and lists it 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import signal
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import aiohttp
 
 from kvgate.clock import RealClock
 from kvgate.state import RedisStateStore
+from tests.eventually import eventually
 from tests.registry_docs import local_pool, tiny_llama
 from tests.services import free_loopback_port, http_answers, kvgate_command, running
 
@@ -36,13 +35,6 @@ async def chat(session: aiohttp.ClientSession, url: str) -> int:
     async with session.post(url + "/v1/chat/completions", json=body) as response:
         await response.read()
         return response.status
-
-
-async def until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.2)
 
 
 async def test_a_killed_autoscaler_costs_no_request_while_its_replica_runs(tmp_path: Path, redis_url: str) -> None:
@@ -71,20 +63,24 @@ async def test_a_killed_autoscaler_costs_no_request_while_its_replica_runs(tmp_p
 
             async def served() -> bool:
                 return await chat(session, url) == 200
-            await until(served, 120, "the first replica to serve")  # ~6 s to load tiny-llama on 2 cores
+            await eventually(served, "the first replica to serve", timeout_s=120, poll_s=0.2)  # ~6 s to load tiny-llama
             [member] = await store.list_members()
 
             autoscalers[0].kill()  # no lease release, no goodbye: its records just stop being renewed
             autoscalers[0].wait()
+            async def the_replica() -> dict:
+                async with session.get(url + "/admin/stats") as response:
+                    [replica] = (await response.json())["models"]["tiny-llama"]["replicas"]
+                return replica
+
             statuses = []
-            killed_at = time.monotonic()
-            while time.monotonic() - killed_at < 13.0:  # past the records' 10 s TTL
-                statuses.append(await chat(session, url))
-                await asyncio.sleep(0.2)
-            assert await store.list_members() == []  # the record expired ...
-            assert statuses == [200] * len(statuses)  # ... and no request noticed
-            async with session.get(url + "/admin/stats") as response:
-                [replica] = (await response.json())["models"]["tiny-llama"]["replicas"]
+
+            async def lapsed_under_traffic() -> bool:  # a request every 0.2 s until the record (10 s TTL) lapsed
+                statuses.append(await chat(session, url))  # and the gateway's membership poll saw it go
+                return not await store.list_members() and (await the_replica())["unlisted_s"] is not None
+            await eventually(lapsed_under_traffic, "the record to lapse and the gateway to notice", poll_s=0.2)
+            assert statuses == [200] * len(statuses)  # no request noticed
+            replica = await the_replica()
             assert replica["replica_id"] == member.replica_id and replica["unlisted_s"] > 0
 
             with open(tmp_path / "autoscaler-2.log", "wb") as log:
@@ -92,11 +88,8 @@ async def test_a_killed_autoscaler_costs_no_request_while_its_replica_runs(tmp_p
                                                     stderr=subprocess.STDOUT))
 
             async def listed_again() -> bool:
-                async with session.get(url + "/admin/stats") as response:
-                    [replica] = (await response.json())["models"]["tiny-llama"]["replicas"]
-                return replica["unlisted_s"] is None
-
-            await until(listed_again, 60, "the new autoscaler to list the replica again")
+                return (await the_replica())["unlisted_s"] is None
+            await eventually(listed_again, "the new autoscaler to list the replica again", timeout_s=60, poll_s=0.2)
             assert [m.replica_id for m in await store.list_members()] == [member.replica_id]  # adopted, not replaced
             assert await chat(session, url) == 200
             autoscalers[1].send_signal(signal.SIGTERM)

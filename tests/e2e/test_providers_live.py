@@ -24,11 +24,10 @@ import json
 import os
 import shlex
 import subprocess
-import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -43,19 +42,11 @@ from kvgate.clock import RealClock
 from kvgate.registry import load_registry
 from kvgate.state import RedisStateStore
 from tests.providers.subject_kubernetes import NAMESPACE as K8S_NAMESPACE, NODE_POOL, kube_world
+from tests.eventually import eventually, eventually_sync
 from tests.registry_docs import local_pool, tiny_llama
 from tests.services import free_loopback_port, http_answers, kvgate_command, running, stop_process
 
 WHEEL_URL = "https://artifacts.example/kvgate/kvgate-0.1.0-py3-none-any.whl"
-
-
-def until(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """Poll `condition` every 0.2 s until it returns something truthy; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.2)
-    return value
 
 
 def chat(base_url: str) -> tuple[int, str]:
@@ -82,6 +73,18 @@ def members(redis_url: str, prefix: str) -> list[dict[str, Any]]:
         try:
             return [{"id": m.replica_id, "url": m.url, "state": m.state.value, "node": m.node_id}
                     for m in await store.list_members()]
+        finally:
+            await store.close()
+    return asyncio.run(read())
+
+
+def status_updated_at(redis_url: str, prefix: str) -> float | None:
+    """When the autoscaler last wrote its status record (once per tick as leader), or None before it did."""
+    async def read() -> float | None:
+        store = RedisStateStore.from_url(redis_url, RealClock(), prefix=prefix)
+        try:
+            record = await store.get_record("autoscaler", "status")
+            return None if record is None else record.data["updated_at"]
         finally:
             await store.close()
     return asyncio.run(read())
@@ -123,8 +126,8 @@ def test_local_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: s
     registry = tiny_llama() + local_pool(work_dir)
     try:
         with control_plane(tmp_path, redis_url, registry) as (gateway, prefix):
-            [member] = until(lambda: [m for m in members(redis_url, prefix) if m["state"] == "ready"], 120,
-                             "a READY member")  # ~6 s to load tiny-llama on 2 cores
+            [member] = eventually_sync(lambda: [m for m in members(redis_url, prefix) if m["state"] == "ready"],
+                                       "a READY member", timeout_s=120, poll_s=0.2)  # ~6 s to load tiny-llama
             assert [p.name for p in (work_dir / "nodes").iterdir()], "no node (local slot) was taken"
             [record] = [json.loads(p.read_text()) for p in (work_dir / "replicas").glob("*.json")]
             assert record["id"] == member["id"] and member["node"] == record["node_id"]
@@ -132,8 +135,8 @@ def test_local_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: s
             model_flags = ("--model", "--served-model-name", "--device", "--kv-cache-bytes", "--max-model-len")
             started, expected = flags(record["cmdline"]), flags(engine_args(spec, host="h", port=1))
             assert {f: started[f] for f in model_flags} == {f: expected[f] for f in model_flags}
-            status, replica = until(lambda: (lambda s, r: (s, r) if s == 200 else None)(*chat(gateway)), 60,
-                                    "a request served through the gateway")
+            status, replica = eventually_sync(lambda: (lambda s, r: (s, r) if s == 200 else None)(*chat(gateway)),
+                                              "a request served through the gateway", timeout_s=60, poll_s=0.2)
             assert replica == member["id"]
     finally:
         stop_local_replicas(work_dir)
@@ -199,7 +202,8 @@ def test_aws_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: str
     try:
         with control_plane(tmp_path, redis_url, registry, env=AWS_ENV) as (gateway, prefix):
             cluster = prefix.rstrip(":")
-            [instance] = until(lambda: instances_of(ec2, cluster), 60, "the autoscaler to buy a node")
+            [instance] = eventually_sync(lambda: instances_of(ec2, cluster), "the autoscaler to buy a node",
+                                         timeout_s=60, poll_s=0.2)
             raw = ec2.describe_instance_attribute(InstanceId=instance["InstanceId"], Attribute="userData")
             argv, installs = node_script(base64.b64decode(raw["UserData"]["Value"]).decode())
 
@@ -219,18 +223,23 @@ def test_aws_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: str
             played[played.index("--cache-dir") + 1] = str(tmp_path / "node-cache")
             with open(tmp_path / "node.log", "wb") as log:
                 node = subprocess.Popen(played, stdout=log, stderr=subprocess.STDOUT)
-            until(lambda: http_answers(f"http://{address}:{ENGINE_PORT}/health") or node.poll() is not None, 120,
-                  "the node's engine to answer /health")
+            eventually_sync(lambda: http_answers(f"http://{address}:{ENGINE_PORT}/health") or node.poll() is not None,
+                            "the node's engine to answer /health", timeout_s=120, poll_s=0.2)
             assert node.poll() is None, (tmp_path / "node.log").read_text()[-3000:]
             ec2.create_tags(Resources=[instance["InstanceId"]], Tags=[{"Key": READY_TAG, "Value": "ready"}])
 
-            [member] = until(lambda: [m for m in members(redis_url, prefix) if m["state"] == "ready"], 60,
-                             "the replica's READY membership")
+            [member] = eventually_sync(lambda: [m for m in members(redis_url, prefix) if m["state"] == "ready"],
+                                       "the replica's READY membership", timeout_s=60, poll_s=0.2)
             assert member["url"] == f"http://{address}:{ENGINE_PORT}" and member["node"] == instance["InstanceId"]
-            status, replica = until(lambda: (lambda s, r: (s, r) if s == 200 else None)(*chat(gateway)), 60,
-                                    "a request served through the gateway")
+            status, replica = eventually_sync(lambda: (lambda s, r: (s, r) if s == 200 else None)(*chat(gateway)),
+                                              "a request served through the gateway", timeout_s=60, poll_s=0.2)
             assert replica == member["id"]
-            time.sleep(2.0)  # four more ticks: the one replica's node is enough, nothing else is bought
+            ticks: set[float | None] = set()  # the one replica's node is enough: four more ticks buy nothing else
+
+            def four_more_ticks() -> bool:
+                ticks.add(status_updated_at(redis_url, prefix))
+                return len(ticks - {None}) >= 5
+            eventually_sync(four_more_ticks, "four more autoscaler ticks", poll_s=0.1)
             assert [i["InstanceId"] for i in instances_of(ec2, cluster)] == [instance["InstanceId"]]
     finally:
         if node is not None and node.poll() is None:
@@ -242,15 +251,6 @@ def test_aws_pool_from_demand_to_a_served_request(tmp_path: Path, redis_url: str
 
 
 # ----------------------------------------------------------------------------------------- kubernetes
-
-
-async def eventually(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """`until` for async tests: polls with asyncio.sleep, so the in-process kmock keeps serving meanwhile."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        await asyncio.sleep(0.2)
-    return value
 
 
 def k8s_pool(kubeconfig: Path) -> str:
@@ -311,13 +311,15 @@ async def test_kubernetes_pool_from_demand_to_a_served_request(tmp_path: Path, r
             store = RedisStateStore.from_url(redis_url, RealClock(), prefix=prefix)
 
             # The Cluster API controller: kvgate grew the node pool by one for its claim; the machine joins.
-            await eventually(lambda: world.node_pool()["spec"]["replicas"] == 1, 60, "the autoscaler to grow the node pool")
+            await eventually(lambda: world.node_pool()["spec"]["replicas"] == 1, "the autoscaler to grow the node pool",
+                             timeout_s=60, poll_s=0.2)
             assert list(json.loads(world.node_pool()["metadata"]["annotations"]["kvgate.io/claims"])) == [cluster]
             world.set_node_pool(status={"readyReplicas": 1})
 
             # The ReplicaSet controller and the scheduler: one pod of the engine Deployment kvgate made.
             name = object_name("kvgate", cluster, "tiny-llama", "k8s")
-            deployment = await eventually(lambda: stored(world, "apps/v1/deployments", name), 60, "the engine Deployment")
+            deployment = await eventually(lambda: stored(world, "apps/v1/deployments", name), "the engine Deployment",
+                                          timeout_s=60, poll_s=0.2)
             [container] = deployment["spec"]["template"]["spec"]["containers"]
             spec = replica_spec_for(load_registry(tmp_path / "registry").models["tiny-llama"])
             assert container["image"] == "localhost/kvgate:0.1.0-cpu"
@@ -339,28 +341,22 @@ async def test_kubernetes_pool_from_demand_to_a_served_request(tmp_path: Path, r
             argv[argv.index("--cache-dir") + 1] = str(tmp_path / "pod-cache")
             engine = started(argv, tmp_path / "pod.log")
             await eventually(lambda: http_answers(f"http://{pod_ip}:{ENGINE_PORT}/health") or engine.poll() is not None,
-                             120, "the pod's engine to answer /health")
+                             "the pod's engine to answer /health", timeout_s=120, poll_s=0.2)
             assert engine.poll() is None, (tmp_path / "pod.log").read_text()[-3000:]
             world.emulator.objects["v1/pods", K8S_NAMESPACE, pod_name].patch(
                 {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
 
             async def ready_members() -> list[Any]:
-                return [m for m in await store.list_members() if m.state.value == "ready"]
-            found: list[Any] = []
-            while not found:
                 assert processes[0].poll() is None, (tmp_path / "autoscaler.log").read_text()[-3000:]
-                found = await ready_members()
-                await asyncio.sleep(0.2)
-            [member] = found
+                return [m for m in await store.list_members() if m.state.value == "ready"]
+            [member] = await eventually(ready_members, "a READY member", timeout_s=120, poll_s=0.2)
             assert member.url == f"http://{pod_ip}:{ENGINE_PORT}"
             bound = world.emulator.objects["v1/pods", K8S_NAMESPACE, pod_name].raw["metadata"]["labels"]
             assert bound["kvgate.io/replica"] == member.replica_id  # the provider bound the pod to the replica
-            answer: tuple[int, str] = (0, "")
-            deadline = time.monotonic() + 60
-            while answer[0] != 200:
-                assert time.monotonic() < deadline, f"no request served through the gateway: {answer}"
+            async def served() -> tuple[int, str] | None:
                 answer = await asyncio.to_thread(chat, gateway)
-                await asyncio.sleep(0.2)
+                return answer if answer[0] == 200 else None
+            answer = await eventually(served, "a request served through the gateway", timeout_s=60, poll_s=0.2)
             assert answer[1] == member.replica_id
         finally:
             if store is not None:

@@ -18,8 +18,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.up_process import UpProcess, alive, start_up, stop_for_sure, wait_until
+from tests.e2e.up_process import UpProcess, alive, start_up, stop_for_sure
 from tests.engine.peft_files import write_peft_dir
+from tests.eventually import eventually_sync
 from tests.services import free_loopback_port
 
 MODEL = "tiny-llama"
@@ -125,8 +126,8 @@ def test_chat_completion_streaming_and_adapter_requests_through_the_openai_sdk(u
                                           max_tokens=6)
     assert adapted.model == ADAPTER and adapted.usage.completion_tokens > 0
     # The replica reports the adapter resident over its gRPC state stream (pushed, so not at once).
-    wait_until(lambda: ADAPTER in model_stats(up, MODEL)["replicas"][0]["adapters_loaded"], 10,
-               "the replica to report the adapter loaded")
+    eventually_sync(lambda: ADAPTER in model_stats(up, MODEL)["replicas"][0]["adapters_loaded"],
+                    "the replica to report the adapter loaded", poll_s=0.1)
 
 
 def test_a_replica_that_cannot_start_is_reported_and_retried_with_backoff(up: UpProcess) -> None:
@@ -135,8 +136,9 @@ def test_a_replica_that_cannot_start_is_reported_and_retried_with_backoff(up: Up
         return [e for e in events if e["model"] == BROKEN and e["kind"] in ("replica_start", "replica_failed")]
 
     # start, fail, (back-off 5 s), start, fail: the autoscaler retries without spinning.
-    events = wait_until(lambda: (e := failures()) and [x["kind"] for x in e][:4] == [
-        "replica_start", "replica_failed", "replica_start", "replica_failed"] and e, 40, "two failed starts")
+    kinds = ["replica_start", "replica_failed", "replica_start", "replica_failed"]
+    events = eventually_sync(lambda: (e := failures()) and [x["kind"] for x in e][:4] == kinds and e,
+                             "two failed starts", timeout_s=90, poll_s=0.1)  # two engine starts and the back-off
     first_failed, second_start = events[1], events[2]
     assert "key 'r' must be a positive integer" in first_failed["message"]  # the engine's own reason
     assert "next start in 5s" in first_failed["message"]
@@ -151,8 +153,8 @@ def test_a_replica_that_cannot_start_is_reported_and_retried_with_backoff(up: Up
 def test_the_idle_model_scales_back_to_zero(up: UpProcess) -> None:
     [replica] = up.replica_records(MODEL)
     started = time.monotonic()
-    wait_until(lambda: up.replica_records(MODEL) == [] and model_stats(up, MODEL)["num_ready"] == 0, 60,
-               "tiny-llama to scale to zero")
+    eventually_sync(lambda: up.replica_records(MODEL) == [] and model_stats(up, MODEL)["num_ready"] == 0,
+                    "tiny-llama to scale to zero", timeout_s=60, poll_s=0.1)
     print(f"\nscaled to zero {time.monotonic() - started:.1f} s after the last test's requests")
     assert not alive(replica["pid"], replica["start_ticks"])
     assert "tiny-llama: scale_down: 1 -> 0: scale to zero" in up.log()

@@ -11,7 +11,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,17 +77,6 @@ def descendants_of(root: int) -> list[tuple[int, int]]:
 def alive(pid: int, start_ticks: int) -> bool:
     stat = proc_stat(pid)
     return stat is not None and stat.start_ticks == start_ticks and stat.state not in ("Z", "X")
-
-
-def wait_until(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(poll_s)
 
 
 def _answers(url: str) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.core import EngineConfig
 from tests.engine.builtin_cache import tiny_llama_dir
 from tests.engine.test_llm import prompts, sharp_model  # noqa: F401  (the fixture)
+from tests.eventually import eventually
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -48,12 +48,8 @@ async def test_leaving_a_stream_aborts_the_request_and_frees_its_blocks(engine: 
         seen += 1
         if seen == 3:
             break  # the client went away
-    for _ in range(200):  # the worker applies the abort at its next step boundary
-        if blocks.num_free_blocks == blocks.num_total_blocks and not engine.core.has_unfinished():
-            break
-        await asyncio.sleep(0.01)
-    assert blocks.num_free_blocks == blocks.num_total_blocks
-    assert not engine.core.has_unfinished()
+    await eventually(lambda: blocks.num_free_blocks == blocks.num_total_blocks and not engine.core.has_unfinished(),
+                     "the abort applied at the worker's next step boundary: blocks free, nothing unfinished")
 
 
 async def test_cancelling_the_reading_task_aborts_too(engine: AsyncLLM) -> None:
@@ -69,11 +65,7 @@ async def test_cancelling_the_reading_task_aborts_too(engine: AsyncLLM) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(200):
-        if not engine.core.has_unfinished():
-            break
-        await asyncio.sleep(0.01)
-    assert not engine.core.has_unfinished()
+    await eventually(lambda: not engine.core.has_unfinished(), "the cancelled request aborted")
 
 
 async def test_a_bad_prompt_raises_before_streaming_and_the_engine_carries_on(engine: AsyncLLM) -> None:
@@ -109,18 +101,18 @@ async def test_cancelling_a_request_before_the_worker_takes_it_adds_nothing(engi
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    await asyncio.sleep(0.05)
-    assert engine.is_alive and not engine.core.has_unfinished()
+    # A request after them, served, means the worker has taken every command queued before it.
     assert len(await collect(engine, prompts(1)[0])) == 16
+    assert engine.is_alive and not engine.core.has_unfinished()
 
 
 async def test_cancelling_a_request_while_the_worker_adds_it_aborts_it(engine: AsyncLLM, monkeypatch) -> None:
-    added = threading.Event()
+    added, caller_cancelled = threading.Event(), threading.Event()
     real_add = engine.core.add_request
 
     def slow_add(*args, **kwargs):
         added.set()
-        time.sleep(0.1)  # the caller is cancelled meanwhile: it never learns the request's id
+        caller_cancelled.wait(30)  # the caller is cancelled meanwhile: it never learns the request's id
         return real_add(*args, **kwargs)
 
     monkeypatch.setattr(engine.core, "add_request", slow_add)
@@ -130,9 +122,8 @@ async def test_cancelling_a_request_while_the_worker_adds_it_aborts_it(engine: A
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(200):
-        if engine.stats.num_requests_aborted_total and not engine.core.has_unfinished():
-            break
-        await asyncio.sleep(0.01)
-    assert engine.is_alive and not engine.core.has_unfinished()
+    caller_cancelled.set()
+    await eventually(lambda: engine.stats.num_requests_aborted_total and not engine.core.has_unfinished(),
+                     "the request added for a caller that had left aborted")
+    assert engine.is_alive
     assert engine.stats.num_requests_aborted_total == 1

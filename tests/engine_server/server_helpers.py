@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 from typing import Any
@@ -46,12 +45,3 @@ def sse_events(text: str) -> list[Any]:
         payload = block[len("data: "):]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
-
-
-async def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    """Poll `predicate` every 10 ms until it holds; fail after timeout_s."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)

@@ -9,7 +9,8 @@ from aiohttp.test_utils import TestClient
 
 from kvgate.engine.async_llm import AsyncLLM, EngineDead
 from kvgate.engine.server.context import CONTEXT
-from tests.engine_server.server_helpers import MODEL, make_settings, sse_events, start_client, wait_until
+from tests.engine_server.server_helpers import MODEL, make_settings, sse_events, start_client
+from tests.eventually import eventually
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -228,7 +229,7 @@ async def test_a_client_leaving_a_stream_aborts_the_request_and_frees_its_blocks
         await response.content.readline()
     assert engine.stats.num_running == 1
     response.close()  # drops the connection mid-stream
-    await wait_until(lambda: engine.stats.num_running == 0)
+    await eventually(lambda: engine.stats.num_running == 0)
     stats = engine.stats
     assert stats.num_requests_aborted_total == aborted_before + 1
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
@@ -238,9 +239,9 @@ async def test_a_client_leaving_a_plain_request_aborts_it_too(client: TestClient
     aborted_before = engine.stats.num_requests_aborted_total
     request = asyncio.create_task(client.post("/v1/completions", json={
         "model": MODEL, "prompt": "leave quietly", "max_tokens": 1500, **GREEDY}))
-    await wait_until(lambda: engine.stats.num_running == 1)
+    await eventually(lambda: engine.stats.num_running == 1)
     request.cancel()  # the client closes its connection while waiting for the answer
-    await wait_until(lambda: engine.stats.num_running == 0)
+    await eventually(lambda: engine.stats.num_running == 0)
     assert engine.stats.num_requests_aborted_total == aborted_before + 1
 
 
@@ -264,11 +265,11 @@ async def test_a_drain_that_times_out_aborts_what_is_left(client: TestClient, en
     lifecycle = client.app[CONTEXT].lifecycle
     request = asyncio.create_task(client.post("/v1/completions", json={
         "model": MODEL, "prompt": "too slow", "max_tokens": 1900, **GREEDY}))
-    await wait_until(lambda: engine.stats.num_running == 1)
+    await eventually(lambda: engine.stats.num_running == 1)
     lifecycle.begin_drain()
     assert not await lifecycle.wait_idle(0.05)
     assert await lifecycle.cancel_in_flight() == 1
-    await wait_until(lambda: engine.stats.num_running == 0)
+    await eventually(lambda: engine.stats.num_running == 0)
     request.cancel()
 
 

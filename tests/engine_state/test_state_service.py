@@ -257,7 +257,7 @@ async def test_an_idle_stream_sends_a_heartbeat_at_least_every_250_ms(replica: R
     stream = replica.watch()
     await stream.wait_for(lambda state: True)
 
-    await asyncio.sleep(1.0)
+    await stream.wait_for(lambda state: True, start=4)  # four heartbeats after the first snapshot
 
     arrivals = [arrived_s for arrived_s, _ in stream.arrivals]
     gaps_s = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
@@ -272,7 +272,8 @@ async def test_seq_strictly_increases_on_every_stream_and_across_streams(replica
     request = asyncio.create_task(replica.generate(replica.prompt(20, seed=3), max_tokens=10))
     one_off = [await replica.stub.GetState(replica_pb2.GetStateRequest(), timeout=5) for _ in range(3)]
     await request
-    await asyncio.sleep(0.5)
+    for stream in (first, second):  # a few snapshots each, the request's and heartbeats after it
+        await stream.wait_for(lambda state: True, start=2)
 
     for stream in (first, second):
         seqs = [state.seq for state in stream.states]

@@ -30,7 +30,8 @@ from kvgate.router.prompt_tokens import prompt_token_ids
 from kvgate.router.proxy import REPLICA_HEADER
 from kvgate.router.replicas import ReplicaTracker
 from tests.engine.builtin_cache import smollm2_dir
-from tests.gateway_harness import eventually, running_gateway
+from tests.eventually import eventually
+from tests.gateway_harness import running_gateway
 
 MODEL = "sim-kv"
 ADAPTER = "lora-kv"

@@ -11,6 +11,8 @@ import pytest
 
 from loadtests.sim_replica import FailMode, FailureSpec, SimReplicaConfig, start_sim_replica
 from loadtests.sim_replica_model import PrefixCache, Scheduler, SchedulerSpec, SimSequence, block_hashes
+from kvgate.clock import FakeClock
+from tests.eventually import eventually
 
 FAST = SchedulerSpec(kv_capacity_tokens=32_768, prefill_tokens_per_s=1_000_000.0, decode_tokens_per_s=2_000.0)
 LONG_A = "A" * 60 + "".join(f"alpha block {i:03d} " for i in range(40))  # 700 chars -> 175 tokens
@@ -25,8 +27,8 @@ def long_prompt(tag: str) -> str:
 async def serve():
     servers = []
 
-    async def start(**kwargs):
-        server = await start_sim_replica(SimReplicaConfig(**({"model": "sim", "scheduler": FAST} | kwargs)))
+    async def start(clock=None, **kwargs):
+        server = await start_sim_replica(SimReplicaConfig(**({"model": "sim", "scheduler": FAST} | kwargs)), clock=clock)
         servers.append(server)
         return server
 
@@ -44,6 +46,14 @@ async def post(session: aiohttp.ClientSession, url: str, prompt: str, **body) ->
 async def stats(url: str) -> dict:
     async with aiohttp.ClientSession() as s, s.get(f"{url}/stats") as r:
         return await r.json()
+
+
+def aborted_stats(url: str):
+    """For `eventually`: the replica's /stats once it has aborted a request, else None."""
+    async def read() -> dict | None:
+        st = await stats(url)
+        return st if st["num_aborted"] else None
+    return read
 
 
 # --- the pure model ---------------------------------------------------------------------------------
@@ -207,13 +217,19 @@ async def test_with_prefix_caching_off_nothing_is_kept_and_the_metrics_say_so(se
 
 
 async def test_a_burst_beyond_max_batch_queues(serve):
-    # 6 requests x 20 tokens at 200 tok/s, 2 at a time: 3 rounds of ~100 ms.
-    server = await serve(scheduler=SchedulerSpec(32_768, 1e6, 200.0, max_batch=2))
+    # 6 requests x 20 tokens at 200 tok/s, 2 at a time: 3 rounds of ~100 ms, on a clock that moves when told.
+    clock = FakeClock()
+    server = await serve(scheduler=SchedulerSpec(32_768, 1e6, 200.0, max_batch=2), clock=clock)
     async with aiohttp.ClientSession() as s:
         burst = [asyncio.create_task(post(s, server.url, f"p{i}", max_tokens=20)) for i in range(6)]
-        await asyncio.sleep(0.05)
+
+        async def all_six_in() -> bool:
+            st = await stats(server.url)
+            return st["num_waiting"] + st["num_running"] == 6
+        await eventually(all_six_in, "the six requests at the replica")
         async with s.get(f"{server.url}/metrics") as r:
             metrics = await r.text()
+        await clock.advance(1.0)  # the three rounds
         await asyncio.gather(*burst)
     assert 'vllm:num_requests_waiting{model_name="sim"} 4' in metrics
     assert 'vllm:num_requests_running{model_name="sim"} 2' in metrics
@@ -295,11 +311,7 @@ async def test_client_disconnect_aborts_the_request(serve):
                          json={"model": "sim", "prompt": "x", "stream": True, "max_tokens": 100})
         await r.content.readline()
         r.close()
-    for _ in range(100):
-        st = await stats(server.url)
-        if st["num_aborted"]:
-            break
-        await asyncio.sleep(0.02)
+    st = await eventually(aborted_stats(server.url), "the request aborted")
     assert (st["num_aborted"], st["num_running"], st["num_served"]) == (1, 0, 0)
 
 
@@ -308,9 +320,5 @@ async def test_client_disconnect_aborts_a_non_streamed_request(serve):
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as s:
         with pytest.raises(asyncio.TimeoutError):
             await post(s, server.url, "x", max_tokens=100)
-    for _ in range(100):
-        st = await stats(server.url)
-        if st["num_aborted"]:
-            break
-        await asyncio.sleep(0.02)
+    st = await eventually(aborted_stats(server.url), "the request aborted")
     assert (st["num_aborted"], st["num_running"]) == (1, 0)

@@ -27,6 +27,7 @@ from kvgate.providers.local import LocalProvider
 from kvgate.providers.local_proc import group_members, is_alive, proc_stat
 from kvgate.registry.schema import ModelDoc
 from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir
+from tests.eventually import eventually
 from tests.providers.subject_local import POOL, claim, pool_spec
 
 MODEL = ModelDoc.model_validate({
@@ -103,7 +104,8 @@ async def test_two_replicas_serve_survive_a_restart_and_leave_nothing_behind(wor
     # Killed from outside: reported FAILED, saying how, with the end of its log.
     victim = pid_file(provider, second.id)
     os.kill(victim["pid"], signal.SIGKILL)
-    states = await replicas_once(provider, lambda found: found[second.id].state is not ReplicaState.READY)
+    states = await replicas_once(provider, lambda found: found[second.id].state is not ReplicaState.READY,
+                                 "the killed replica no longer READY")
     assert states[first.id].state is ReplicaState.READY
     assert states[second.id].state is ReplicaState.FAILED
     assert "killed by SIGKILL" in states[second.id].reason and "kvgate engine" in states[second.id].reason
@@ -132,14 +134,12 @@ async def test_two_replicas_serve_survive_a_restart_and_leave_nothing_behind(wor
     assert await restarted.list() == []
 
 
-async def replicas_once(provider: LocalProvider, condition, timeout_s: float = 5.0) -> dict:
-    """Poll list_replicas until `condition(replicas by id)` holds (a SIGKILL takes a moment to land)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+async def replicas_once(provider: LocalProvider, condition, what: str) -> dict:
+    """The replicas by id once `condition(replicas by id)` holds (a SIGKILL takes a moment to land)."""
+    async def found_if() -> dict:
         found = {r.id: r for r in await provider.list_replicas()}
-        if condition(found) or time.monotonic() > deadline:
-            return found
-        await asyncio.sleep(0.02)
+        return found if condition(found) else {}
+    return await eventually(found_if, what, poll_s=0.02)
 
 
 def claim_with_id(claim_id: str):
@@ -177,9 +177,8 @@ async def test_stop_kills_the_whole_tree_after_the_drain_deadline(work_dir: Path
     node = await provider.create(claim())
     replica = await provider.start_replica(node.id, ReplicaSpec(model="m", source="builtin:tiny-llama"))
     record = pid_file(provider, replica.id)
-    deadline = time.monotonic() + 10
-    while len(group_members(record["pgid"], record["start_ticks"])) < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await eventually(lambda: len(group_members(record["pgid"], record["start_ticks"])) >= 2,
+                     "the script and its helper both running", poll_s=0.02)
     members = [(pid, proc_stat(pid).start_ticks) for pid in group_members(record["pgid"], record["start_ticks"])]
     assert len(members) == 2, "the script and its helper"
     assert (await provider.list_replicas())[0].state is ReplicaState.STARTING

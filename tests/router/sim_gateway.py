@@ -9,7 +9,6 @@ requests (and the proxy's retries), not hidden by a health check.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -21,9 +20,11 @@ from aiohttp import web
 
 from loadtests.sim_replica import SimReplicaConfig, SimReplicaServer, start_sim_replica
 from loadtests.sim_replica_model import SchedulerSpec
+from kvgate.clock import Clock
 from kvgate.state.base import StateStore
 from kvgate.router.app import GatewaySettings
 from kvgate.router.replicas import ReplicaTracker
+from tests.eventually import eventually
 from tests.gateway_harness import running_gateway
 
 FAST_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=2000.0)
@@ -88,14 +89,20 @@ class Gateway:
 async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
                   settings: GatewaySettings | None = None, sim_spec: SchedulerSpec = FAST_SIM,
                   other_urls: tuple[str, ...] = (), store: StateStore | None = None,
-                  backend: str = "openai") -> AsyncIterator[Gateway]:
+                  backend: str = "openai", clock: Clock | None = None) -> AsyncIterator[Gateway]:
+    """The gateway over `num_replicas` fresh sims (plus `other_urls`), once every sim has answered its
+    first health check, so that a failure mode a test switches on is met by requests, not by that check.
+    `clock`: see `running_gateway`."""
     sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec))
             for _ in range(num_replicas)]
     write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing, backend)
+    checked: set[str] = set()  # replicas that answered one of the gateway's health checks
     try:
-        async with running_gateway(tmp_path, settings, store, prefix_chunk_chars=64) as (url, tracker):
+        async with aiohttp.ClientSession(trace_configs=[health_answers_into(checked)]) as http, \
+                running_gateway(tmp_path, settings, store, clock=clock, http=http, prefix_chunk_chars=64
+                                ) as (url, tracker):
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10.0)
-            await asyncio.sleep(0.1)  # the first health checks pass before any failure mode is switched on
+            await eventually(lambda: {s.url for s in sims} <= checked, "every sim answered its first health check")
             try:
                 yield Gateway(url, tracker, sims, client)
             finally:
@@ -103,6 +110,18 @@ async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
     finally:
         for sim in sims:
             await sim.close()
+
+
+def health_answers_into(checked: set[str]) -> aiohttp.TraceConfig:
+    """A client trace that adds to `checked` the base URL of each replica that answered a GET /health."""
+    async def on_request_end(session: aiohttp.ClientSession, context: object,
+                             params: aiohttp.TraceRequestEndParams) -> None:
+        if params.url.path == "/health":
+            checked.add(str(params.url.origin()))
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_end.append(on_request_end)
+    return trace
 
 
 async def admin_replica(gw: Gateway, replica_id: str) -> dict:

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvgate.clock import RealClock
+from kvgate.clock import FakeClock, RealClock
 from loadtests.sim_replica import SimReplicaConfig, start_sim_replica
 from kvgate.registry.loader import load_registry
 from kvgate.state.memory import MemoryStateStore
@@ -24,10 +24,11 @@ from kvgate.router.observations import OBSERVATIONS_COLLECTION
 from kvgate.router.common_openings import MIN_REQUESTS
 from kvgate.router.prefix_index import CACHE_EVIDENCE_MIN
 from kvgate.router.proxy import REPLICA_HEADER
-from tests.gateway_harness import eventually, running_gateway
+from tests.eventually import eventually
+from tests.gateway_harness import running_gateway
 from tests.router.sim_gateway import (
-    FAST_SIM, LONG_PROMPT, OTHER_LONG_PROMPT, POOL, admin_replica, answer_with_usage, chat, drain_stream, gateway,
-    hand_written_replica, write_registry)
+    FAST_SIM, LONG_PROMPT, OTHER_LONG_PROMPT, POOL, Gateway, admin_replica, answer_with_usage, chat, drain_stream,
+    gateway, hand_written_replica, write_registry)
 
 
 async def test_non_streamed_chat_passes_through_the_sdk(tmp_path: Path) -> None:
@@ -277,50 +278,64 @@ async def test_a_completions_request_without_prompt_is_400(tmp_path: Path) -> No
         assert status == 400 and json.loads(text)["error"]["param"] == "prompt"
 
 
+async def queue_depth(gw: Gateway, model: str) -> float:
+    """The gateway's exported wait-queue depth of `model` (0 before any request waited)."""
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        text = await r.text()
+    prefix = f'kvgate_router_queue_depth{{model="{model}"}} '
+    return next((float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
 async def test_at_zero_replicas_a_request_waits_then_gets_503_with_retry_after(tmp_path: Path) -> None:
-    async with gateway(tmp_path, num_replicas=1) as gw:
+    clock = FakeClock()  # the model's 0.3 s wait limit runs out when the test moves time, not before
+    async with gateway(tmp_path, num_replicas=1, clock=clock) as gw:
         body = json.dumps(chat("x") | {"model": "cold"}).encode()
-        loop = asyncio.get_running_loop()
-        started = loop.time()
         first = asyncio.create_task(gw.post("/v1/chat/completions", body))
-        await asyncio.sleep(0.1)
-        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
-            assert 'kvgate_router_queue_depth{model="cold"} 1.0' in await r.text()
+        await eventually(lambda: queue_depth(gw, "cold"), "the first request waits in cold's queue")
+        await clock.advance(0.25)
         status_full, headers_full, _ = await gw.post("/v1/chat/completions", body)  # queue of 1 is full
         assert status_full == 503 and "Retry-After" in headers_full
+        assert await queue_depth(gw, "cold") == 1  # 0.25 s into its 0.3 s wait, the first still waits
+        await clock.advance(0.1)
         status, headers, text = await first
-        assert loop.time() - started >= 0.3
         assert status == 503 and int(headers["Retry-After"]) >= 1
         assert json.loads(text)["error"]["code"] == "no_capacity"
 
 
 async def test_requests_waiting_at_zero_replicas_are_published_for_the_autoscaler(tmp_path: Path) -> None:
+    clock = FakeClock()  # publishes every 0.05 s of it; the 0.3 s wait limit runs out only when moved past
     store = MemoryStateStore(RealClock())
     settings = GatewaySettings(gateway_id="gw-a", observation_interval_s=0.05)
-    async with gateway(tmp_path, num_replicas=1, settings=settings, store=store) as gw:
+    async with gateway(tmp_path, num_replicas=1, settings=settings, store=store, clock=clock) as gw:
         body = json.dumps(chat("x") | {"model": "cold"}).encode()
         waiting = asyncio.create_task(gw.post("/v1/chat/completions", body))
-        await asyncio.sleep(0.15)  # three publish intervals; the model's wait limit is 0.3 s
-        record = await store.get_record(OBSERVATIONS_COLLECTION, "cold@gw-a")
-        assert record is not None and record.data["queued"] == 1 and record.data["arrivals_per_s"] > 0
+        await eventually(lambda: queue_depth(gw, "cold"), "the request waits in cold's queue")
+        await clock.advance(0.05)  # the next publish
+
+        async def published_waiting() -> dict | None:
+            record = await store.get_record(OBSERVATIONS_COLLECTION, "cold@gw-a")
+            return record.data if record is not None and record.data["queued"] == 1 else None
+        observation = await eventually(published_waiting, "an observation of cold with one request queued")
+        assert observation["arrivals_per_s"] > 0
+        await clock.advance(1.0)
         status, _, _ = await waiting
         assert status == 503
     assert await store.list_records(OBSERVATIONS_COLLECTION) == []  # withdrawn when the gateway stopped
 
 
 async def test_a_waiting_request_is_served_once_a_replica_appears(tmp_path: Path) -> None:
-    async with gateway(tmp_path, num_replicas=1) as gw:
+    clock = FakeClock()  # the request's 0.3 s wait limit never runs out: only the replica can end its wait
+    async with gateway(tmp_path, num_replicas=1, clock=clock) as gw:
         cold = await start_sim_replica(SimReplicaConfig(model="cold", scheduler=FAST_SIM))
         try:
             waiting = asyncio.create_task(gw.client.chat.completions.create(**chat("x") | {"model": "cold"}))
-            await asyncio.sleep(0.1)
-            assert not waiting.done()
+            await eventually(lambda: queue_depth(gw, "cold"), "the request waits in cold's queue")
             text = (tmp_path / "registry.yaml").read_text()
             (tmp_path / "registry.yaml").write_text(text.replace(
                 "routing: {max_queued_requests: 1}",
                 f"routing: {{max_queued_requests: 1, static_replicas: [{{url: '{cold.url}'}}]}}"))
             gw.tracker.update_registry(load_registry(tmp_path))  # what the registry watcher does on reload
-            reply = await asyncio.wait_for(waiting, 5.0)
+            reply = await waiting
             assert reply.model == "cold"
         finally:
             await cold.close()
@@ -404,8 +419,9 @@ async def test_a_replica_that_does_not_report_cached_tokens_leaves_the_realised_
 
 
 async def test_a_replica_that_left_loses_its_metric_series_after_the_grace_period(tmp_path: Path) -> None:
+    clock = FakeClock()  # the 0.3 s grace runs on it: the series stays until the test moves time past it
     settings = GatewaySettings(retire_replica_series_after_s=0.3)
-    async with gateway(tmp_path, num_replicas=2, settings=settings) as gw:
+    async with gateway(tmp_path, num_replicas=2, settings=settings, clock=clock) as gw:
         kept, left = gw.sims
         for i in range(12):  # distinct openings: rendezvous places them on both
             await gw.client.chat.completions.create(**chat(f"question {i} " + LONG_PROMPT))
@@ -417,24 +433,30 @@ async def test_a_replica_that_left_loses_its_metric_series_after_the_grace_perio
         assert f'replica="{left.url}"' in await exported() and f'replica="{kept.url}"' in await exported()
         write_registry(tmp_path, [kept.url])
         gw.tracker.update_registry(load_registry(tmp_path))  # what the registry watcher does on reload
+        await clock.advance(0.2)
         assert f'replica="{left.url}"' in await exported()  # scrapes still read its last counts for a while
-        deadline = asyncio.get_running_loop().time() + 5.0
-        while f'replica="{left.url}"' in await exported():
-            assert asyncio.get_running_loop().time() < deadline, "the series of a replica that left stayed"
-            await asyncio.sleep(0.05)
+        await clock.advance(0.5)  # past the grace, with the retirement check every 0.075 s on the way
+
+        async def left_series_gone() -> bool:
+            return f'replica="{left.url}"' not in await exported()
+        await eventually(left_series_gone, "the series of the replica that left are dropped")
         assert f'replica="{kept.url}"' in await exported()
         assert left.url not in gw.tracker.replica_ids()
 
 
 async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_the_end(tmp_path: Path) -> None:
     # A backend that opens every stream with a role-only chunk at once and sends the token only when
-    # told: the gateway must count the prompt as waiting for prefill until that token.
-    release = asyncio.Event()
+    # told: the gateway must count the prompt as waiting for prefill until that token. A second role-only
+    # chunk, sent once the client has the first, reaches the client only after the gateway has handled
+    # the first one: the point at which pending prefill is checked.
+    role_read, release = asyncio.Event(), asyncio.Event()
 
     async def completions(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        await response.write(f"data: {json.dumps(role)}\n\n".encode())
+        await role_read.wait()
         await response.write(f"data: {json.dumps(role)}\n\n".encode())
         await release.wait()
         token = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "length"}]}
@@ -450,8 +472,10 @@ async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_t
             (replica_id,) = [r.replica_id for r in gw.tracker.view("m").candidates("m")]
             async with aiohttp.ClientSession() as s:
                 r = await s.post(gw.url + "/v1/chat/completions", json=chat(LONG_PROMPT, stream=True))
-                assert json.loads((await r.content.readline())[5:])["choices"][0]["delta"]["role"] == "assistant"
-                await asyncio.sleep(0.05)
+                for _ in range(2):
+                    assert json.loads((await r.content.readline())[5:])["choices"][0]["delta"]["role"] == "assistant"
+                    assert await r.content.readline() == b"\n"
+                    role_read.set()
                 assert pending() > 400  # ~2,000 characters of prompt still to prefill
                 # its prefix chain counts as in flight there (what tells a hot prefix) until it ends
                 assert gw.tracker.in_flight_chains.num_hashes(replica_id) > 5
@@ -460,4 +484,5 @@ async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_t
             assert pending() == 0
             assert gw.tracker.in_flight_chains.num_hashes(replica_id) == 0
         finally:
-            release.set()  # before the replica shuts down, which waits for its handler
+            role_read.set()  # before the replica shuts down, which waits for its handler
+            release.set()

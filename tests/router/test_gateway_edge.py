@@ -15,14 +15,17 @@ from aiohttp import web
 
 from kvgate.router import handlers
 from kvgate.router.app_keys import GatewaySettings
+from tests.eventually import eventually
 from tests.router.sim_gateway import chat, gateway, hand_written_replica
 
 CHAT = json.dumps(chat("hello")).encode()
 
 
-async def exchange(url: str, data: bytes, then: bytes = b"", after_s: float = 0.0, timeout_s: float = 5.0) -> bytes:
+async def exchange(url: str, data: bytes, then: bytes = b"", after_s: float = 0.0, timeout_s: float = 5.0,
+                   answer_only: bool = False) -> bytes:
     """Send `data` on a fresh connection (and `then` after `after_s`), then read until the gateway closes it
-    or `timeout_s` passes; returns what came back."""
+    or `timeout_s` passes (with `answer_only`, until one whole answer with a Content-Length came); returns
+    what came back."""
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
@@ -33,13 +36,21 @@ async def exchange(url: str, data: bytes, then: bytes = b"", after_s: float = 0.
         received = b""
         try:
             async with asyncio.timeout(timeout_s):
-                while chunk := await reader.read(65536):
+                while not (answer_only and whole_answer(received)) and (chunk := await reader.read(65536)):
                     received += chunk
         except TimeoutError:
             received += b"<still open>"
         return received
     finally:
         writer.close()
+
+
+def whole_answer(received: bytes) -> bool:
+    """Whether `received` holds an answer's head and all of the body its Content-Length announces."""
+    head, separator, body = received.partition(b"\r\n\r\n")
+    lengths = [line.partition(b":")[2] for line in head.split(b"\r\n")[1:]
+               if line.partition(b":")[0].strip().lower() == b"content-length"]
+    return bool(separator and lengths) and len(body) >= int(lengths[0])
 
 
 def head(path: str, *lines: str, version: str = "1.1") -> bytes:
@@ -84,11 +95,12 @@ async def test_a_body_over_the_limit_is_refused_before_it_is_sent(tmp_path: Path
     """Content-Length says it: 413 at once, not a 100 Continue and a wait for 9 MiB."""
     async with gateway(tmp_path, num_replicas=1, settings=GatewaySettings(max_body_bytes=4096)) as gw:
         answer = await exchange(gw.url, head("/v1/chat/completions", "Content-Length: 9437184",
-                                             "Expect: 100-continue"), timeout_s=1.0)
+                                             "Expect: 100-continue"), timeout_s=10.0, answer_only=True)
         assert not answer.startswith(b"HTTP/1.1 100"), answer[:80]
         status, error = status_and_error(answer)
         assert status == 413 and error["code"] == "request_too_large"
-        answer = await exchange(gw.url, head("/v1/chat/completions", "Content-Length: 9437184"), timeout_s=1.0)
+        answer = await exchange(gw.url, head("/v1/chat/completions", "Content-Length: 9437184"), timeout_s=10.0,
+                                answer_only=True)
         assert status_and_error(answer)[0] == 413  # without Expect too: not after waiting for the body
 
 
@@ -96,13 +108,14 @@ async def test_a_body_that_stalls_gets_408_and_the_connection_closes(tmp_path: P
     settings = GatewaySettings(body_timeout_s=0.3)
     async with gateway(tmp_path, num_replicas=1, settings=settings) as gw:
         answer = await exchange(gw.url, head("/v1/chat/completions", "Content-Length: 100") + b'{"model": "m"',
-                                timeout_s=1.5)
+                                timeout_s=10.0, answer_only=True)  # the 408 comes at 0.3 s
         status, error = status_and_error(answer)
         assert status == 408 and error["code"] == "body_timeout"
         assert b"\r\nConnection: close\r\n" in answer  # the rest of the body is not waited for
         # A chunked body whose second chunk is malformed once the handler reads: an answer, not a hang.
         answer = await exchange(gw.url, head("/v1/chat/completions", "Transfer-Encoding: chunked") + b'5\r\n{"mod\r\n',
-                                then=b"zz\r\nabc\r\n0\r\n\r\n", after_s=0.1, timeout_s=1.5)
+                                then=b"zz\r\nabc\r\n0\r\n\r\n", after_s=0.1, timeout_s=10.0,
+                                answer_only=True)
         assert answer.split(b" ")[1] in (b"400", b"408"), answer[:200]
 
 
@@ -161,9 +174,9 @@ async def test_a_client_that_leaves_before_the_answer_is_counted_as_gone(tmp_pat
 
     request = head("/v1/chat/completions", f"Content-Length: {len(CHAT)}", "Content-Type: application/json")
     async with gateway(tmp_path, num_replicas=1) as gw:  # a replica that has not answered
-        await gw.fail(gw.sims[0], mode="slow_first_byte", slow_first_byte_s=2.0)
+        await gw.fail(gw.sims[0], mode="slow_first_byte", slow_first_byte_s=30.0)
         await exchange(gw.url, request + CHAT, timeout_s=0.3)
-        await asyncio.sleep(0.2)
+        await eventually(lambda: client_gone_count(gw.url), "the attempt counted as client_gone")
         assert await client_gone_count(gw.url) == 1
     async with hand_written_replica(chat_completions=head_then_stall, completions=head_then_stall) as url:
         async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
@@ -171,7 +184,10 @@ async def test_a_client_that_leaves_before_the_answer_is_counted_as_gone(tmp_pat
             completion = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True}).encode()
             await exchange(gw.url, head("/v1/completions", f"Content-Length: {len(completion)}") + completion,
                            timeout_s=0.3)  # a stream opened, no event yet
-            await asyncio.sleep(0.2)
+
+            async def both_counted() -> bool:
+                return await client_gone_count(gw.url) >= 2
+            await eventually(both_counted, "both attempts counted as client_gone")
             assert await client_gone_count(gw.url) == 2
 
 

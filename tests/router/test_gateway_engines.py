@@ -8,7 +8,6 @@ test_gateway.py, so nothing but requests and the state stream moves during a tes
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,8 @@ import pytest
 from kvgate.router.proxy import REPLICA_HEADER
 from kvgate.router.replicas import ReplicaTracker
 from tests.engine.peft_files import write_peft_dir
-from tests.gateway_harness import eventually, running_gateway
+from tests.eventually import eventually
+from tests.gateway_harness import running_gateway
 from tests.services import free_loopback_port
 from tests.engine_server.test_process import SERVED, Replica, start_replica, stop
 
@@ -104,6 +104,14 @@ async def on_kv_blocks(gw: Gateway) -> None:
     await eventually(lambda: gw.tracker.kv_chain(SERVED) is not None)
 
 
+async def settled(gw: Gateway, replica_id: str) -> None:
+    """Until the replica's KV events have caught up with every request this gateway sent it: the gateway
+    drops a request's predicted blocks at the second state report after it ended, and that report holds
+    what the engine kept of it."""
+    await eventually(lambda: not gw.tracker.blocks.get(replica_id).predicted,
+                     f"the state reports of {replica_id} after its requests")
+
+
 def engine_at(engines: list[Engine], url: str) -> Engine:
     return next(e for e in engines if e.url == url)
 
@@ -163,11 +171,11 @@ async def test_engine_load_reaches_admin_stats_over_the_grpc_stream(tmp_path: Pa
         async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/completions", json=body) as response:
             await response.content.readline()
             busy = response.headers[REPLICA_HEADER]
-            for _ in range(200):
+
+            async def replicas_once_busy_runs() -> dict | None:
                 replicas = {r["replica_id"]: r for r in (await gw.admin_stats())["models"][SERVED]["replicas"]}
-                if replicas[busy]["num_running"] == 1:
-                    break
-                await asyncio.sleep(0.05)
+                return replicas if replicas[busy]["num_running"] == 1 else None
+            replicas = await eventually(replicas_once_busy_runs, "the busy engine's stream reports its request")
             assert replicas[busy]["num_running"] + replicas[busy]["num_waiting"] == 1
             assert replicas[busy]["kv_blocks_free"] < replicas[busy]["kv_blocks_total"]
             idle = next(r for rid, r in replicas.items() if rid != busy)
@@ -225,7 +233,7 @@ async def test_a_prefix_hit_is_predicted_to_the_token_from_the_engines_events(tm
                     reply = await response.json()
                     served_by.add(response.headers[REPLICA_HEADER])
                 messages = [*messages, reply["choices"][0]["message"], {"role": "user", "content": f"And {turn}?"}]
-                await asyncio.sleep(0.2)  # the engine's next state report carries the new blocks
+                await settled(gw, response.headers[REPLICA_HEADER])  # the next turn is predicted from its events
         assert len(served_by) == 1
         index_id = served_by.pop()
         index = gw.tracker.blocks.get(index_id)
@@ -254,8 +262,12 @@ async def test_two_gateways_that_share_nothing_agree_through_the_engines_events(
             for prompt in prompts:
                 body = {"model": SERVED, "prompt": prompt, "max_tokens": 1}
                 async with s.post(gw_a.url + "/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
                     assert response.headers[REPLICA_HEADER] == engines[1].url
-            await asyncio.sleep(0.3)  # engine 1's state report with the stored blocks reaches B
+            await settled(gw_a, engines[1].url)
+            await eventually(lambda: gw_a.tracker.blocks.get(engines[1].url).cached
+                             <= gw_b.tracker.blocks.get(engines[1].url).cached,
+                             "B holds every block engine 1 reported to A")  # one stream's reports, to both
             for prompt in prompts:
                 body = {"model": SERVED, "prompt": prompt + " And then?", "max_tokens": 1}
                 async with s.post(gw_b.url + "/v1/completions", json=body) as response:
@@ -290,7 +302,8 @@ async def test_a_fleet_with_a_foreign_server_routes_on_text_and_a_dead_stream_co
 async def _on_text_with(tmp_path: Path, engines: list[Engine], foreign: str) -> None:
     async with gateway(tmp_path, engines, f"{{url: '{foreign}', backend: vllm}}") as gw:
         await eventually(lambda: all(gw.tracker.blocks.is_synced(e.url) for e in engines))
-        await asyncio.sleep(0.5)  # time to fetch the tokenizer: it is there, yet the model stays on text
+        await eventually(lambda: gw.tracker.tokenizers.get(SERVED), "an engine sent its tokenizer")
+        # The tokenizer is there and the engines' streams are synced, yet the model stays on text:
         assert gw.tracker.num_ready(SERVED) == 3  # the vLLM stand-in is routable: it is why this is on text
         assert gw.tracker.kv_chain(SERVED) is None
         assert (await gw.admin_stats())["models"][SERVED]["routes_on"] == "text"

@@ -18,6 +18,7 @@ from aiohttp import web
 from loadtests.sim_replica_model import SchedulerSpec
 from kvgate.router import proxy as proxy_module
 from kvgate.router.proxy import REPLICA_HEADER
+from tests.eventually import eventually
 from tests.router.sim_gateway import answer_with_usage, chat, drain_stream, gateway, hand_written_replica
 
 
@@ -123,9 +124,9 @@ async def test_a_client_that_goes_away_aborts_the_upstream_request(tmp_path: Pat
             r = await s.post(gw.url + "/v1/chat/completions", json=chat("bye " * 50, stream=True, max_tokens=200))
             await r.content.readline()
             r.close()  # the client leaves after the first event
-        for _ in range(100):
-            if (await gw.stats(gw.sims[0]))["num_aborted"] >= 1:
-                break
-            await asyncio.sleep(0.05)
+
+        async def aborted() -> bool:
+            return (await gw.stats(gw.sims[0]))["num_aborted"] >= 1
+        await eventually(aborted, "the replica aborted the request")
         assert (await gw.stats(gw.sims[0]))["num_aborted"] == 1
         assert gw.tracker.in_flight_chains.num_hashes(gw.sims[0].url) == 0  # no longer counted in flight

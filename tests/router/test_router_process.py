@@ -7,7 +7,6 @@ import contextlib
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import aiohttp
@@ -23,6 +22,7 @@ from kvgate.state.base import MemberRecord
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.redis_store import RedisStateStore
 from kvgate.router.proxy import REPLICA_HEADER
+from tests.eventually import eventually
 from tests.registry_docs import local_pool, static_model
 from tests.services import free_loopback_port, http_answers, kvgate_command, redis_server, running
 
@@ -45,23 +45,23 @@ async def test_sigterm_drains_in_flight_streams_refuses_new_requests_and_exits_z
     url = f"http://127.0.0.1:{port}"
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30.0)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        async def healthy() -> bool:
+            assert process.poll() is None, log_path.read_text()
             try:
-                if (await http_get(url + "/health"))[0] == 200:
-                    break
+                return (await http_get(url + "/health"))[0] == 200
             except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
+                return False
+        await eventually(healthy, lambda: f"the router answers /health:\n{log_path.read_text()[-3000:]}",
+                         poll_s=0.05)
         stream = await client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "a long answer"}], max_tokens=40, stream=True)
         chunks = [await anext(aiter(stream))]
         process.send_signal(signal.SIGTERM)
-        status, health = await http_get(url + "/health")
-        while status != 503:
-            await asyncio.sleep(0.01)
+
+        async def health_once_refused() -> dict | None:
             status, health = await http_get(url + "/health")
+            return health if status == 503 else None
+        health = await eventually(health_once_refused, "/health answers 503 once SIGTERM is in")
         assert health["status"] == "draining"  # load balancers stop sending here
         with pytest.raises(openai.APIStatusError) as refused:
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
@@ -115,29 +115,30 @@ async def test_replicas_keep_serving_when_their_membership_lapses_or_redis_goes_
                          log_path=log_path):
                 await store.put_member(MemberRecord(replica_id="m-1", model="m", url=sim.url,
                                                     state=MemberState.READY), ttl_s=3.0)
-                deadline = time.monotonic() + 10
-                while not (await http_get(url + "/admin/stats"))[1]["models"]["m"]["replicas"]:
-                    assert time.monotonic() < deadline, "the member never showed up"
-                    await asyncio.sleep(0.1)  # the gateway polls the store every second
+
+                async def replicas() -> list[dict]:
+                    return (await http_get(url + "/admin/stats"))[1]["models"]["m"]["replicas"]
+                await eventually(replicas, "the member in the gateway (it polls the store every second)",
+                                 poll_s=0.1)
                 assert (await chat(url))[0] == 200
-                deadline = time.monotonic() + 10
-                while await store.list_members():  # the record lapses: nobody renews it
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.2)
-                await asyncio.sleep(1.5)  # the gateway's next membership poll finds it gone
+
+                async def lapsed() -> bool:
+                    return not await store.list_members()
+                await eventually(lapsed, "the record to lapse (3 s TTL): nobody renews it", poll_s=0.1)
+
+                async def unlisted() -> bool:
+                    return (await replicas())[0]["unlisted_s"] is not None
+                await eventually(unlisted, "the gateway's next membership poll to find it gone", poll_s=0.1)
                 status, _, replica = await chat(url)
                 assert (status, replica) == (200, "m-1")
-                _, stats = await http_get(url + "/admin/stats")
-                assert stats["models"]["m"]["replicas"][0]["unlisted_s"] > 0
+                assert (await replicas())[0]["unlisted_s"] > 0
                 async with redis.asyncio.Redis.from_url(state) as client:
                     with contextlib.suppress(redis.exceptions.ConnectionError):
                         await client.shutdown(nosave=True)
                 assert (await chat(url))[:3:2] == (200, "m-1")  # the store is gone: the last known members stay
                 await sim.close()  # and now the replica is gone too
-                deadline = time.monotonic() + 20
-                while "replica m-1 dropped" not in log_path.read_text():  # three failed health checks, ~6 s
-                    assert time.monotonic() < deadline, "a replica that stopped answering was never dropped"
-                    await asyncio.sleep(0.2)
+                await eventually(lambda: "replica m-1 dropped" in log_path.read_text(),  # 3 failed checks, ~6 s
+                                 "a replica that stopped answering to be dropped", timeout_s=60, poll_s=0.1)
                 status, body, _ = await chat(url)
                 assert status == 503 and body["error"]["code"] == "no_capacity"
             log = log_path.read_text()

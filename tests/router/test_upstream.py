@@ -320,11 +320,12 @@ async def test_trailers_do_not_replace_the_heads_headers() -> None:
 @on_both_loops
 async def test_a_body_running_to_the_close_that_ends_in_a_reset_is_broken() -> None:
     async with pooled() as pool:
+        head_read = asyncio.Event()  # a reset before the client read the head would lose it with the head
 
         async def reset_mid_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npartial")
             await writer.drain()
-            await asyncio.sleep(0.05)
+            await head_read.wait()
             sock = writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
             writer.transport.abort()
@@ -332,6 +333,7 @@ async def test_a_body_running_to_the_close_that_ends_in_a_reset_is_broken() -> N
 
         async with serving(reset_mid_body) as server:
             response = await post(pool, server.url)
+            head_read.set()
             with pytest.raises(UpstreamError, match="middle of the body"):
                 await response.read_all(LONG_S)
             response.close()
