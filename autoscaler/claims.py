@@ -12,8 +12,13 @@ with expected_version 0 means the same claim id can never be written twice, and 
 idempotent on the claim id, so re-driving a PENDING claim after a crash buys at most one node.
 
 Collection "claims", record id = the claim id. Data:
-    {"claim_id", "phase": "pending"|"confirmed"|"deleting", "claim": {...the NodeClaim as JSON...},
-     "node_id": str|null, "created_at": wall s, "updated_at": wall s, "holder": autoscaler id}
+    {"schema_version": 1, "claim_id", "phase": "pending"|"confirmed"|"deleting", "claim": {...the NodeClaim as
+     JSON...}, "node_id": str|null, "created_at": wall s, "updated_at": wall s, "holder": autoscaler id}
+
+`schema_version` follows `kvgate.state.schema`'s rules. A claim this release cannot read (written by a newer
+release during a rolling upgrade, or damaged) is still a claim: its node is neither released nor adopted while
+the record is there (`ClaimsRead.unreadable`). The record stays a `providers` value (a `NodeClaim` inside), so it
+is defined here rather than in `kvgate/state`, which may not import providers.
 
 A store can lose every record at once: a Redis without persistence restarted empty, a new Redis, a changed
 --key-prefix, an evicted key. Then every node kvgate runs looks like an orphan, and releasing them would stop
@@ -28,15 +33,20 @@ can only be lost together: a ledger that outlived its claims would release the f
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvgate.state import StateStore, StoredRecord, VersionConflict
+from kvgate.state.schema import SCHEMA_KEY, NewerSchema, SkippedRecords, check_schema
 from kvgate.providers.base import CapacityType, Node, NodeClaim, OfferingKey, ReplicaSpec
+
+log = logging.getLogger("kvgate.autoscaler")
 
 CLAIMS = "claims"
 LEDGER_ID = "~ledger"  # the ledger record, in the claims collection (module docstring); no claim id starts with ~
+CLAIM_SCHEMA = 1  # the major schema version of claim records this release writes and reads
 
 
 class ClaimPhase(enum.StrEnum):
@@ -64,48 +74,62 @@ class ClaimRecord:
     version: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"claim_id": self.claim_id, "phase": self.phase.value, "claim": claim_to_json(self.claim),
+        return {SCHEMA_KEY: CLAIM_SCHEMA, "claim_id": self.claim_id, "phase": self.phase.value, "claim": claim_to_json(self.claim),
                 "node_id": self.node_id, "created_at": self.created_at, "updated_at": self.updated_at,
                 "holder": self.holder}
 
     @classmethod
     def from_stored(cls, stored: StoredRecord) -> ClaimRecord:
         data = stored.data
+        check_schema(data, "claim", CLAIM_SCHEMA)
         return cls(claim_id=data["claim_id"], phase=ClaimPhase(data["phase"]), claim=claim_from_json(data["claim"]),
                    node_id=data.get("node_id"), created_at=float(data["created_at"]),
                    updated_at=float(data["updated_at"]), holder=str(data.get("holder", "")),
                    version=stored.version)
 
 
+@dataclass(frozen=True)
+class ClaimsRead:
+    """One read of the claims collection."""
+
+    claims: tuple[ClaimRecord, ...]  # sorted by id
+    ledger_kept: bool  # the store has kept its claims since an autoscaler reconciled them (module docstring)
+    unreadable: frozenset[str] = frozenset()  # ids of claim records this release cannot read: hands off their nodes
+
+
 class ClaimStore:
     """Conditional reads and writes of claim records. Every method may raise `StateStoreUnavailable`;
     writes raise `ClaimConflict` when the record changed under the caller."""
 
-    def __init__(self, store: StateStore, holder: str) -> None:
+    def __init__(self, store: StateStore, holder: str, skipped: SkippedRecords | None = None) -> None:
         self._store = store
         self._holder = holder
+        self._skipped = skipped or SkippedRecords(log)
 
     async def list(self) -> list[ClaimRecord]:
         """Every claim, sorted by id. A record that does not parse is skipped (and left alone)."""
-        return (await self.read())[0]
+        return list((await self.read()).claims)
 
-    async def read(self) -> tuple[list[ClaimRecord], bool]:
-        """(every claim sorted by id, whether the ledger record is there), from one read of the collection: the
-        store has kept its claims since an autoscaler reconciled them (module docstring)."""
-        claims, ledger_kept = [], False
+    async def read(self) -> ClaimsRead:
+        """Every claim, whether the ledger record is there, and which claim records could not be read, from one
+        read of the collection."""
+        claims, ledger_kept, unreadable = [], False, set()
         for stored in await self._store.list_records(CLAIMS):
             if stored.id == LEDGER_ID:
                 ledger_kept = True
                 continue
             try:
                 claims.append(ClaimRecord.from_stored(stored))
+            except NewerSchema as exc:
+                self._skipped.newer(CLAIMS, stored.id, exc)
+                unreadable.add(stored.id)
             except (KeyError, TypeError, ValueError):
-                continue
-        return claims, ledger_kept
+                unreadable.add(stored.id)
+        return ClaimsRead(tuple(claims), ledger_kept, frozenset(unreadable))  # list_records sorts by id
 
     async def keep_ledger(self, now_wall_s: float) -> None:
         """Write the ledger record unless it is there (idempotent; a concurrent writer is fine)."""
-        data = {"kept_since": now_wall_s, "holder": self._holder}
+        data = {SCHEMA_KEY: CLAIM_SCHEMA, "kept_since": now_wall_s, "holder": self._holder}
         try:
             await self._store.put_record(CLAIMS, LEDGER_ID, data, expected_version=0)
         except VersionConflict:

@@ -137,12 +137,14 @@ class Reconciler:
         the next round; they do not stop the round."""
         scratch = _Round()
         listed, unreachable = await self._list_nodes(scratch)
-        records, ledger_kept = await self._claims.read()  # after the node lists; claims and ledger in one read
-        claims = {record.claim_id: record for record in records}
+        read = await self._claims.read()  # after the node lists; claims and ledger in one read
+        claims = {record.claim_id: record for record in read.claims}
         nodes_by_claim = _nodes_by_claim(listed)
         live: list[Node] = []
         for claim_id, nodes in sorted(nodes_by_claim.items()):
-            kept = await self._repair_listed(claim_id, nodes, claims, ledger_kept, scratch)
+            if claim_id in read.unreadable:
+                continue  # claimed, by a record this release cannot read (a newer one?): hands off
+            kept = await self._repair_listed(claim_id, nodes, claims, read.ledger_kept, scratch)
             if kept is not None:
                 live.append(kept)
         for claim_id, record in sorted(claims.items()):
@@ -151,7 +153,7 @@ class Reconciler:
             created = await self._repair_unlisted(record, claims, scratch)
             if created is not None:
                 live.append(created)
-        if not ledger_kept and not unreachable:
+        if not read.ledger_kept and not unreachable:
             await self._claims.keep_ledger(self._clock.wall())
         replicas = await self._list_replicas(sorted(listed), unreachable, scratch)
         return Fleet(nodes=tuple(sorted(live, key=lambda n: n.id)),

@@ -1,7 +1,8 @@
 """How records in the state store change between releases without stopping a rolling upgrade.
 
 During an upgrade, gateways and autoscalers of two releases read each other's records. Every record that
-crosses the store (`MemberRecord` in `base`, the records in `records`) follows the same rules:
+crosses the store (`MemberRecord` in `base`, the records in `records`, and the node claims of
+`autoscaler.claims`, which hold a providers value and so live there) follows the same rules:
 
 - Its JSON carries `"schema_version"`, a major version: 1 today. A record without it was written before the
   field existed, and reads as version 1.

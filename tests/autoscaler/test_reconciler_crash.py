@@ -232,3 +232,43 @@ async def test_a_node_still_terminating_after_its_delete_is_not_released_again(s
     assert fleet.events == () and [args for name, args in provider.calls if name == "delete"] == [(node.id,)]
     await clock.advance(30)
     assert await provider.list() == []
+
+
+@pytest.mark.parametrize("damage", ["newer schema", "malformed"])
+async def test_a_node_whose_claim_this_release_cannot_read_is_neither_released_nor_adopted(
+        damage: str, store: StateStore, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    # A rolling upgrade: a newer autoscaler wrote a claim of a schema this one cannot read, then lost the lease
+    # to it. The node is claimed all the same; releasing it as an orphan would stop a replica that serves.
+    provider = fake_provider(clock)
+    first = reconciler(provider, store, clock)
+    await first.reconcile()  # the ledger is written: an unclaimed node would be released
+    node = (await first.create_node(claim("c1"))).node
+    [stored] = [r for r in await store.list_records("claims") if r.id == "c1"]
+    data = {**stored.data, "schema_version": 2} if damage == "newer schema" else {**stored.data, "phase": 7}
+    await store.put_record("claims", "c1", data, expected_version=stored.version)
+
+    for _ in range(2):
+        fleet = await reconciler(provider, store, clock, holder="older").reconcile()
+
+    assert [n.id for n in await provider.list()] == [node.id]
+    assert [m for m, _ in provider.calls if m == "delete"] == []
+    assert "c1" not in fleet.claims and fleet.events == ()
+    [kept] = [r for r in await store.list_records("claims") if r.id == "c1"]
+    assert kept.data == data  # not rewritten by the reader that could not read it
+    newer_lines = [r for r in caplog.records if "schema_version 2" in r.getMessage()]
+    assert len(newer_lines) == (2 if damage == "newer schema" else 0)  # one per reconciler (each its own memory)
+
+
+async def test_claims_carry_their_schema_version_and_older_records_without_it_still_read(
+        store: StateStore, clock: FakeClock) -> None:
+    provider = fake_provider(clock)
+    first = reconciler(provider, store, clock)
+    await first.create_node(claim("c1"))
+    [stored] = await store.list_records("claims")
+    assert stored.data["schema_version"] == 1
+    older = {k: v for k, v in stored.data.items() if k != "schema_version"}  # written before the field existed
+    await store.put_record("claims", "c1", older, expected_version=stored.version)
+
+    [record] = await ClaimStore(store, "x").list()
+
+    assert record.claim_id == "c1" and record.phase is ClaimPhase.CONFIRMED
