@@ -57,8 +57,9 @@ def static_sources(snapshot: Snapshot) -> dict[str, ReplicaSource]:
 
 
 def member_sources(records: Iterable[MemberRecord]) -> list[ReplicaSource]:
-    """The listed members: a record with a gRPC target is a kvgate engine, one without serves /metrics."""
-    return [ReplicaSource(r.replica_id, r.model, r.url, Backend.KVGATE if r.grpc_target else Backend.VLLM,
+    """The listed members: a record with a gRPC target is a kvgate engine, one without serves /metrics. URLs lose
+    a trailing slash, as the registry's static ones do, so a record compares equal to what is tracked from it."""
+    return [ReplicaSource(r.replica_id, r.model, r.url.rstrip("/"), Backend.KVGATE if r.grpc_target else Backend.VLLM,
                           r.grpc_target, r.state) for r in records]
 
 

@@ -347,7 +347,7 @@ class ReplicaTracker:
         if tracked is not None:
             self._drop(source.replica_id)
         knobs = self._model_knobs(source.model)
-        tracked = TrackedReplica(source.replica_id, source.model, source.url.rstrip("/"), source.backend,
+        tracked = TrackedReplica(source.replica_id, source.model, source.url, source.backend,
                                  source.grpc_target, source.member_state, knobs.block_size_tokens,
                                  knobs.max_loaded_adapters, knobs.prefix_chunk_chars)
         self._replicas[source.replica_id] = tracked

@@ -45,6 +45,13 @@ def test_a_member_with_a_grpc_target_is_a_kvgate_engine_and_one_without_is_scrap
                                        ReplicaSource("v", "m", "http://v:1", Backend.VLLM, None, STARTING)]
 
 
+def test_a_member_whose_url_ends_in_a_slash_is_kept_not_rebuilt_at_every_poll() -> None:
+    # Rebuilding it would restart its load readers and empty its prefix index at every membership poll.
+    [listed] = member_sources([MemberRecord("v", "m", "http://v:1/", state=READY)])
+    assert listed.url == "http://v:1"
+    assert upsert(listed, member_sources([MemberRecord("v", "m", "http://v:1/", state=READY)])[0]) is Upsert.KEEP
+
+
 def registry(tmp_path: Path) -> Snapshot:
     (tmp_path / "models.yaml").write_text(
         "apiVersion: kvgate/v1\nkind: Model\nmetadata: {name: m}\nspec:\n  source: builtin:tiny-llama\n"
