@@ -302,7 +302,7 @@ def test_dockerignore_sends_what_the_wheel_is_built_from_and_nothing_else() -> N
     assert not [p for p in needed if dockerignore_excludes(p)], [p for p in needed if dockerignore_excludes(p)]
     kept_out = [".venv/bin/python", ".git/config", "tests/conftest.py", "examples/registry/models.yaml",
                 "kvgate.egg-info/PKG-INFO", "router/__pycache__/app.cpython-311.pyc", "docker/build-image.sh",
-                ".kvgate/demo-adapters/a.safetensors", "helm/kvgate/values.yaml"]
+                ".kvgate-cache/smollm2-135m/model.safetensors", "helm/kvgate/values.yaml"]
     assert all(dockerignore_excludes(p) for p in kept_out), [p for p in kept_out if not dockerignore_excludes(p)]
 
 
