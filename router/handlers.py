@@ -314,9 +314,7 @@ async def admin_stats(request: web.Request) -> web.Response:
         for state in tracker.view(name).replicas:
             if state.model != name:
                 continue
-            blocks = tracker.blocks.get(state.replica_id)
-            exact = blocks is not None and blocks.synced
-            index = blocks if exact else tracker.prefixes.get(state.replica_id)
+            index, exact = tracker.cache_index(state.replica_id)
             prefix = index.stats() if index is not None else None
             fill = index.cache_fill() if index is not None else None  # the working set the cost weighs
             replicas.append({

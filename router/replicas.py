@@ -37,11 +37,11 @@ from kvgate.state.base import MemberRecord, StateStore, StateStoreError
 from kvgate.state.outage import Outage
 from kvgate.registry.schema import Backend
 from kvgate.registry.snapshot import Snapshot
-from kvgate.router.block_index import BlockIndexes
+from kvgate.router.block_index import BlockIndex, BlockIndexes
 from kvgate.router.engine_tokenizers import EngineTokenizers, KvChain
 from kvgate.router.features import CharsPerToken, RouteRequest
 from kvgate.router.outcomes import Answer, Learnt, text_chain
-from kvgate.router.prefix_index import PrefixIndexes
+from kvgate.router.prefix_index import PrefixIndex, PrefixIndexes
 from kvgate.router.health import Ejection, after_check, after_request, newly_ejected, readmitted
 from kvgate.router.load_readers import LoadReport, watch_stream
 from kvgate.router.membership import (ModelKnobs, ReplicaSource, Unlisted, Upsert, drop_reason, judge_unlisted,
@@ -232,6 +232,14 @@ class ReplicaTracker:
             return "off"
         index = self.prefixes.get(replica_id)
         return "not_observed" if index is not None and not index.caches() else "on"
+
+    def cache_index(self, replica_id: str) -> tuple[BlockIndex | PrefixIndex | None, bool]:
+        """(what the gateway knows of the replica's cache, whether it is exact): its KV-block index once that is
+        synced with the engine's events, else the text index of what it was sent; (None, False) if neither."""
+        blocks = self.blocks.get(replica_id)
+        if blocks is not None and blocks.synced:
+            return blocks, True
+        return self.prefixes.get(replica_id), False
 
     async def wait_for_replica(self, model: str, timeout_s: float) -> bool:
         """True as soon as `model` has a routable replica; False after `timeout_s` (on the clock)."""
