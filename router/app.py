@@ -30,7 +30,8 @@ from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.observations import ObservationPublisher
 from kvgate.router.common_openings import CommonOpenings
-from kvgate.router.proxy import Proxy, Tracker
+from kvgate.router.proxy import Proxy
+from kvgate.router.replicas import ReplicaTracker
 from kvgate.router.queueing import WaitQueues
 from kvgate.router.upstream import UpstreamPool
 
@@ -61,7 +62,7 @@ def gateway_runner(app: web.Application, shutdown_timeout_s: float) -> web.AppRu
                          keepalive_timeout=app[SETTINGS_KEY].keepalive_timeout_s)
 
 
-def build_app(settings: GatewaySettings, tracker: Tracker, registry: SnapshotSource, clock: Clock,
+def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: SnapshotSource, clock: Clock,
               store: StateStore | None = None) -> web.Application:
     """The gateway app. Nothing starts until the app does (tracker, client session, registry follow,
     the dashboard's sampler). `store`, when given, is where the dashboard reads the autoscaler's

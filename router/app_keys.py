@@ -11,7 +11,8 @@ from kvgate.clock import Clock
 from kvgate.router.dashboard import Dashboard
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.common_openings import CommonOpenings
-from kvgate.router.proxy import Proxy, Tracker
+from kvgate.router.proxy import Proxy
+from kvgate.router.replicas import ReplicaTracker
 from kvgate.router.queueing import WaitQueues
 
 
@@ -43,7 +44,7 @@ class Drain:
 
 
 SETTINGS_KEY = web.AppKey("kvgate_settings", GatewaySettings)
-TRACKER_KEY = web.AppKey("kvgate_tracker", Tracker)
+TRACKER_KEY = web.AppKey("kvgate_tracker", ReplicaTracker)
 REGISTRY_KEY: web.AppKey[object] = web.AppKey("kvgate_registry", object)
 CLOCK_KEY = web.AppKey("kvgate_clock", Clock)
 METRICS_KEY = web.AppKey("kvgate_metrics", RouterMetrics)

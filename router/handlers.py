@@ -17,10 +17,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_urldispatcher import _default_expect_handler  # the 100 Continue itself; stable since aiohttp 2
 
-from kvgate.openai_wire import BodyWording, parse_json_body
+from kvgate.openai_wire import ApiError, BodyWording, bad_request, error_response, parse_json_body
 from kvgate.registry.schema import RoutingPolicy
 from kvgate.registry.snapshot import Snapshot, UnknownName
-from kvgate.router.errors import GatewayError, bad_request, error_response, model_not_found, no_capacity
+from kvgate.router.errors import model_not_found, no_capacity
 from kvgate.router.features import build_route_request
 from kvgate.router.dashboard import dashboard_page
 from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
@@ -49,16 +49,16 @@ T = TypeVar("T")
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except GatewayError as exc:
+    except ApiError as exc:
         return error_response(exc)
     except web.HTTPException as exc:  # unknown path, wrong method: still an OpenAI error object
         if exc.status < 400:
             raise
-        return error_response(GatewayError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+        return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
                                            type="NotFoundError" if exc.status == 404 else "BadRequestError"))
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return error_response(GatewayError(500, "internal gateway error; see the gateway's log",
+        return error_response(ApiError(500, "internal gateway error; see the gateway's log",
                                            type="InternalServerError", code="internal_error"))
 
 
@@ -105,12 +105,12 @@ async def expect_within_limit(request: web.Request) -> web.StreamResponse | None
     return await _default_expect_handler(request)
 
 
-def _too_large(limit: int) -> GatewayError:
-    return GatewayError(413, f"the request body is over the gateway's limit of {limit} bytes",
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is over the gateway's limit of {limit} bytes",
                         type="RequestTooLargeError", code="request_too_large", close=True)
 
 
-def _declared_too_large(request: web.Request) -> GatewayError | None:
+def _declared_too_large(request: web.Request) -> ApiError | None:
     """The 413 for a body whose Content-Length is over the limit, to answer before reading it; else None."""
     limit = request.app[SETTINGS_KEY].max_body_bytes
     return _too_large(limit) if request.content_length is not None and request.content_length > limit else None
@@ -130,12 +130,12 @@ async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     except web.HTTPRequestEntityTooLarge as exc:
         raise _too_large(settings.max_body_bytes) from exc
     except TimeoutError as exc:  # a stalled client, or a chunked body that broke after its first chunk
-        raise GatewayError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s",
+        raise ApiError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s",
                            type="RequestTimeoutError", code="body_timeout", close=True) from exc
     except (BadHttpMessage, web.RequestPayloadError) as exc:  # a Content-Encoding that does not decode
         detail = str(exc).splitlines()[-1].strip()  # aiohttp's text: "400, message:\n  Can not decode ..."
         request.content.feed_eof()  # nothing more to read: else aiohttp reads on, meets it again and logs an ERROR
-        raise GatewayError(400, f"the request body could not be read: {detail}", type="BadRequestError",
+        raise ApiError(400, f"the request body could not be read: {detail}", type="BadRequestError",
                            code="invalid_body", close=True) from exc
     return raw, await _off_loop(len(raw), parse_json_body, raw, _BODY_WORDING)
 
@@ -149,7 +149,7 @@ async def _off_loop(body_bytes: int, fn: Callable[..., T], *args: Any, **kwargs:
 
 def validate_inference_body(body: dict[str, Any], chat: bool) -> str:
     """Check what routing needs (the engine checks the rest); returns the `model` field.
-    Raises GatewayError 400 naming the field."""
+    Raises ApiError 400 naming the field."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a non-empty string", "model",
@@ -297,7 +297,7 @@ def _check_admin(request: web.Request) -> None:
     given = request.headers.get("Authorization", "")
     # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the bytes they were.
     if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {token}".encode()):
-        raise GatewayError(401, "this endpoint needs 'Authorization: Bearer <admin token>'",
+        raise ApiError(401, "this endpoint needs 'Authorization: Bearer <admin token>'",
                            type="AuthenticationError", code="invalid_admin_token",
                            headers={"WWW-Authenticate": "Bearer"})
 

@@ -28,7 +28,8 @@ from aiohttp import HttpVersion11, web
 
 from kvgate.clock import Clock
 from kvgate.registry.schema import Routing
-from kvgate.router.errors import GatewayError, bad_gateway, no_capacity, sse_error_event, upstream_timeout
+from kvgate.openai_wire import ApiError
+from kvgate.router.errors import bad_gateway, no_capacity, sse_error_event, upstream_timeout
 from kvgate.router.features import RouteRequest
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.outcomes import (Answer, DecisionRecord, DecisionRing, Learnt, caching_judgement_log,
@@ -107,7 +108,7 @@ class Proxy:
         self.outcomes_by_replica: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
     async def forward(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
-        """Serve `preq`; raises GatewayError (503 no capacity, 502/504) when no replica could answer."""
+        """Serve `preq`; raises ApiError (503 no capacity, 502/504) when no replica could answer."""
         model = preq.route.model
         excluded: set[str] = set()
         last: AttemptFailed | None = None
@@ -120,7 +121,7 @@ class Proxy:
                 waited = True
                 try:
                     await self.queues.wait(model, preq.routing.max_queued_requests, preq.queue_wait_s)
-                except GatewayError:
+                except ApiError:
                     self._count(model, "", "no_capacity")
                     raise
                 continue

@@ -31,7 +31,7 @@ class WaitQueues:
         return {model: depth for model, depth in self._depth.items() if depth}
 
     async def wait(self, model: str, max_queued: int, timeout_s: float) -> None:
-        """Return once a replica of `model` is ready. Raises GatewayError 503 (with Retry-After) when
+        """Return once a replica of `model` is ready. Raises ApiError 503 (with Retry-After) when
         the queue is full (at once) or no replica is ready within `timeout_s`."""
         depth = self.depth(model)
         if depth >= max_queued:

@@ -279,7 +279,7 @@ class ReplicaTracker:
         estimate = self._chars_per_token.get(model)
         return estimate.value if estimate is not None else CharsPerToken().value
 
-    def learn_prompt_size(self, model: str, prompt_chars: int, prompt_tokens: int) -> None:
+    def _learn_prompt_size(self, model: str, prompt_chars: int, prompt_tokens: int) -> None:
         """A response reported `prompt_tokens` for a canonical prompt of `prompt_chars`; the model's
         replicas' index capacities follow the new estimate at their next load report."""
         self._chars_per_token.setdefault(model, CharsPerToken()).observe(prompt_chars, prompt_tokens)
@@ -294,9 +294,9 @@ class ReplicaTracker:
         (on KV blocks only tallied: the replica's events keep that index right)."""
         model = answer.route.model
         if answer.teaches_prompt_size and answer.prompt_tokens is not None:
-            self.learn_prompt_size(model, answer.route.num_prompt_chars, answer.prompt_tokens)
+            self._learn_prompt_size(model, answer.route.num_prompt_chars, answer.prompt_tokens)
         if answer.tokens_disagree:
-            self.tokens_disagree(model, replica_id)
+            self._tokens_disagree(model, replica_id)
         lesson = answer.lesson(self.chars_per_token_of(model))
         if lesson.cached_tokens is None:
             return Learnt(lesson)
@@ -498,7 +498,7 @@ class ReplicaTracker:
 
     # ------------------------------------------------------------------------------ tokenizers
 
-    def tokens_disagree(self, model: str, replica_id: str) -> None:
+    def _tokens_disagree(self, model: str, replica_id: str) -> None:
         """A response's usage.prompt_tokens differed from the gateway's count for a prompt routed on KV
         blocks: the model routes on text until its tokenizer is fetched again (`EngineTokenizers.disagree`)."""
         tracked = self._replicas.get(replica_id)

@@ -23,7 +23,8 @@ from kvgate.state.base import StateStore
 from kvgate.state.schema import SCHEMA_KEY, NewerSchema, SkippedRecords, check_schema, count, non_negative
 
 # What `from_json` raises for a record that does not parse (NewerSchema is a ValueError too: catch it first).
-MALFORMED = (AttributeError, KeyError, TypeError, ValueError)
+# ArithmeticError: JSON's 1e999 reads back as infinity, and int() of it raises OverflowError.
+MALFORMED = (ArithmeticError, AttributeError, KeyError, TypeError, ValueError)
 
 OBSERVATIONS_COLLECTION = "observations"
 STATUS_COLLECTION = "autoscaler"

@@ -20,7 +20,7 @@ from kvgate.state import (
     ReplicaState,
     SkippedRecords,
 )
-from kvgate.state.records import STATUS_COLLECTION, STATUS_ID, ModelStatus, NodeStatus, StatusEvent, read_status
+from kvgate.state.records import MALFORMED, STATUS_COLLECTION, STATUS_ID, ModelStatus, NodeStatus, StatusEvent, read_status
 from tests.state.conftest import MakeRedisStore
 
 WALL = 1_700_000_100.0
@@ -74,6 +74,14 @@ def test_an_event_kind_a_newer_release_added_is_kept() -> None:
 def test_a_newer_major_is_refused_with_newer_schema(record) -> None:
     with pytest.raises(NewerSchema, match="schema_version 2, newer than the 1 this release reads"):
         type(record).from_json({**record.to_json(), "schema_version": 2})
+
+
+def test_a_count_of_infinity_is_malformed_not_an_error_that_escapes() -> None:
+    # JSON's 1e999 reads back as inf and int() of it raises OverflowError: readers catch MALFORMED, so it
+    # must be one (the dashboard's sampler and the autoscaler's resume would otherwise die on it).
+    raw = json.loads('{"desired": 1e999, "ready": 0, "starting": 0}')
+    with pytest.raises(MALFORMED):
+        ModelStatus.from_json(raw)
 
 
 @pytest.mark.parametrize("version", [0, "1", True, None])
