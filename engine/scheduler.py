@@ -20,8 +20,9 @@ Policy of one `schedule()` (modelled on vLLM v1, with decodes first as in Sarath
    requests that share a system prompt) is passed over too, and keeps its place: a step later it hits
    the blocks the other one computed instead of computing the same prefix a second time.
    Why a step later and not in the same step, as vLLM v1 admits them: on a CPU a step costs what its
-   tokens cost, so merging saves nothing and delays the first request's first token (16 requests on one
-   512-token prompt: mean TTFT 1,624-1,855 ms waiting, 1,823-2,019 ms merged). On a GPU it may pay; unmeasured.
+   tokens cost, so merging saves nothing and delays the first request's first token (16 prompts sharing a
+   512-token system prompt plus 32 tokens each of their own: mean TTFT 1,624-1,855 ms waiting, 1,823-2,019 ms
+   merged). On a GPU it may pay; unmeasured.
 
 LoRA slots: with an `AdapterGate` (engine/lora/manager.py), a sequence pins its adapter's slot from
 admission until it is preempted or finishes, and the gate counts every request per adapter.

@@ -198,17 +198,18 @@ class Routing(_Strict):
                     "cache_aware: the same, for a request whose own cached prefix the replica holds (an engine "
                     "batches that few at once, and moving the request costs its prefill); new text and a hot "
                     "prefix see the bound itself.")
+    # Why 4: on hot_prefix at 16 simulated vLLM replicas (loadtests/routing_replay.py, 12 seeds) hit / best is
+    # 0.965 at 3, 0.975 at 4, 0.983 at 6 and 0.988 at 8, while the busiest replica's requests over the mean
+    # (worst seed) go 1.22, 1.36, 1.54, 1.78; live runs at 4 stayed within 1.25x (1.20-1.24). At 64 sims 4
+    # gives 0.967 at 2.56x the mean, 2 gives 0.948 at 1.28x. kvgate engines, which compute a prompt shared by
+    # requests admitted together once, reached 0.981-0.987 at 8 within 1.20x (0.976-0.978 at 4).
     hot_prefix_requests: int = Field(
         default=4, ge=1,
         description="cache_aware: a prefix that at least this many of the gateway's requests in flight at a "
                     "replica share is hot there, and the load bound holds for it: more requests for it go to "
                     "other replicas, which then hold it too (a burst on one system prompt spreads). Lower "
-                    "spreads a burst sooner, higher computes its prompt on fewer replicas; 4 is best measured "
-                    "on simulated vLLM replicas at 4 and 16 (docs/benchmarks.md), and a fleet of kvgate "
-                    "engines, which compute a prompt that requests admitted together share once, may set 8. "
-                    "Where a burst is small beside the fleet (100 requests on 64 replicas), 4 leaves some "
-                    "replicas idle and others at 2.5x the mean request count; 2 spreads requests evenly "
-                    "(1.28x) for 0.02-0.03 of hit rate.")
+                    "spreads a burst sooner (2 spreads it evenly where bursts are small beside the fleet), "
+                    "higher computes its prompt on fewer replicas (a fleet of kvgate engines may set 8).")
     over_bound_cost_tokens: float = Field(
         default=2000.0, ge=0,
         description="cache_aware: for a request whose own cached prefix a replica over the load bound holds "

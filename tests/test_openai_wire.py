@@ -6,10 +6,13 @@ import json
 
 import pytest
 
+from kvgate.engine.server import protocol as engine_protocol
 from kvgate.openai_wire import ApiError, BodyWording, bad_request, error_response, json_type, parse_json_body
+from kvgate.router import handlers as gateway_handlers
 
-CAPITAL = BodyWording("The request body", "must be a JSON object; got {json_type}", "invalid_json")
-LOWER = BodyWording("the request body", "must be a JSON object, not {python_type}", "invalid_type")
+# The words each server really uses, so a change to either shows up here as well as in its own tests.
+ENGINE = engine_protocol._BODY_WORDING
+GATEWAY = gateway_handlers._BODY_WORDING
 
 
 def refusal(raw: bytes, wording: BodyWording) -> ApiError:
@@ -19,12 +22,12 @@ def refusal(raw: bytes, wording: BodyWording) -> ApiError:
 
 
 def test_a_json_object_body_is_returned_as_a_dict() -> None:
-    assert parse_json_body(b'{"model": "m", "n": [1, 2]}', CAPITAL) == {"model": "m", "n": [1, 2]}
+    assert parse_json_body(b'{"model": "m", "n": [1, 2]}', ENGINE) == {"model": "m", "n": [1, 2]}
 
 
 @pytest.mark.parametrize("wording,message,code", [
-    (CAPITAL, "The request body must be a JSON object; got an array", "invalid_json"),
-    (LOWER, "the request body must be a JSON object, not list", "invalid_type"),
+    (ENGINE, "The request body must be a JSON object; got an array", "invalid_json"),
+    (GATEWAY, "the request body must be a JSON object, not list", "invalid_type"),
 ])
 def test_another_json_type_is_a_400_in_the_servers_own_words(wording, message, code) -> None:
     error = refusal(b"[1, 2]", wording)
@@ -39,7 +42,7 @@ def test_another_json_type_is_a_400_in_the_servers_own_words(wording, message, c
     (b'{"content": "\\ud800"}', "holds a lone UTF-16 surrogate escape"),
 ])
 def test_bytes_that_are_no_json_text_are_invalid_json_whatever_the_wording(raw, words) -> None:
-    for wording in (CAPITAL, LOWER):
+    for wording in (ENGINE, GATEWAY):
         error = refusal(raw, wording)
         assert (error.status, error.code) == (400, "invalid_json")
         assert error.message.startswith(f"{wording.subject} {words}")

@@ -189,7 +189,7 @@ async def member_states(store, clock: FakeClock, replica_id: str, seen: list) ->
 def assert_retired(seen: list, member_ttl_s: int = 10) -> None:
     """READY, then DRAINING (gateways stop sending to it at their next poll) until the record lapses, then
     gone; never READY again, and never a READY record that merely vanished, which gateways would keep in
-    rotation while its health checks pass (router.replicas)."""
+    rotation while its health checks pass (router.membership, `judge_unlisted`)."""
     assert seen[0] == "ready"
     draining = [i for i, state in enumerate(seen) if state == "draining"]
     assert draining and draining == list(range(1, draining[-1] + 1)), seen

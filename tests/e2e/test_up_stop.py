@@ -28,10 +28,9 @@ class FakeRunner:
 class FakeAutoscaler:
     """An autoscaler whose fleet takes 1.2 s to release, on pools that list no stray replica."""
 
-    providers: dict[str, object] = {}
-
     def __init__(self, clock: FakeClock, steps: list[str]) -> None:
         self._clock, self._steps = clock, steps
+        self.providers: dict[str, object] = {}
 
     async def stop(self) -> None:
         self._steps.append("autoscaler stopped")

@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvgate.engine.builtin import CACHE_DIR_ENV, resolve_model_source
+from kvgate.engine.builtin import CACHE_DIR_ENV, default_cache_dir, resolve_model_source
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def shared_cache_dir() -> Path:
-    configured = os.environ.get(CACHE_DIR_ENV)
-    return Path(configured) if configured else REPO / ".kvgate-cache"
+    # A set $KVGATE_CACHE_DIR is read as the engine reads it (`~` expanded), so both name one directory.
+    return default_cache_dir() if os.environ.get(CACHE_DIR_ENV) else REPO / ".kvgate-cache"
 
 
 def tiny_llama_dir() -> Path:

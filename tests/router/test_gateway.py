@@ -270,6 +270,8 @@ async def test_bad_input_gets_an_openai_error_object(tmp_path: Path, body: bytes
         assert got == status
         error = json.loads(text)["error"]
         assert error["code"] == code and set(error) == {"message", "type", "param", "code"}
+        if body == b"[1, 2]":  # the gateway's own words for it, as its clients have seen them
+            assert error["message"] == "the request body must be a JSON object, not list"
 
 
 async def test_a_completions_request_without_prompt_is_400(tmp_path: Path) -> None:
