@@ -8,7 +8,9 @@ import importlib
 import sys
 
 from kvgate import __version__
+from kvgate import keys as keys_cli
 from kvgate.registry import cli as registry_cli
+from kvgate.registry.tenant import KEY_SECRET_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Config-as-code tooling for a registry of Model, Adapter, Pool and Tenant documents.")
     registry_cli.configure(registry)
     registry.set_defaults(run=registry_cli.run)
+    keys = commands.add_parser(
+        "keys", help="create API keys for the registry's Tenants",
+        description=f"API keys for Tenants: the registry holds each key's HMAC under ${KEY_SECRET_ENV}, never the key.")
+    keys_cli.configure(keys)
+    keys.set_defaults(run=keys_cli.run)
     for name, (module, help_text, whose) in FORWARDED.items():
         forwarded = commands.add_parser(name, add_help=False, help=help_text,
                                         description=f"Run `kvgate {name} --help` for {whose} options.")

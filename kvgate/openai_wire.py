@@ -8,10 +8,16 @@ router, which may not import each other, raise and render the one `ApiError` and
 
 What differs between the two servers is only wording that clients already see: each passes its own
 `BodyWording`, so their 400s stay what they were while the checks behind them are written once.
+
+Both also guard admin endpoints the same way: `require_bearer` (a constant-time Bearer check) and
+`is_loopback_host` (whether a listening address is reachable from this machine only).
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +54,41 @@ def error_response(error: ApiError) -> web.Response:
     if error.close:
         response.force_close()
     return response
+
+
+def bearer_credential(authorization: str | None) -> str | None:
+    """The credential of an `Authorization: Bearer <credential>` header (the scheme in any case, as RFC 7235 has
+    it; spaces around the credential dropped), or None for any other header or none."""
+    scheme, _, credential = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return credential.strip() or None
+
+
+def require_bearer(authorization: str | None, tokens: Iterable[str], *, name: str,
+                   code: str = "invalid_admin_token") -> None:
+    """Return when `authorization` (the header's value, None when absent) is `Bearer <one of tokens>` (see
+    `bearer_credential`); raise
+    ApiError 401 with `WWW-Authenticate: Bearer` otherwise, naming the token wanted as `name` and never its
+    value. Each token is compared in constant time, and every one is compared, so the time taken does not say
+    which came close. Header bytes that are not UTF-8 arrive as surrogate escapes and compare as the bytes they
+    were. Empty tokens are ignored; with none left every caller is refused."""
+    given = (bearer_credential(authorization) or "").encode("utf-8", "surrogateescape")
+    matches = [hmac.compare_digest(given, token.encode()) for token in tokens if token]
+    if not any(matches):
+        raise ApiError(401, f"this endpoint needs 'Authorization: Bearer <{name}>'", type="AuthenticationError",
+                       code=code, headers={"WWW-Authenticate": "Bearer"})
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a server listening on `host` is reachable from this machine only. A name other than `localhost`
+    counts as not loopback (it may resolve to anything); so do the wildcards `0.0.0.0`, `::` and ``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

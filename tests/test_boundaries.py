@@ -2,9 +2,9 @@
 
 | folder | may import (of ours) |
 | registry/ | nothing |
-| engine/ | registry, kvgate.v1, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire |
-| router/ | registry, kvgate.v1, kvgate.state, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire |
-| autoscaler/ | registry, providers, kvgate.state, kvgate.clock |
+| engine/ | registry, kvgate.v1, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire, kvgate.log_limit, kvgate.server_log |
+| router/ | registry, kvgate.v1, kvgate.state, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire, kvgate.log_limit, kvgate.server_log |
+| autoscaler/ | registry, providers, kvgate.state, kvgate.clock, kvgate.log_limit |
 | providers/ | registry |
 | kvgate/ leaves (everything but cli.py and stack.py) | registry |
 """
@@ -20,15 +20,19 @@ REPO = Path(__file__).resolve().parents[1]
 # Every part installs under the one import name `kvgate` (pyproject.toml's package-dir); a folder's
 # subpackage is `kvgate.<folder>`.
 SUBSYSTEMS = ("registry", "engine", "router", "autoscaler", "providers")
-LEAVES = ("kvgate.clock", "kvgate.state", "kvgate.v1", "kvgate.tokenizer", "kvgate.kv_blocks", "kvgate.openai_wire")
+LEAVES = ("kvgate.clock", "kvgate.state", "kvgate.v1", "kvgate.tokenizer", "kvgate.kv_blocks", "kvgate.openai_wire",
+          "kvgate.log_limit", "kvgate.server_log")
 # The engine and the gateway must tokenize and hash prompts identically (KV block events), so both
-# import the one tokenizer and block chain; and both speak the one OpenAI wire shape (errors, JSON bodies).
-SHARED_WITH_ENGINE = ("kvgate.tokenizer", "kvgate.kv_blocks", "kvgate.openai_wire")
+# import the one tokenizer and block chain; both speak the one OpenAI wire shape (errors, JSON bodies); and both
+# limit their log lines alike (one per problem per interval).
+SHARED_WITH_ENGINE = ("kvgate.tokenizer", "kvgate.kv_blocks", "kvgate.openai_wire", "kvgate.log_limit",
+                      "kvgate.server_log")
 ALLOWED = {
     "registry": {"kvgate.registry"},
     "engine": {"kvgate.engine", "kvgate.registry", "kvgate.v1", "kvgate.clock", *SHARED_WITH_ENGINE},
     "router": {"kvgate.router", "kvgate.registry", "kvgate.v1", "kvgate.state", "kvgate.clock", *SHARED_WITH_ENGINE},
-    "autoscaler": {"kvgate.autoscaler", "kvgate.registry", "kvgate.providers", "kvgate.state", "kvgate.clock"},
+    "autoscaler": {"kvgate.autoscaler", "kvgate.registry", "kvgate.providers", "kvgate.state", "kvgate.clock",
+                   "kvgate.log_limit"},
     "providers": {"kvgate.providers", "kvgate.registry", "kvgate.clock"},
     "kvgate-leaf": {"kvgate.registry", *LEAVES},
 }

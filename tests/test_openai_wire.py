@@ -7,7 +7,8 @@ import json
 import pytest
 
 from kvgate.engine.server import protocol as engine_protocol
-from kvgate.openai_wire import ApiError, BodyWording, bad_request, error_response, json_type, parse_json_body
+from kvgate.openai_wire import (ApiError, BodyWording, bad_request, bearer_credential, error_response, json_type,
+                                 parse_json_body, require_bearer)
 from kvgate.router import handlers as gateway_handlers
 
 # The words each server really uses, so a change to either shows up here as well as in its own tests.
@@ -74,3 +75,21 @@ def test_an_error_marked_close_ends_the_connection() -> None:
 ])
 def test_json_type_names_a_value_as_a_message_does(value, name) -> None:
     assert json_type(value) == name
+
+
+@pytest.mark.parametrize(("header", "credential"), [
+    ("Bearer t0k", "t0k"), ("bearer t0k", "t0k"), ("BEARER  t0k ", "t0k"),  # RFC 7235: the scheme in any case
+    ("Basic t0k", None), ("Bearert0k", None), ("Bearer", None), ("Bearer   ", None), ("", None), (None, None),
+])
+def test_a_bearer_credential_is_read_whatever_the_schemes_case(header: str | None, credential: str | None) -> None:
+    assert bearer_credential(header) == credential
+
+
+def test_require_bearer_takes_any_of_its_tokens_in_any_scheme_case_and_refuses_the_rest() -> None:
+    require_bearer("bearer admin-t", ["admin-t", "metrics-t"], name="admin token")
+    require_bearer("Bearer metrics-t", ["admin-t", "metrics-t"], name="admin token")
+    for header in (None, "Bearer admin-tx", "Basic admin-t", "Bearer ", "admin-t"):
+        with pytest.raises(ApiError) as refused:
+            require_bearer(header, ["admin-t", ""], name="admin token")
+        assert refused.value.status == 401 and refused.value.headers == {"WWW-Authenticate": "Bearer"}
+        assert "admin-t" not in refused.value.message

@@ -3,7 +3,8 @@
     build_app(engine, settings) -> web.Application
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (serving.py), POST
-/v1/load_lora_adapter, POST /v1/unload_lora_adapter, GET /health, GET /metrics.
+/v1/load_lora_adapter, POST /v1/unload_lora_adapter (admin endpoints: token, loopback and source roots in
+adapter_access.py), GET /health, GET /metrics.
 
 Every error leaves as an OpenAI error object with its status (DESIGN.md "Conventions"): `ApiError`
 from the protocol and serving layers, aiohttp's own HTTP errors (unknown route, wrong method), and
@@ -23,6 +24,7 @@ from aiohttp import web
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.sequence import SamplingParams
 from kvgate.engine.server import serving
+from kvgate.engine.server.adapter_access import allowed_source, check_caller
 from kvgate.engine.server.context import CONTEXT, Lifecycle, ServerContext, ServerSettings
 from kvgate.engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvgate.engine.server.protocol import parse_load_adapter_request, parse_unload_adapter_request
@@ -136,23 +138,32 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _load_adapter(request: web.Request) -> web.Response:
+    """401/403 before anything else (adapter_access.py), then 403 for a source under no root. A source that
+    is allowed but cannot be loaded gets one 400 whatever the reason, naming the adapter and not the path
+    (so it tells nobody what exists on the replica); the replica's log says why."""
     context = request.app[CONTEXT]
+    access = context.settings.adapter_access
+    check_caller(access, request.headers.get("Authorization"))
     load = getattr(context.engine, "load_adapter", None)
     if load is None:
         raise _lora_unsupported()
     name, source = parse_load_adapter_request(await serving.read_json(request))
     if name == context.model_name:
         raise bad_request(f"lora_name '{name}' is the base model's name; pick another", "lora_name")
+    allowed = allowed_source(access, source)
     try:
-        await load(name, source)
-    except ValueError as exc:  # AdapterLoadError, and any other refusal of the name or the source
-        raise bad_request(f"The lora adapter '{name}' could not be loaded from {source}: {exc}", "lora_path",
-                          code="adapter_load_failed") from exc
+        await load(name, allowed)
+    except (ValueError, OSError) as exc:  # AdapterLoadError, a refusal of the name, a path the OS refuses
+        log.warning("adapter %r could not be loaded from %r: %s", name, allowed, exc)
+        raise bad_request(f"The lora adapter '{name}' could not be loaded: lora_path holds no adapter this replica "
+                          f"can serve, or the name is in use with another source; the replica's log says why",
+                          "lora_path", code="adapter_load_failed") from exc
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 
 async def _unload_adapter(request: web.Request) -> web.Response:
     context = request.app[CONTEXT]
+    check_caller(context.settings.adapter_access, request.headers.get("Authorization"))
     unload = getattr(context.engine, "unload_adapter", None)
     if unload is None:
         raise _lora_unsupported()

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.server.adapter_access import AdapterAccess
 from kvgate.engine.server.metrics import ServerMetrics
 from kvgate.engine.server.protocol import ChatMessage, model_not_found
 from kvgate.openai_wire import bad_request
@@ -40,6 +41,8 @@ class ServerSettings:
     drain_timeout_s: float = 30.0  # after SIGTERM: how long in-flight requests may take before they are aborted
     retry_after_s: int = 5  # the Retry-After of a 503 while draining: about how long a replacement takes
     warmup: bool = True  # one tiny generation before /health says ready
+    # Who may load and unload adapters, and from where (adapter_access.py); the default refuses every call.
+    adapter_access: AdapterAccess = AdapterAccess()
     now: Callable[[], float] = time.monotonic  # seconds on a monotonic timeline, for latency metrics
     wall: Callable[[], float] = time.time  # seconds since the epoch, for `created` fields
 

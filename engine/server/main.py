@@ -1,6 +1,8 @@
 """`kvgate engine` / `python -m kvgate.engine`: one replica server process.
 
     kvgate engine --model builtin:smollm2-135m --port 8000 [--grpc-port 9000] [--adapter NAME=SOURCE ...]
+                  [--adapter-root DIR|s3://bucket/prefix ...] [--insecure-open-adapters]
+                  (the adapter endpoints' token: $KVGATE_ENGINE_ADMIN_TOKEN; see server/adapter_access.py)
 
 Process wiring, the composition root of a replica: parse arguments into an EngineConfig and
 ServerSettings, load the model, serve HTTP (aiohttp on uvloop, AppRunner for a controlled shutdown)
@@ -22,6 +24,7 @@ import dataclasses
 import importlib.util
 import inspect
 import logging
+import os
 import re
 import signal
 import socket
@@ -34,6 +37,8 @@ import uvloop
 from aiohttp import web
 
 from kvgate.engine.core import EngineConfig
+from kvgate.engine.server.adapter_access import AdapterAccess, access_for, adapter_root, startup_notice
+from kvgate.server_log import MalformedRequestLog
 
 log = logging.getLogger("kvgate.engine.server")
 
@@ -116,6 +121,13 @@ def _adapter(text: str) -> tuple[str, str]:
     return name, source
 
 
+def _adapter_root(text: str) -> str:
+    try:
+        return adapter_root(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     parser = argparse.ArgumentParser(
@@ -142,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-lora-rank", type=_positive_int, help="largest adapter rank (default: 16)")
     parser.add_argument("--adapter", type=_adapter, action="append", default=[], metavar="NAME=SOURCE",
                         help="register a LoRA adapter; repeat for more")
+    parser.add_argument("--adapter-root", type=_adapter_root, action="append", default=[],
+                        metavar="DIR|s3://BUCKET/PREFIX", help="where /v1/load_lora_adapter may load from; repeat "
+                        "for more (default: only builtin: adapters and the --adapter sources)")
+    parser.add_argument("--insecure-open-adapters", action="store_true",
+                        help="open the adapter endpoints without a token on a non-loopback --host (default: they "
+                        "need $KVGATE_ENGINE_ADMIN_TOKEN there, and are refused without it)")
     parser.add_argument("--s3-endpoint-url", help="S3 endpoint for s3:// adapter sources (default: AWS's)")
     parser.add_argument("--cache-dir", type=Path, help="where builtin models are built (default: "
                         "$KVGATE_CACHE_DIR or ~/.cache/kvgate)")
@@ -214,11 +232,12 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
 
     settings = ServerSettings(served_model_name=served_name(args), model_aliases=model_aliases(args),
                               max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s,
-                              now=time.monotonic, wall=time.time)
+                              adapter_access=_adapter_access(args), now=time.monotonic, wall=time.time)
     app = build_app(engine, settings)
     lifecycle = app[CONTEXT].lifecycle
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=_STOP_GRACE_S,
-                           access_log=logging.getLogger("aiohttp.access") if args.log_level == "debug" else None)
+                           access_log=logging.getLogger("aiohttp.access") if args.log_level == "debug" else None,
+                           logger=MalformedRequestLog(logging.getLogger("aiohttp.server"), settings.now))
     try:
         await runner.setup()  # warms the engine up
     except Exception as exc:
@@ -262,6 +281,16 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
             await state_service.stop(1.0)
         await runner.cleanup()
         log.info("kvgate engine stopped")
+
+
+def _adapter_access(args: argparse.Namespace) -> AdapterAccess:
+    """The adapter endpoints' policy from the arguments and the environment (the token), said in the log."""
+    access = access_for(host=args.host, environ=os.environ, insecure_open=args.insecure_open_adapters,
+                        roots=tuple(args.adapter_root), startup_sources=tuple(source for _, source in args.adapter))
+    notice = startup_notice(access, host=args.host, insecure_open=args.insecure_open_adapters)
+    if notice is not None:
+        log.log(*notice)
+    return access
 
 
 async def _start_state_service(engine: Any, args: argparse.Namespace, http_port: int, is_draining: Any) -> Any:

@@ -188,6 +188,15 @@ class StateStore(Protocol):
         refill_per_s < 0 or cost <= 0."""
         ...
 
+    async def adjust_tokens(self, key: str, capacity: float, refill_per_s: float, delta: float) -> float:
+        """Atomically add `delta` tokens to the bucket `key` (after its refill, as `take_tokens` computes it)
+        and return what it holds then; never denies. A positive delta gives back what a take reserved and
+        did not use, up to `capacity`; a negative one charges an overrun, which may leave the bucket in debt
+        down to `-capacity` (at most one full refill of debt), so the next takes wait for it to be paid back.
+        Worked numbers: capacity 100, 30 left, delta +50 -> 80; delta +90 -> 100; delta -180 -> -100.
+        Raises ValueError for capacity <= 0, refill_per_s < 0 or a delta that is not finite."""
+        ...
+
     # -- leases ----------------------------------------------------------------------------------
 
     async def acquire_lease(self, name: str, holder: str, ttl_s: float) -> bool:
@@ -277,6 +286,12 @@ def check_bucket_args(capacity: float, refill_per_s: float, cost: float) -> None
         raise ValueError(f"refill_per_s must be a finite number >= 0, got {refill_per_s!r}")
     if not (math.isfinite(cost) and cost > 0):
         raise ValueError(f"cost must be a finite number > 0, got {cost!r}")
+
+
+def check_adjust_args(capacity: float, refill_per_s: float, delta: float) -> None:
+    check_bucket_args(capacity, refill_per_s, 1.0)
+    if isinstance(delta, bool) or not isinstance(delta, int | float) or not math.isfinite(delta):
+        raise ValueError(f"delta must be a finite number, got {delta!r}")
 
 
 def _plain(value: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 from kvgate.clock import Clock
 from kvgate.state.base import (
     JSONValue, MemberRecord, StateStoreUnavailable, StoredRecord, TokenBucketResult, VersionConflict,
-    check_bucket_args, check_delta, check_expected_version, check_name, check_ttl_s,
+    check_adjust_args, check_bucket_args, check_delta, check_expected_version, check_name, check_ttl_s,
     decode_record_data, encode_record_data,
 )
 
@@ -55,13 +55,7 @@ def take_from_bucket(
     the same instant is denied with retry after (1 - 0) / 2 = 0.5 s. Half a second later the bucket
     holds 1 token and the take is allowed, leaving 0.
     """
-    if bucket is None:
-        tokens, updated_at = capacity, now
-    else:
-        # Never refill for negative elapsed time: another host's clock may run slightly ahead.
-        elapsed_s = max(0.0, now - bucket.updated_at)
-        tokens = min(capacity, bucket.tokens + elapsed_s * refill_per_s)
-        updated_at = max(bucket.updated_at, now)
+    tokens, updated_at = _refilled(bucket, now, capacity, refill_per_s)
     if cost > capacity:
         return _Bucket(tokens, updated_at), TokenBucketResult(False, tokens, math.inf)
     if tokens >= cost:
@@ -69,6 +63,22 @@ def take_from_bucket(
         return _Bucket(tokens, updated_at), TokenBucketResult(True, tokens, 0.0)
     retry_after_s = math.inf if refill_per_s == 0 else (cost - tokens) / refill_per_s
     return _Bucket(tokens, updated_at), TokenBucketResult(False, tokens, retry_after_s)
+
+
+def _refilled(bucket: _Bucket | None, now: float, capacity: float, refill_per_s: float) -> tuple[float, float]:
+    """(tokens, updated_at) of `bucket` at `now`: a new bucket is full; refilled up to capacity."""
+    if bucket is None:
+        return capacity, now
+    # Never refill for negative elapsed time: another host's clock may run slightly ahead.
+    elapsed_s = max(0.0, now - bucket.updated_at)
+    return min(capacity, bucket.tokens + elapsed_s * refill_per_s), max(bucket.updated_at, now)
+
+
+def adjust_bucket(bucket: _Bucket | None, now: float, capacity: float, refill_per_s: float, delta: float) -> _Bucket:
+    """`delta` added to the refilled bucket, kept within [-capacity, capacity] (`StateStore.adjust_tokens`);
+    the Redis store's script mirrors it. Capacity 10, 4 left: +3 -> 7, +9 -> 10, -30 -> -10."""
+    tokens, updated_at = _refilled(bucket, now, capacity, refill_per_s)
+    return _Bucket(max(-capacity, min(capacity, tokens + delta)), updated_at)
 
 
 class MemoryStateStore:
@@ -145,6 +155,13 @@ class MemoryStateStore:
         bucket, result = take_from_bucket(self._buckets.get(key), now, capacity, refill_per_s, cost)
         self._buckets[key] = bucket
         return result
+
+    async def adjust_tokens(self, key: str, capacity: float, refill_per_s: float, delta: float) -> float:
+        check_name("key", key)
+        check_adjust_args(capacity, refill_per_s, delta)
+        bucket = adjust_bucket(self._buckets.get(key), self._now(), capacity, refill_per_s, delta)
+        self._buckets[key] = bucket
+        return bucket.tokens
 
     # -- leases ----------------------------------------------------------------------------------
 

@@ -40,8 +40,8 @@ from redis.backoff import ExponentialBackoff
 from kvgate.clock import Clock
 from kvgate.state.base import (
     JSONValue, MemberRecord, StateStoreError, StateStoreUnavailable, StoredRecord, TokenBucketResult,
-    VersionConflict, check_bucket_args, check_delta, check_expected_version, check_name, check_ttl_s,
-    decode_record_data, encode_record_data,
+    VersionConflict, check_adjust_args, check_bucket_args, check_delta, check_expected_version, check_name,
+    check_ttl_s, decode_record_data, encode_record_data,
 )
 from kvgate.state.schema import NewerSchema, SkippedRecords
 
@@ -92,15 +92,14 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return value
 """
 
-# KEYS[1] bucket hash; ARGV: now, capacity, refill_per_s, cost, gc_slack_ms. Mirrors
-# memory.take_from_bucket. Returns {allowed 0/1, remaining, retry_after_s} (numbers as strings,
-# since Redis truncates Lua floats in replies). The backstop TTL is the time until the bucket is
-# full again, when deleting it changes nothing (an absent bucket starts full).
-_TAKE_TOKENS = """
+# The two bucket scripts share their opening and their end. KEYS[1] bucket hash; ARGV: now, capacity,
+# refill_per_s, cost or delta, gc_slack_ms. They mirror memory.take_from_bucket and memory.adjust_bucket.
+# Numbers go back as strings, since Redis truncates Lua floats in replies. The backstop TTL is the time
+# until the bucket is full again, when deleting it changes nothing (an absent bucket starts full).
+_BUCKET_REFILL = """
 local now = tonumber(ARGV[1])
 local capacity = tonumber(ARGV[2])
 local rate = tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
 local cur = redis.call('HMGET', KEYS[1], 'tokens', 'updated_at')
 local tokens, updated_at = capacity, now
 if cur[1] then
@@ -108,6 +107,21 @@ if cur[1] then
   tokens = math.min(capacity, tonumber(cur[1]) + math.max(0, now - last) * rate)
   updated_at = math.max(last, now)
 end
+"""
+_BUCKET_STORE = """
+local fmt_tokens = string.format('%.17g', tokens)
+redis.call('HSET', KEYS[1], 'tokens', fmt_tokens, 'updated_at', string.format('%.17g', updated_at))
+if rate > 0 then
+  local gc_ms = math.ceil((capacity - tokens) / rate * 1000) + tonumber(ARGV[5])
+  redis.call('PEXPIRE', KEYS[1], string.format('%d', gc_ms))
+else
+  redis.call('PERSIST', KEYS[1])
+end
+"""
+
+# Returns {allowed 0/1, remaining, retry_after_s}.
+_TAKE_TOKENS = _BUCKET_REFILL + """
+local cost = tonumber(ARGV[4])
 local allowed, retry = 0, 'inf'
 if cost > capacity then
   -- never allowed; retry stays 'inf'
@@ -117,16 +131,12 @@ elseif tokens >= cost then
 elseif rate > 0 then
   retry = string.format('%.17g', (cost - tokens) / rate)
 end
-local fmt_tokens = string.format('%.17g', tokens)
-redis.call('HSET', KEYS[1], 'tokens', fmt_tokens, 'updated_at', string.format('%.17g', updated_at))
-if rate > 0 then
-  local gc_ms = math.ceil((capacity - tokens) / rate * 1000) + tonumber(ARGV[5])
-  redis.call('PEXPIRE', KEYS[1], string.format('%d', gc_ms))
-else
-  redis.call('PERSIST', KEYS[1])
-end
-return {allowed, fmt_tokens, retry}
-"""
+""" + _BUCKET_STORE + "return {allowed, fmt_tokens, retry}"
+
+# Returns the tokens after the change, kept within [-capacity, capacity].
+_ADJUST_TOKENS = _BUCKET_REFILL + """
+tokens = math.max(-capacity, math.min(capacity, tokens + tonumber(ARGV[4])))
+""" + _BUCKET_STORE + "return fmt_tokens"
 
 # KEYS[1] lease hash; ARGV: now, holder, expires_at, gc_ms. Returns 1 if acquired or renewed.
 _ACQUIRE_LEASE = """
@@ -226,6 +236,7 @@ class RedisStateStore:
         self._remove_member = client.register_script(_REMOVE_MEMBER)
         self._incr = client.register_script(_INCR)
         self._take_tokens = client.register_script(_TAKE_TOKENS)
+        self._adjust_tokens = client.register_script(_ADJUST_TOKENS)
         self._acquire_lease = client.register_script(_ACQUIRE_LEASE)
         self._release_lease = client.register_script(_RELEASE_LEASE)
         self._put_record = client.register_script(_PUT_RECORD)
@@ -339,13 +350,22 @@ class RedisStateStore:
     ) -> TokenBucketResult:
         check_name("key", key)
         check_bucket_args(capacity, refill_per_s, cost)
-        numbers = [self._clock.wall(), float(capacity), float(refill_per_s), float(cost)]
-        args = [*map(repr, numbers), math.ceil(self._gc_slack_s * 1000)]
         with self._mapped_errors():
             allowed, remaining, retry_after_s = await self._take_tokens(
-                keys=[self._key("bucket", key)], args=args
+                keys=[self._key("bucket", key)], args=self._bucket_args(capacity, refill_per_s, cost)
             )
         return TokenBucketResult(allowed == 1, float(remaining), float(retry_after_s))
+
+    async def adjust_tokens(self, key: str, capacity: float, refill_per_s: float, delta: float) -> float:
+        check_name("key", key)
+        check_adjust_args(capacity, refill_per_s, delta)
+        with self._mapped_errors():
+            return float(await self._adjust_tokens(
+                keys=[self._key("bucket", key)], args=self._bucket_args(capacity, refill_per_s, delta)))
+
+    def _bucket_args(self, capacity: float, refill_per_s: float, amount: float) -> list[str | int]:
+        numbers = [self._clock.wall(), float(capacity), float(refill_per_s), float(amount)]
+        return [*map(repr, numbers), math.ceil(self._gc_slack_s * 1000)]
 
     # -- leases ----------------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ from aiohttp.test_utils import TestClient
 
 from kvgate.engine.async_llm import AsyncLLM, EngineDead
 from kvgate.engine.server.context import CONTEXT
-from tests.engine_server.server_helpers import MODEL, make_settings, sse_events, start_client
+from tests.engine_server.server_helpers import (MODEL, FakeLoRA, WithoutLoRA, make_settings, open_adapters,
+                                                sse_events, start_client)
 from tests.eventually import eventually
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -276,40 +277,6 @@ async def test_a_drain_that_times_out_aborts_what_is_left(client: TestClient, en
 # ----------------------------------------------------------------------------------------- LoRA
 
 
-class WithoutLoRA:
-    """The engine as it is without multi-LoRA: no adapter methods."""
-
-    def __init__(self, engine: AsyncLLM) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name: str):
-        if name in ("load_adapter", "unload_adapter", "adapters"):
-            raise AttributeError(name)
-        return getattr(self._engine, name)
-
-
-class AdapterInfo:
-    def __init__(self, registered: tuple[str, ...], loaded: tuple[str, ...]) -> None:
-        self.registered, self.loaded = registered, loaded
-
-
-class FakeLoRA(WithoutLoRA):
-    """The engine with fake adapter bookkeeping, to check the HTTP side of multi-LoRA."""
-
-    def __init__(self, engine: AsyncLLM) -> None:
-        super().__init__(engine)
-        self.sources: dict[str, str] = {}
-
-    async def load_adapter(self, name: str, source: str) -> None:
-        self.sources[name] = source
-
-    async def unload_adapter(self, name: str) -> bool:
-        return self.sources.pop(name, None) is not None
-
-    def adapters(self) -> AdapterInfo:
-        return AdapterInfo(tuple(self.sources), tuple(self.sources))
-
-
 async def test_adapter_endpoints_without_multi_lora_answer_501(engine: AsyncLLM) -> None:
     client = await start_client(WithoutLoRA(engine), make_settings())
     try:
@@ -322,7 +289,7 @@ async def test_adapter_endpoints_without_multi_lora_answer_501(engine: AsyncLLM)
 
 async def test_loaded_adapters_are_listed_as_models_of_the_base_and_unloaded_by_name(engine: AsyncLLM) -> None:
     fake = FakeLoRA(engine)
-    client = await start_client(fake, make_settings())
+    client = await start_client(fake, make_settings(adapter_access=open_adapters("/a")))
     try:
         loaded = await client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/a/sql"})
         assert loaded.status == 200 and fake.sources == {"sql": "/a/sql"}

@@ -3,12 +3,23 @@ models, and the errors a client sees."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 from aiohttp.test_utils import TestClient
 
+from kvgate.engine.async_llm import AsyncLLM
 from tests.engine.peft_files import write_peft_dir
-from tests.engine_server.server_helpers import MODEL
+from tests.engine_server.server_helpers import MODEL, make_settings, open_adapters, start_client
+
+
+@pytest.fixture
+async def client(engine: AsyncLLM, tmp_path: Path) -> AsyncIterator[TestClient]:
+    """The suite's client with the test's tmp_path as the one adapter root."""
+    client = await start_client(engine, make_settings(adapter_access=open_adapters(tmp_path)))
+    yield client
+    await client.close()
 
 
 async def test_a_loaded_adapter_is_a_model_clients_can_use_until_it_is_unloaded(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -13,17 +14,20 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import openai
 import pytest
 
 from kvgate.engine.builtin import CACHE_DIR_ENV
+from kvgate.engine.server.adapter_access import ADMIN_TOKEN_ENV
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 from tests.services import free_loopback_port, kvgate_command
 from tests.engine.builtin_cache import shared_cache_dir, tiny_llama_dir
 from tests.engine.peft_files import write_peft_dir
 from tests.eventually import eventually, eventually_sync
+from tests.malformed_http import MALFORMED, SECRET, send_malformed
 
 MODEL = "builtin:tiny-llama"
 SERVED = "tiny-llama"  # a built-in is served under its registry name
@@ -54,13 +58,16 @@ class Replica:
         return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
 
 
-def start_replica(tmp_path: Path, *extra: str) -> Replica:
+def start_replica(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> Replica:
+    """`kvgate engine` on tiny-llama with `extra` arguments, in this environment without $KVGATE_ENGINE_ADMIN_TOKEN
+    and with `env` added; returns once /health answers 200."""
     tiny_llama_dir()  # built once, before the server looks for it
     port = free_loopback_port()
     log_path = tmp_path / f"engine-{port}.log"
     command = [*kvgate_command(), "engine", "--model", MODEL, "--port", str(port), "--kv-cache-bytes", "8MiB",
                "--cache-dir", str(shared_cache_dir()), *extra]
-    env = {**os.environ, CACHE_DIR_ENV: str(shared_cache_dir())}
+    env = {**{k: v for k, v in os.environ.items() if k != ADMIN_TOKEN_ENV}, CACHE_DIR_ENV: str(shared_cache_dir()),
+           **(env or {})}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     replica = Replica(process, f"http://127.0.0.1:{port}", log_path)
@@ -183,6 +190,20 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(replica: Replica) -> None:
     assert replica.metric("kvgate_engine_kv_blocks_free") == replica.metric("kvgate_engine_kv_blocks_total")
 
 
+async def test_fifty_malformed_requests_are_one_warning_per_kind_in_the_log_without_traceback_or_headers(
+        replica: Replica) -> None:
+    before = len(replica.log_path.read_text().splitlines())
+    statuses = await send_malformed("127.0.0.1", int(replica.url.rsplit(":", 1)[1]), 50)
+    assert all(status.endswith(b" 400 Bad Request") or status == b"" for status in statuses), statuses
+    await asyncio.sleep(0.2)  # the last line written
+    log = "\n".join(replica.log_path.read_text().splitlines()[before:])
+    lines = [line for line in log.splitlines() if "aiohttp.server" in line]
+    kinds = {line.partition("127.0.0.1: ")[2].split(",")[0] for line in lines}  # "LineTooLong", ...
+    assert len(lines) == len(kinds) <= len(MALFORMED), log  # where there was an ERROR traceback per request
+    assert all(" WARNING aiohttp.server: malformed HTTP request from 127.0.0.1: " in line for line in lines), log
+    assert "Traceback" not in log and SECRET not in log
+
+
 def replica_state(port: int) -> replica_pb2.ReplicaState:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         return replica_pb2_grpc.ReplicaStub(channel).GetState(replica_pb2.GetStateRequest(), timeout=5)
@@ -226,3 +247,63 @@ def test_bad_arguments_exit_2_and_an_unloadable_model_exits_1_without_tracebacks
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "cannot load model" in missing.stderr
     assert "Traceback" not in bad_args.stderr + missing.stderr
+
+
+# ------------------------------------------------------------------------ the adapter endpoints (admin)
+
+TOKEN = "engine-admin-s3cret"
+
+
+def post(replica: Replica, path: str, body: dict[str, Any], token: str | None = None) -> tuple[int, str, Any]:
+    """POST JSON; (status, body text, headers)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(replica.url + path, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode(), response.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(), exc.headers
+
+
+def test_beyond_loopback_the_adapter_endpoints_take_the_token_from_the_environment_and_only_roots(
+        tmp_path: Path) -> None:
+    root, started = tmp_path / "root", write_peft_dir(tmp_path / "started" / "sql")
+    chat = write_peft_dir(root / "chat")
+    replica = start_replica(tmp_path, "--host", "0.0.0.0", "--adapter", f"sql={started}", "--adapter-root", str(root),
+                            env={ADMIN_TOKEN_ENV: TOKEN})
+    try:
+        status, _, headers = post(replica, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(chat)})
+        assert (status, headers["WWW-Authenticate"]) == (401, "Bearer")
+        assert post(replica, "/v1/unload_lora_adapter", {"lora_name": "sql"})[0] == 401
+        assert post(replica, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(chat)}, TOKEN)[0] == 200
+        status, text, _ = post(replica, "/v1/load_lora_adapter",
+                               {"lora_name": "other", "lora_path": f"{root}/../started"}, TOKEN)
+        assert status == 403 and json.loads(text)["error"]["code"] == "adapter_source_not_allowed"
+        # An adapter the engine was started with may come back after an unload, though it is under no root.
+        assert post(replica, "/v1/unload_lora_adapter", {"lora_name": "sql"}, TOKEN)[0] == 200
+        assert post(replica, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(started)}, TOKEN)[0] == 200
+        assert [m.id for m in replica.openai().models.list()] == [SERVED, "chat", "sql"]
+        assert TOKEN not in Path(f"/proc/{replica.process.pid}/cmdline").read_text()  # nothing for `ps` to show
+        log = replica.log_path.read_text()
+        assert "adapter endpoints need the admin token" in log and TOKEN not in log
+    finally:
+        stop(replica)
+
+
+def test_beyond_loopback_without_a_token_the_adapter_endpoints_are_off_unless_opened_with_a_warning(
+        tmp_path: Path) -> None:
+    chat = write_peft_dir(tmp_path / "root" / "chat")
+    body = {"lora_name": "chat", "lora_path": str(chat)}
+    closed = start_replica(tmp_path, "--host", "0.0.0.0", "--adapter-root", str(tmp_path / "root"))
+    try:
+        status, text, _ = post(closed, "/v1/load_lora_adapter", body)
+        assert status == 403 and ADMIN_TOKEN_ENV in json.loads(text)["error"]["message"]
+    finally:
+        stop(closed)
+    opened = start_replica(tmp_path, "--host", "0.0.0.0", "--adapter-root", str(tmp_path / "root"),
+                           "--insecure-open-adapters")
+    try:
+        assert post(opened, "/v1/load_lora_adapter", body)[0] == 200
+        assert re.search(r"WARNING .*adapter endpoints are OPEN without a token", opened.log_path.read_text())
+    finally:
+        stop(opened)
