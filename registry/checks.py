@@ -17,9 +17,8 @@ from collections.abc import Iterable
 from kvgate.registry.problems import KeyPath, Problem
 from kvgate.registry.schema import BUILTIN_ADAPTERS, CapacityType, ModelDoc, Offer, PoolDoc
 from kvgate.registry.snapshot import LoadedDocument
+from kvgate.registry.tenant import ALL_MODELS
 from kvgate.registry.yamlsource import SourceDocument
-
-ALL_MODELS = "*"
 
 
 def cross_check(documents: list[LoadedDocument],
@@ -153,8 +152,8 @@ def _check_tenants(tenants: list[LoadedDocument], models: dict[str, LoadedDocume
                 problems.append(_at(tenant, ("spec", "models", index),
                                     f"no Model or Adapter named {name!r}; known: {', '.join(servable) or '(none)'}"
                                     f", or '*' for all"))
-        other = owner_of_key.setdefault(spec.api_key_sha256, tenant)
+        other = owner_of_key.setdefault(spec.api_key_hmac, tenant)
         if other is not tenant:
-            problems.append(_at(tenant, ("spec", "api_key_sha256"),
+            problems.append(_at(tenant, ("spec", "api_key_hmac"),
                                 f"the same API key hash as Tenant/{other.name}; a key must identify one tenant"))
     return problems

@@ -19,7 +19,10 @@ from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
+
+from kvgate.registry.strict import FieldProblem, Strict as _Strict
+from kvgate.registry.tenant import RateLimits, StoreOutage, TenantSpec
 
 API_VERSION = "kvgate/v1"
 # A GPU kind naming "no accelerator": CPU-only nodes (the local demo pool) offer it with 0 GPUs.
@@ -29,19 +32,6 @@ BUILTIN_MODELS = ("tiny-llama", "smollm2-135m")
 BUILTIN_ADAPTERS = MappingProxyType({"smollm2-demo-a": "smollm2-135m", "smollm2-demo-b": "smollm2-135m"})
 
 _NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-class FieldProblem(ValueError):
-    """A validator's complaint about one field of the model it validates, so errors point at that key."""
-
-    def __init__(self, field: str | tuple[str, ...], message: str) -> None:
-        super().__init__(message)
-        self.path: tuple[str, ...] = (field,) if isinstance(field, str) else field
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
 
 class Metadata(_Strict):
@@ -277,6 +267,38 @@ class Scaling(_Strict):
         return self
 
 
+# The max_tokens cap of a model that fronts servers the registry did not start (routing.static_replicas), whose
+# context length it does not know: 2^20 is above every completion a served model writes today (the longest,
+# 128k-200k tokens) and far below the 10^12 a client could otherwise reserve against a token budget.
+FRONTED_MAX_TOKENS_CAP = 1 << 20
+
+
+class RequestLimits(_Strict):
+    """Caps on what one request may ask for, checked at the gateway (400 naming the field) before any replica
+    sees the request. The defaults never refuse what the model's replicas would serve."""
+
+    max_tokens: int | None = Field(
+        default=None, ge=1,
+        description="Largest max_tokens or max_completion_tokens a request may ask for. Unset: "
+                    "engine.max_model_len_tokens for a model whose replicas kvgate starts (prompt and completion "
+                    "share that length, so its replicas refuse more anyway); 1048576 (2^20) for a model that "
+                    "fronts routing.static_replicas, whose real length the registry does not know.")
+    max_n: int = Field(
+        default=16, ge=1, le=128,
+        description="Largest n (choices per request; best_of too) a request may ask for. Each choice is a "
+                    "sequence of its own, so n multiplies what one request costs a replica: 16 serves best-of and "
+                    "voting clients while one request cannot fill a replica's batch (64 sequences by default); "
+                    "OpenAI's own limit, 128, is the most allowed. (kvgate engines serve n 1 only.)")
+    max_prompt_chars: int | None = Field(
+        default=None, ge=1,
+        description="Longest prompt in characters, counted as the gateway renders it for routing: each "
+                    "message's role and content plus 2, tool definitions and non-text parts (an image's data URL) "
+                    "as JSON; a completions prompt's text, or its token ids written 'id,' each. Characters, not "
+                    "tokens: exact and cheap for every backend, where tokens would be an estimate. Unset: no cap "
+                    "but the gateway's --max-body-bytes (no ratio of characters to tokens holds for every prompt, "
+                    "so none is guessed from engine.max_model_len_tokens).")
+
+
 class Placement(_Strict):
     pools: tuple[str, ...] = Field(default=(), description="Pools the model may use; empty means every pool.")
     allow_spot: bool = Field(default=False, description="May replicas run on spot capacity?")
@@ -328,17 +350,35 @@ class ModelSpec(_Strict):
     placement: Placement = Field(default_factory=Placement)
     slo: Slo = Field(default_factory=Slo)
     performance: Performance = Field(default_factory=Performance)
+    limits: RequestLimits = Field(default_factory=RequestLimits,
+                                  description="Caps on max_tokens, n and prompt size per request, refused with 400.")
 
     @field_validator("source")
     @classmethod
     def _source(cls, source: str) -> str:
         return _check_source(source, builtins=BUILTIN_MODELS, what="model")
 
+    @property
+    def max_tokens_cap(self) -> int:
+        """The max_tokens cap in force: `limits.max_tokens`, else its documented default."""
+        if self.limits.max_tokens is not None:
+            return self.limits.max_tokens
+        return FRONTED_MAX_TOKENS_CAP if self.routing.static_replicas else self.engine.max_model_len_tokens
+
     @model_validator(mode="after")
     def _base_within_max(self) -> ModelSpec:
         if self.placement.on_demand_base_replicas > self.scaling.max_replicas:
             raise FieldProblem(("placement", "on_demand_base_replicas"), f"placement.on_demand_base_replicas ({self.placement.on_demand_base_replicas}) "
                              f"exceeds scaling.max_replicas ({self.scaling.max_replicas})")
+        return self
+
+    @model_validator(mode="after")
+    def _max_tokens_within_length(self) -> ModelSpec:
+        cap, length = self.limits.max_tokens, self.engine.max_model_len_tokens
+        if cap is not None and cap > length and not self.routing.static_replicas:
+            raise FieldProblem(("limits", "max_tokens"), f"limits.max_tokens ({cap}) exceeds "
+                               f"engine.max_model_len_tokens ({length}), the longest prompt plus completion this "
+                               f"model's replicas serve; lower it, or leave it unset to cap at {length}")
         return self
 
 
@@ -477,31 +517,6 @@ class PoolSpec(_Strict):
                                "{preinstalled: /opt/kvgate/bin/kvgate} (on the image), {wheel_url: https://...whl} "
                                "or {index_url: https://pypi.internal/simple}; kvgate is not on PyPI")
         return self
-
-
-# --------------------------------------------------------------------------------------------- Tenant
-
-
-class RateLimits(_Strict):
-    requests_per_minute: float | None = Field(default=None, gt=0)
-    tokens_per_minute: float | None = Field(default=None, gt=0, description="Prompt plus completion tokens.")
-    max_concurrent_requests: int | None = Field(default=None, ge=1)
-
-
-class TenantSpec(_Strict):
-    api_key_sha256: str = Field(description="Hex SHA-256 of the tenant's API key; use ${ENV_VAR} to keep it out "
-                                            "of git. `printf %s KEY | sha256sum` computes it.")
-    models: tuple[str, ...] = Field(min_length=1, description="Models and adapters it may use; '*' means all.")
-    rate_limits: RateLimits = Field(default_factory=RateLimits)
-
-    @field_validator("api_key_sha256")
-    @classmethod
-    def _sha256(cls, value: str) -> str:
-        value = value.strip().lower()
-        if not _SHA256_HEX.fullmatch(value):
-            raise ValueError("is not a hex SHA-256 (64 hex digits); store the key's hash, never the key: "
-                             "`printf %s KEY | sha256sum`")
-        return value
 
 
 # ------------------------------------------------------------------------------------------ Documents

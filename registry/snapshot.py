@@ -108,7 +108,7 @@ class Snapshot:
             origins=MappingProxyType(origins),
             sensitive=frozenset(sensitive),
             _adapters_by_model=MappingProxyType({k: tuple(v) for k, v in adapters_by_model.items()}),
-            _tenants_by_key=MappingProxyType({t.spec.api_key_sha256: t for t in by_kind["Tenant"].values()}),
+            _tenants_by_key=MappingProxyType({t.spec.api_key_hmac: t for t in by_kind["Tenant"].values()}),
         )
 
     @classmethod
@@ -160,9 +160,10 @@ class Snapshot:
         """The adapters whose base is `model_name`, sorted by name (empty if none)."""
         return self._adapters_by_model.get(model_name, ())
 
-    def tenant_for_key_hash(self, api_key_sha256: str) -> TenantDoc | None:
-        """The tenant whose API key hashes to `api_key_sha256` (lower-case hex), or None."""
-        return self._tenants_by_key.get(api_key_sha256)
+    def tenant_for_key_hmac(self, api_key_hmac: str) -> TenantDoc | None:
+        """The tenant whose API key's HMAC (`registry.tenant.key_hmac`, lower-case hex) is `api_key_hmac`, or
+        None. A dict lookup, built once per snapshot."""
+        return self._tenants_by_key.get(api_key_hmac)
 
     def documents(self) -> Iterator[AnyDoc]:
         """Every document, by kind (Model, Adapter, Pool, Tenant) then name."""

@@ -41,7 +41,7 @@ apiVersion: kvgate/v1
 kind: Tenant
 metadata: {name: acme}
 spec:
-  api_key_sha256: "%s"
+  api_key_hmac: "%s"
   models: [tiny]
 """
 KEY_A = "a" * 64

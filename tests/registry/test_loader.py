@@ -58,7 +58,7 @@ def test_one_run_lists_every_mistake_with_file_and_line(write_registry) -> None:
         "string as an integer; got 'sixteen'",
         f"{models}:9: Model/m1: spec.scaling.min_replicas: min_replicas (5) is greater than max_replicas (2)",
         f"{models}:11: Model/m1: spec.colour: unknown field 'colour'; allowed fields: source, description, "
-        "resources, engine, routing, scaling, placement, slo, performance",
+        "resources, engine, routing, scaling, placement, slo, performance, limits",
     ]
 
 
@@ -177,3 +177,11 @@ def test_missing_and_empty_directories_are_reported(tmp_path: Path) -> None:
 def test_a_single_file_is_a_registry_too(write_registry) -> None:
     root = write_registry({"all.yaml": POOL + "---\n" + MODEL})
     assert load_registry(root / "all.yaml", {}).model("tiny")
+
+
+def test_a_request_cap_the_replicas_cannot_serve_points_at_its_line(write_registry) -> None:
+    root = write_registry({"a.yaml": POOL + "---\n" + MODEL + "  limits:\n    max_tokens: 100000\n"})
+    assert problems_of(root) == [
+        f"{root}/a.yaml:15: Model/tiny: spec.limits.max_tokens: limits.max_tokens (100000) exceeds "
+        "engine.max_model_len_tokens (2048), the longest prompt plus completion this model's replicas serve; "
+        "lower it, or leave it unset to cap at 2048"]

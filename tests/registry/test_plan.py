@@ -11,7 +11,7 @@ TENANT = """
 apiVersion: kvgate/v1
 kind: Tenant
 metadata: {name: acme}
-spec: {api_key_sha256: "${ACME_KEY}", models: [tiny]}
+spec: {api_key_hmac: "${ACME_KEY}", models: [tiny]}
 """
 
 
@@ -57,10 +57,10 @@ def test_values_from_the_environment_are_never_printed(write_registry) -> None:
     new = load_registry(write_registry(files), {"ACME_KEY": "2" * 64})
     result = plan(old, new)
     text = render(result) + str(to_json(result))
-    assert "spec.api_key_sha256: (sensitive) changed" in text
+    assert "spec.api_key_hmac: (sensitive) changed" in text
     assert "1" * 64 not in text and "2" * 64 not in text
     first = render(plan(Snapshot.empty(), new))
-    assert "+ spec.api_key_sha256 = (sensitive)" in first and "2" * 64 not in first
+    assert "+ spec.api_key_hmac = (sensitive)" in first and "2" * 64 not in first
 
 
 def test_json_plan_summary(write_registry) -> None:

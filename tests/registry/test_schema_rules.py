@@ -87,10 +87,33 @@ def test_an_aws_pool_says_where_its_nodes_get_kvgate() -> None:
         assert PoolSpec.model_validate({**aws, "aws": {"install": install}}).aws.install is not None
 
 
-def test_tenant_key_hash_is_64_hex_digits_and_normalised() -> None:
-    assert "never the key" in error_of(TenantSpec, {"api_key_sha256": "sk-live-123", "models": ["*"]})
-    spec = TenantSpec.model_validate({"api_key_sha256": "AB" * 32, "models": ["*"]})
-    assert spec.api_key_sha256 == "ab" * 32
+def test_tenant_key_hmac_is_64_hex_digits_and_normalised() -> None:
+    assert "never the key" in error_of(TenantSpec, {"api_key_hmac": "sk-live-123", "models": ["*"]})
+    spec = TenantSpec.model_validate({"api_key_hmac": "AB" * 32, "models": ["*"]})
+    assert spec.api_key_hmac == "ab" * 32
+
+
+def test_an_unsalted_sha256_key_hash_is_refused_with_how_to_migrate() -> None:
+    message = error_of(TenantSpec, {"api_key_sha256": "ab" * 32, "models": ["*"]})
+    assert "unsalted SHA-256 key hashes are no longer accepted" in message
+    assert "kvgate keys hash --tenant NAME" in message and "KVGATE_KEY_SECRET" in message
+
+
+@pytest.mark.parametrize("field", ["requests_per_minute", "tokens_per_minute"])
+@pytest.mark.parametrize("value", [0.5, 0, -3])
+def test_a_per_minute_limit_under_1_is_refused_as_one_that_could_never_admit_anything(field: str,
+                                                                                     value: float) -> None:
+    message = error_of(TenantSpec, {"api_key_hmac": "ab" * 32, "models": ["*"], "rate_limits": {field: value}})
+    assert f"is {value:g} per minute; a limit under 1 could never admit anything" in message
+    spec = TenantSpec.model_validate({"api_key_hmac": "ab" * 32, "models": ["*"], "rate_limits": {field: 1}})
+    assert getattr(spec.rate_limits, field) == 1
+
+
+def test_a_tenant_may_use_only_the_names_it_lists() -> None:
+    spec = TenantSpec.model_validate({"api_key_hmac": "ab" * 32, "models": ["tiny", "helper"]})
+    assert spec.allows("tiny") and spec.allows("helper")
+    assert not spec.allows("tiny-other") and not spec.allows("*")
+    assert TenantSpec.model_validate({"api_key_hmac": "ab" * 32, "models": ["*"]}).allows("anything")
 
 
 def test_snapshot_values_are_frozen() -> None:
@@ -98,3 +121,33 @@ def test_snapshot_values_are_frozen() -> None:
     with pytest.raises(ValidationError):
         spec.source = "/other"  # type: ignore[misc]
     assert isinstance(spec.routing.static_replicas, tuple)
+
+
+STATIC = {"static_replicas": [{"url": "http://10.0.0.5:8000", "backend": "vllm"}]}
+
+
+def test_request_caps_default_to_what_the_replicas_would_serve() -> None:
+    """Unset, max_tokens is capped at the engine's length where kvgate starts the replicas, and at 2^20 where
+    the model fronts servers whose length the registry does not know; n at 16; prompts by the body limit only."""
+    started = ModelSpec.model_validate({"source": "/m", "engine": {"max_model_len_tokens": 4096}})
+    fronted = ModelSpec.model_validate({"source": "/m", "routing": STATIC})
+    assert (started.max_tokens_cap, fronted.max_tokens_cap) == (4096, 1 << 20)
+    assert (started.limits.max_n, started.limits.max_prompt_chars) == (16, None)
+    capped = ModelSpec.model_validate({"source": "/m", "limits": {"max_tokens": 512, "max_n": 2,
+                                                                  "max_prompt_chars": 10_000}})
+    assert (capped.max_tokens_cap, capped.limits.max_n, capped.limits.max_prompt_chars) == (512, 2, 10_000)
+
+
+def test_a_max_tokens_cap_above_the_engines_length_is_refused_unless_the_model_fronts_other_servers() -> None:
+    message = error_of(ModelSpec, {"source": "/m", "limits": {"max_tokens": 4096}})
+    assert "limits.max_tokens (4096) exceeds engine.max_model_len_tokens (2048)" in message
+    assert "leave it unset to cap at 2048" in message
+    fronted = ModelSpec.model_validate({"source": "/m", "routing": STATIC, "limits": {"max_tokens": 200_000}})
+    assert fronted.max_tokens_cap == 200_000
+
+
+@pytest.mark.parametrize("limits, field", [({"max_tokens": 0}, "max_tokens"), ({"max_n": 0}, "max_n"),
+                                           ({"max_n": 129}, "max_n"), ({"max_prompt_chars": 0}, "max_prompt_chars"),
+                                           ({"max_prompt_tokens": 5}, "max_prompt_tokens")])
+def test_request_caps_out_of_range_or_unknown_are_refused(limits: dict, field: str) -> None:
+    assert f"limits.{field}" in error_of(ModelSpec, {"source": "/m", "limits": limits})

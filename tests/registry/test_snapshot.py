@@ -58,16 +58,16 @@ def test_unknown_names_raise_listing_what_exists(write_registry) -> None:
         snapshot.pool("gpus")
 
 
-def test_tenant_lookup_by_key_hash(write_registry) -> None:
+def test_tenant_lookup_by_key_hmac(write_registry) -> None:
     tenant = f"""
 apiVersion: kvgate/v1
 kind: Tenant
 metadata: {{name: acme}}
-spec: {{api_key_sha256: "{'c' * 64}", models: ['*']}}
+spec: {{api_key_hmac: "{'c' * 64}", models: ['*']}}
 """
     snapshot = load_registry(write_registry({"all.yaml": "---\n".join([POOL, MODEL, tenant])}), {})
-    assert snapshot.tenant_for_key_hash("c" * 64).metadata.name == "acme"
-    assert snapshot.tenant_for_key_hash("d" * 64) is None
+    assert snapshot.tenant_for_key_hmac("c" * 64).metadata.name == "acme"
+    assert snapshot.tenant_for_key_hmac("d" * 64) is None
 
 
 def test_origins_point_at_each_document(write_registry) -> None:
