@@ -250,9 +250,10 @@ class Autoscaler:
         """One observe -> decide -> actuate round. Never raises for store or provider trouble."""
         try:
             held = await self._store.acquire_lease(LEASE_NAME, self.holder, self.settings.lease_ttl_s)
-        except StateStoreError as exc:  # one line a tick, no traceback: Redis may start after this process
-            self._store_outage.failed(self._clock.now())
-            log.warning("%s; acting as standby this tick, next try in %g s", exc, self.settings.interval_s)
+        except StateStoreError as exc:  # a line a minute at most, no traceback: Redis may start after this process
+            note = self._store_outage.failed(self._clock.now())
+            if note is not None:
+                log.warning("%s; acting as standby this tick, next try in %g s%s", exc, self.settings.interval_s, note)
             return TickReport(leader=False, error=str(exc))
         recovered = self._store_outage.recovered(self._clock.now())
         if recovered is not None:

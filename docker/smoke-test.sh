@@ -85,7 +85,7 @@ completion=$(curl -fs http://127.0.0.1:18080/v1/completions -H 'Content-Type: ap
 [[ $completion == *'"completion_tokens":8'* ]] || die "completion through the gateway: $completion"
 chat=$(curl -fs -D "$work/headers" http://127.0.0.1:18080/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}')
-if [[ $chat != *'"chat.completion"'* ]] || ! grep -qi '^x-kvgate-replica: http://127.0.0.1:18000' "$work/headers"; then
+if [[ $chat != *'"chat.completion"'* ]] || ! grep -qi '^x-kvgate-replica: tiny-llama-static-0' "$work/headers"; then
     die "chat completion through the gateway: $chat"
 fi
 status=$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:18080/v1/completions \

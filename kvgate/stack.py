@@ -1,6 +1,10 @@
 """`kvgate up`: the whole stack on one box, in one process and one event loop.
 
-    kvgate up [--registry examples/registry] [--host 127.0.0.1] [--port 8080] [--cache-dir DIR]
+    kvgate up [--registry examples/registry] [--host 127.0.0.1] [--port 8080] [--cache-dir DIR] [--insecure-open-admin]
+
+The gateway's /admin/* and /metrics take their tokens from $KVGATE_ADMIN_TOKEN and $KVGATE_METRICS_TOKEN; without
+an admin token `kvgate up` starts only on a loopback --host, or with --insecure-open-admin
+(router/operator_access.py), and exits 2 otherwise before anything starts.
 
 The composition root (DESIGN.md: it may import everything). In order:
 
@@ -74,7 +78,10 @@ class UpSettings:
     cache_dir: Path | None = None  # builtin model files; None: $KVGATE_CACHE_DIR, else ~/.cache/kvgate
     interval_s: float = 1.0  # autoscaler tick
     drain_timeout_s: float = 10.0  # on stop: how long in-flight requests may take to finish
-    admin_token: str | None = None  # protects /admin/* and the dashboard when set
+    # Out of repr, so a settings object in a log line shows no token (router/operator_access.py).
+    admin_token: str | None = field(default=None, repr=False)  # protects /admin/*, the dashboard and /metrics
+    metrics_token: str | None = field(default=None, repr=False)  # opens /metrics (for Prometheus) when set
+    usage_log: Path | None = None  # the gateway's usage log (router/usage_log.py); None: none
 
 
 # ------------------------------------------------------------------------------------ pure decisions
@@ -224,18 +231,27 @@ async def _open_registry(path: Path, clock: Clock) -> RegistryWatcher | None:
 
 async def _open_gateway(settings: UpSettings, watcher: RegistryWatcher, store: MemoryStateStore,
                         clock: Clock) -> web.AppRunner | None:
-    """The gateway, listening on --host/--port; None after printing why it cannot listen (cleaned up)."""
+    """The gateway, listening on --host/--port; None after printing why it cannot listen, or cannot check the
+    registry's API keys (cleaned up)."""
     from kvgate.router.app import GatewaySettings, build_app, gateway_runner
     from kvgate.router.replicas import ReplicaTracker, TrackerSettings  # grpc: imported only when serving
+    from kvgate.router.tenants import KeySecretMissing, key_secret_for
 
+    try:
+        key_secret = key_secret_for(watcher.current, os.environ)
+    except KeySecretMissing as exc:
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return None
     tracker = ReplicaTracker(clock=clock, store=store, settings=TrackerSettings(poll_interval_s=_PROGRESS_POLL_S))
-    gateway = GatewaySettings(admin_token=settings.admin_token, gateway_id="kvgate-up")
+    gateway = GatewaySettings(admin_token=settings.admin_token, metrics_token=settings.metrics_token,
+                              gateway_id="kvgate-up", key_secret=key_secret,
+                              usage_log_path=str(settings.usage_log) if settings.usage_log else None)
     runner = gateway_runner(build_app(gateway, tracker, watcher, clock, store),
                             shutdown_timeout_s=settings.drain_timeout_s)
-    await runner.setup()
     try:
+        await runner.setup()  # OSError: the usage log cannot be opened
         await _listen(runner, settings.host, settings.port)
-    except StackError as exc:
+    except (StackError, OSError) as exc:
         await runner.cleanup()
         print(f"kvgate up: {exc}", file=sys.stderr)
         return None
@@ -404,22 +420,34 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between autoscaler ticks (default: %(default)s)")
     parser.add_argument("--drain-timeout-s", type=positive_float, default=10.0,
                         help="on stop, how long in-flight requests may finish (default: %(default)s)")
-    parser.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
-                        help="token for /admin/* and the dashboard (default: $KVGATE_ADMIN_TOKEN; unset: open)")
+    parser.add_argument("--usage-log", type=Path, default=None, metavar="PATH",
+                        help="append one JSON line per finished inference request (tenant, model, outcome, tokens) "
+                             "to PATH, for billing; rotate by renaming the file (default: none)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    from kvgate.router.operator_access import add_access_arguments  # aiohttp: imported when used
+
+    add_access_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from kvgate.router.operator_access import log_notices, plan_from_args, refused_to_start
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    access = plan_from_args(args, os.environ)
+    if refused_to_start(access, parser.prog):  # before anything starts
+        return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    log_notices(access, log)
     if args.log_level != "DEBUG":
         # The gateway retries a starting engine's state stream (each refusal a warning) until the model has
         # loaded: noise here, where the progress lines and the autoscaler's events say how replicas are.
         logging.getLogger("kvgate.router.load_readers").setLevel(logging.ERROR)
     settings = UpSettings(registry=args.registry, host=args.host, port=args.port, cache_dir=args.cache_dir,
                           interval_s=args.interval_s, drain_timeout_s=args.drain_timeout_s,
-                          admin_token=args.admin_token or None)
+                          admin_token=access.admin_token, metrics_token=access.metrics_token,
+                          usage_log=args.usage_log)
     try:
         import uvloop
     except ImportError:  # a dependency; fall back rather than refuse to start

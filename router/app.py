@@ -21,19 +21,26 @@ from typing import Protocol
 from aiohttp import web
 
 from kvgate.clock import Clock
+from kvgate.server_log import MalformedRequestLog
 from kvgate.state.base import StateStore
 from kvgate.registry.snapshot import Snapshot
 from kvgate.router.dashboard import Dashboard, gauge_values
 from kvgate.router.handlers import error_middleware, install_routes
 from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
-                         REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY, Drain, GatewaySettings)
+                         LIMITER_KEY, METER_KEY, REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY, TRACKER_KEY,
+                         Drain, GatewaySettings)
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.observations import ObservationPublisher
+from kvgate.router.operator_access import operator_auth
 from kvgate.router.common_openings import CommonOpenings
 from kvgate.router.proxy import Proxy
 from kvgate.router.replicas import ReplicaTracker
 from kvgate.router.queueing import WaitQueues
+from kvgate.router.admission import TenantLimiter
+from kvgate.router.tenants import TenantAccess
 from kvgate.router.upstream import UpstreamPool
+from kvgate.router.usage import UsageMeter
+from kvgate.router.usage_log import UsageLog
 
 __all__ = ["GatewaySettings", "SnapshotSource", "build_app"]
 
@@ -57,9 +64,11 @@ class StaticSnapshot:
 def gateway_runner(app: web.Application, shutdown_timeout_s: float) -> web.AppRunner:
     """How every gateway is served: a client that goes away cancels its handler (and so its upstream
     request), no access log (the metrics count every answer), and idle client connections closed after the
-    settings' `keepalive_timeout_s`."""
+    settings' `keepalive_timeout_s`. A request that does not parse is one WARNING line per kind per minute, never
+    a traceback quoting its headers (`kvgate.server_log`)."""
     return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s,
-                         keepalive_timeout=app[SETTINGS_KEY].keepalive_timeout_s)
+                         keepalive_timeout=app[SETTINGS_KEY].keepalive_timeout_s,
+                         logger=MalformedRequestLog(logging.getLogger("aiohttp.server"), app[CLOCK_KEY].now))
 
 
 def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: SnapshotSource, clock: Clock,
@@ -68,7 +77,9 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
     the dashboard's sampler). `store`, when given, is where the dashboard reads the autoscaler's
     status record and replica placement (the tracker reads membership from its own), and where the
     gateway publishes its per-model observations for the autoscaler (`router.observations`)."""
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    # error_middleware outermost: it renders and counts every refusal, operator_auth's 401s included.
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[
+        error_middleware, operator_auth(settings.admin_token, settings.metrics_token)])
     metrics = RouterMetrics()
     app[SETTINGS_KEY] = settings
     app[TRACKER_KEY] = tracker
@@ -80,11 +91,16 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
     app[SEQUENCE_KEY] = collections.Counter()
     app[OPENINGS_KEY] = CommonOpenings()
     app[DRAIN_KEY] = Drain()
+    app[TENANTS_KEY] = TenantAccess(settings.key_secret)
+    app[LIMITER_KEY] = TenantLimiter(store, clock)
+    app[METER_KEY] = UsageMeter(metrics, clock)
     app[DASHBOARD_KEY] = Dashboard(metrics=metrics, queues=app[QUEUES_KEY], clock=clock, ready_count=tracker.num_ready,
                                    model_names=lambda: registry.current.models, store=store,
                                    sample_interval_s=settings.dashboard_sample_interval_s,
                                    history_s=settings.dashboard_history_s)
     app.cleanup_ctx.append(_resources)
+    if settings.usage_log_path is not None:
+        app.cleanup_ctx.append(_usage_log)
     app.cleanup_ctx.append(_background("kvgate-dashboard-sampler", lambda app: app[DASHBOARD_KEY].run_sampler()))
     app.cleanup_ctx.append(_background("kvgate-retire-replicas", _retire_gone_replicas))
     if store is not None:
@@ -99,23 +115,15 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
     return app
 
 
-def warn_of_unenforced_tenants(snapshot: Snapshot) -> None:
-    """Tenant documents validate, but this gateway does not check API keys or apply rate limits yet: say so
-    wherever a registry declaring them is loaded, rather than let an operator believe the keys are checked."""
-    if snapshot.tenants:
-        log.warning("the registry declares %d Tenant(s) (%s), but this gateway does not check API keys or apply "
-                    "rate limits yet: every client may use every model. Keep it behind an authenticating proxy.",
-                    len(snapshot.tenants), ", ".join(sorted(snapshot.tenants)))
-
-
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     tracker, registry = app[TRACKER_KEY], app[REGISTRY_KEY]
     upstream = UpstreamPool()
     app[PROXY_KEY] = Proxy(tracker, upstream, app[METRICS_KEY], app[CLOCK_KEY], app[QUEUES_KEY])
     await tracker.start(registry.current)
-    warn_of_unenforced_tenants(registry.current)
+    tenants = app[TENANTS_KEY]
+    tenants.note_registry(registry.current)
     subscribe: Callable[..., Callable[[], None]] | None = getattr(registry, "subscribe", None)
-    unsubscribe = [subscribe(tracker.update_registry), subscribe(warn_of_unenforced_tenants)] if subscribe else []
+    unsubscribe = [subscribe(tracker.update_registry), subscribe(tenants.note_registry)] if subscribe else []
     try:
         yield
     finally:
@@ -123,6 +131,20 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
             stop()
         await tracker.close()
         await upstream.close()
+
+
+async def _usage_log(app: web.Application) -> AsyncIterator[None]:
+    """The usage log, open while the app runs; at cleanup, after the requests in flight ended (the cleanup_ctx
+    entries after this one close first), what it still holds is written out. Raises OSError at start when the
+    file cannot be opened."""
+    meter, metrics = app[METER_KEY], app[METRICS_KEY]
+    meter.usage_log = UsageLog(app[SETTINGS_KEY].usage_log_path, app[CLOCK_KEY].now,
+                               on_dropped=metrics.usage_records_dropped.inc)
+    try:
+        yield
+    finally:
+        await meter.close()
+        meter.usage_log = None
 
 
 def _background(name: str, run: Callable[[web.Application], Awaitable[None]]

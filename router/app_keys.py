@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -14,6 +14,9 @@ from kvgate.router.common_openings import CommonOpenings
 from kvgate.router.proxy import Proxy
 from kvgate.router.replicas import ReplicaTracker
 from kvgate.router.queueing import WaitQueues
+from kvgate.router.admission import Admitted, TenantLimiter
+from kvgate.router.tenants import TenantAccess
+from kvgate.router.usage import UsageMeter
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,13 @@ class GatewaySettings:
     max_body_bytes: int = 8 * 1024 * 1024  # a request body over this gets 413
     body_timeout_s: float = 60.0  # a request body not all read this long after its headers gets 408
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this (aiohttp's default: 3,630)
-    admin_token: str | None = None  # when set, /admin/* needs `Authorization: Bearer <token>`
+    # When set, /admin/* needs `Authorization: Bearer <admin_token>`, and /metrics that or the metrics token
+    # (`router.operator_access`). Out of repr: a settings object in a log line or traceback shows no token.
+    admin_token: str | None = field(default=None, repr=False)
+    metrics_token: str | None = field(default=None, repr=False)  # when set, /metrics needs it (or the admin token)
+    # The server secret API keys are hashed with (`registry.tenant`, $KVGATE_KEY_SECRET); None: no key can be
+    # checked, so a registry declaring tenants gets every request refused (router.main refuses to start so).
+    key_secret: bytes | None = field(default=None, repr=False)
     default_queue_wait_s: float = 30.0  # wait at zero replicas when the model sets no max_queue_wait_s
     dashboard_sample_interval_s: float = 2.0  # one history sample per this many seconds ...
     dashboard_history_s: float = 600.0  # ... kept for this long (the dashboard's charts)
@@ -32,6 +41,9 @@ class GatewaySettings:
     # The per-replica series of a replica that left (`kvgate_router_requests`, /admin/stats outcomes) are
     # dropped this long after, so that replicas coming and going do not grow /metrics without end.
     retire_replica_series_after_s: float = 600.0
+    # Where each finished inference request is appended as one JSON line for billing (`router.usage_log`);
+    # None: no usage log (the per-tenant counts are still in /metrics and /admin/stats).
+    usage_log_path: str | None = None
 
 
 @dataclass
@@ -55,3 +67,7 @@ DASHBOARD_KEY = web.AppKey("kvgate_dashboard", Dashboard)
 DRAIN_KEY = web.AppKey("kvgate_drain", Drain)
 REQUEST_ID_KEY = web.RequestKey("kvgate_request_id", str)  # an inference request's REQUEST_ID_HEADER
 OPENINGS_KEY = web.AppKey("kvgate_common_openings", CommonOpenings)  # per model: what nearly every request opens with
+TENANTS_KEY = web.AppKey("kvgate_tenants", TenantAccess)  # API keys -> tenants (`router.tenants`)
+LIMITER_KEY = web.AppKey("kvgate_tenant_limits", TenantLimiter)  # tenants' rate limits (`router.admission`)
+METER_KEY = web.AppKey("kvgate_usage_meter", UsageMeter)  # per-tenant usage (`router.usage`)
+ADMITTED_KEY = web.RequestKey("kvgate_admitted", Admitted)  # an inference request's admission: its x-ratelimit-*

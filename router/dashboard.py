@@ -33,6 +33,7 @@ from importlib import resources
 from typing import Any
 
 from kvgate.clock import Clock
+from kvgate.log_limit import LogLimiter
 from kvgate.state.base import StateStore, StateStoreError
 from kvgate.state.records import MALFORMED, AutoscalerStatus, read_status
 from kvgate.state.schema import SkippedRecords
@@ -326,6 +327,7 @@ class Dashboard:
         self.clock = clock
         self.store = store
         self._skipped = SkippedRecords(log)  # a status record of a newer release: said once
+        self._read_errors = LogLimiter()  # a broken record or an unexpected error: a line a minute per kind
         self.window_s = window_s
         self._ready_count = ready_count
         self._model_names = model_names
@@ -368,7 +370,9 @@ class Dashboard:
             log.debug("reading the autoscaler status failed: %s", exc)
             return None
         except MALFORMED as exc:  # a broken record: the page says "no autoscaler"
-            log.warning("the autoscaler status record does not parse: %r", exc)
+            verdict = self._read_errors.hit("status", self.clock.now())
+            if verdict is not None:
+                log.warning("the autoscaler status record does not parse: %r%s", exc, verdict.note)
             return None
 
     async def placement(self) -> dict[str, tuple[str | None, str | None]]:
@@ -380,8 +384,11 @@ class Dashboard:
         except StateStoreError as exc:  # logged by the membership poll, as above
             log.debug("reading membership for the dashboard failed: %s", exc)
             return {}
-        except Exception:
-            log.warning("reading membership for the dashboard failed", exc_info=True)
+        except Exception as exc:
+            verdict = self._read_errors.hit(type(exc), self.clock.now())
+            if verdict is not None:  # the traceback once: the same bug's again would say nothing new
+                log.warning("reading membership for the dashboard failed: %r%s", exc, verdict.note,
+                            exc_info=verdict.first)
             return {}
         return {m.replica_id: (m.pool, m.node_id) for m in members}
 

@@ -7,7 +7,6 @@ bad input is never a 500.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -18,16 +17,21 @@ from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_urldispatcher import _default_expect_handler  # the 100 Continue itself; stable since aiohttp 2
 
 from kvgate.openai_wire import ApiError, BodyWording, bad_request, error_response, parse_json_body
-from kvgate.registry.schema import RoutingPolicy
+from kvgate.registry.schema import RoutingPolicy, TenantDoc
 from kvgate.registry.snapshot import Snapshot, UnknownName
 from kvgate.router.errors import model_not_found, no_capacity
 from kvgate.router.features import build_route_request
+from kvgate.router.membership import public_url
 from kvgate.router.dashboard import dashboard_page
 from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
-                         REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TRACKER_KEY)
+                         REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY,
+                         TRACKER_KEY, ADMITTED_KEY, LIMITER_KEY, METER_KEY)
 from kvgate.router.policies import RoutingKnobs
 from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
-from kvgate.router.proxy import REQUEST_ID_HEADER, ProxyRequest
+from kvgate.router.proxy import REQUEST_ID_HEADER, TOKENS_USED_KEY, ProxyRequest
+from kvgate.router.refusals import NO_MODEL, REFUSAL_MODEL_KEY, refusal_labels
+from kvgate.router.request_caps import check_prompt_size, check_sampling_caps, completion_budget
+from kvgate.router.tenants import visible_names
 from kvgate.router.upstream import header_safe
 
 log = logging.getLogger("kvgate.router")
@@ -50,16 +54,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as exc:
-        return error_response(exc)
+        return refuse(request, exc)
     except web.HTTPException as exc:  # unknown path, wrong method: still an OpenAI error object
         if exc.status < 400:
             raise
-        return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
-                                           type="NotFoundError" if exc.status == 404 else "BadRequestError"))
+        return refuse(request, ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+                                        type="NotFoundError" if exc.status == 404 else "BadRequestError"))
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
-        return error_response(ApiError(500, "internal gateway error; see the gateway's log",
-                                           type="InternalServerError", code="internal_error"))
+        return refuse(request, ApiError(500, "internal gateway error; see the gateway's log",
+                                        type="InternalServerError", code="internal_error"))
+
+
+def refuse(request: web.Request, error: ApiError) -> web.Response:
+    """The gateway's own error answer, counted in `kvgate_router_refused_requests_total` (`router.refusals`)."""
+    model = request.get(REFUSAL_MODEL_KEY, NO_MODEL)
+    request.app[METRICS_KEY].refused_requests.labels(*refusal_labels(error, model)).inc()
+    return error_response(error)
 
 
 async def tag_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -67,6 +78,9 @@ async def tag_request_id(request: web.Request, response: web.StreamResponse) -> 
     carries its request id."""
     if REQUEST_ID_KEY in request:
         response.headers.setdefault(REQUEST_ID_HEADER, request[REQUEST_ID_KEY])
+    if ADMITTED_KEY in request:  # a tenant's answer: what is left of its limits, as OpenAI's answers say
+        for name, value in request[ADMITTED_KEY].headers.items():
+            response.headers.setdefault(name, value)
 
 
 def install_routes(app: web.Application) -> None:
@@ -101,7 +115,7 @@ async def expect_within_limit(request: web.Request) -> web.StreamResponse | None
     sends it, instead of a 100 Continue; anything else as aiohttp answers it."""
     refused = _declared_too_large(request)
     if refused is not None:
-        return error_response(refused)
+        return refuse(request, refused)
     return await _default_expect_handler(request)
 
 
@@ -219,15 +233,20 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
     request_id = request[REQUEST_ID_KEY] = _request_id(request)
     clock = app[CLOCK_KEY]
     arrived_at = clock.now()
+    snapshot = _snapshot(request)
+    tenant = _authenticate(request, snapshot)  # before reading the body: a stranger costs no parsing
     raw, body = await _read_json(request)
     name = await _off_loop(len(raw), validate_inference_body, body, chat)
-    snapshot = _snapshot(request)
     try:
+        if tenant is not None and not tenant.spec.allows(name):  # answered as if it did not exist
+            raise UnknownName("model or adapter", name, [])
         resolved = snapshot.resolve(name)
     except UnknownName:
-        raise model_not_found(name, snapshot.served_names()) from None
+        raise model_not_found(name, visible_names(snapshot, tenant)) from None
     model_doc, adapter = resolved.model, resolved.adapter
     model = model_doc.metadata.name
+    request[REFUSAL_MODEL_KEY] = model
+    check_sampling_caps(body, model, model_doc.spec)  # before any tokenizing: a refusal costs the least
     routing = model_doc.spec.routing
     sequence = app[SEQUENCE_KEY]
     sequence[model] += 1
@@ -245,6 +264,11 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
         raise bad_request(str(exc)) from exc
     except RecursionError as exc:  # parsed, but too deep to render (the parser's reach is a little deeper)
         raise bad_request("the request body is nested too deeply", code="invalid_json") from exc
+    check_prompt_size(route.num_prompt_chars, model, model_doc.spec, chat)
+    if tenant is not None:  # last of the checks: a request refused for anything else takes nothing
+        completion_tokens = completion_budget(body, model_doc.spec.max_tokens_cap)
+        request[ADMITTED_KEY] = await app[LIMITER_KEY].admit(tenant, route.estimated_prompt_tokens,
+                                                             completion_tokens)
     route = app[OPENINGS_KEY].stamp(route, routing.policy)
     app[DASHBOARD_KEY].note_request(model, route.estimated_prompt_tokens)
     queue_wait_s = model_doc.spec.scaling.max_queue_wait_s or app[SETTINGS_KEY].default_queue_wait_s
@@ -254,33 +278,54 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
                         routing=routing, queue_wait_s=queue_wait_s, arrived_at=arrived_at, request_id=request_id)
     in_flight = app[METRICS_KEY].in_flight.labels(model)
     in_flight.inc()
+    response = None
     try:
-        return await app[PROXY_KEY].forward(request, preq)
+        with app[METER_KEY].metering(tenant, name, request_id) as metered:  # its usage, however it ends
+            response = metered.response = await app[PROXY_KEY].forward(request, preq)
+        return response
     finally:
         in_flight.dec()
+        if ADMITTED_KEY in request:  # settled with the answer's usage, where it reported one
+            used = response.get(TOKENS_USED_KEY) if response is not None else None
+            await app[LIMITER_KEY].release(request[ADMITTED_KEY], used)
 
 
 # ------------------------------------------------------------------------------------ the rest
 
 
+def _authenticate(request: web.Request, snapshot: Snapshot) -> TenantDoc | None:
+    """The request's tenant (`router.tenants`); None on an open gateway. Raises ApiError 401."""
+    return request.app[TENANTS_KEY].authenticate(snapshot, request.headers.get("Authorization", ""))
+
+
 async def list_models(request: web.Request) -> web.Response:
-    """Every servable name, OpenAI's list shape; an adapter's `parent` is its base model."""
+    """Every name the caller may use, OpenAI's list shape; an adapter's `parent` is its base model."""
     snapshot = _snapshot(request)
+    tenant = _authenticate(request, snapshot)
     created = int(request.app[CLOCK_KEY].wall())
+    shown = set(visible_names(snapshot, tenant))
     data = [{"id": name, "object": "model", "created": created, "owned_by": "kvgate", "root": name, "parent": None}
-            for name in sorted(snapshot.models)]
+            for name in sorted(snapshot.models) if name in shown]
+    # An adapter's base model is named only to a caller who may see it: listing an adapter must not reveal it.
     data += [{"id": name, "object": "model", "created": created, "owned_by": "kvgate", "root": name,
-              "parent": doc.spec.base_model} for name, doc in sorted(snapshot.adapters.items())]
+              "parent": doc.spec.base_model if doc.spec.base_model in shown else None}
+             for name, doc in sorted(snapshot.adapters.items()) if name in shown]
     return web.json_response({"object": "list", "data": data})
 
 
 async def health(request: web.Request) -> web.Response:
+    """Open to all (load balancers, probes). Ready replicas per model on an open gateway; once tenants are
+    declared only their total, since a model's name is for the tenants that may use it."""
     snapshot = _snapshot(request)
     tracker = request.app[TRACKER_KEY]
     ready = {name: tracker.num_ready(name) for name in sorted(snapshot.models)}
     draining = request.app[DRAIN_KEY].draining
-    return web.json_response({"status": "draining" if draining else "ok", "registry_version": snapshot.version,
-                              "num_ready": ready}, status=503 if draining else 200)
+    body: dict[str, object] = {"status": "draining" if draining else "ok", "registry_version": snapshot.version}
+    if snapshot.tenants:
+        body["num_ready_total"] = sum(ready.values())
+    else:
+        body["num_ready"] = ready
+    return web.json_response(body, status=503 if draining else 200)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -290,22 +335,9 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=text, headers={"Content-Type": content_type})
 
 
-def _check_admin(request: web.Request) -> None:
-    token = request.app[SETTINGS_KEY].admin_token
-    if not token:
-        return
-    given = request.headers.get("Authorization", "")
-    # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the bytes they were.
-    if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {token}".encode()):
-        raise ApiError(401, "this endpoint needs 'Authorization: Bearer <admin token>'",
-                           type="AuthenticationError", code="invalid_admin_token",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-
 async def admin_stats(request: web.Request) -> web.Response:
     """JSON for the dashboard: per model and per replica load, prefix figures, adapters, outcomes,
-    and the last ~100 routing decisions."""
-    _check_admin(request)
+    and the last ~100 routing decisions. Behind the admin token when one is set (`router.operator_access`)."""
     app = request.app
     snapshot, tracker, proxy, queues = _snapshot(request), app[TRACKER_KEY], app[PROXY_KEY], app[QUEUES_KEY]
     models = {}
@@ -318,7 +350,9 @@ async def admin_stats(request: web.Request) -> web.Response:
             prefix = index.stats() if index is not None else None
             fill = index.cache_fill() if index is not None else None  # the working set the cost weighs
             replicas.append({
-                "replica_id": state.replica_id, "url": state.url, "healthy": state.healthy,
+                # Its URL without user part or query (either may hold credentials): which server an id is, for
+                # operators; behind the admin token when one is set, yet never worth a secret.
+                "replica_id": state.replica_id, "url": public_url(state.url), "healthy": state.healthy,
                 "draining": state.draining, "in_flight": state.in_flight, "load": state.load,
                 "unlisted_s": tracker.unlisted_for_s(state.replica_id),  # kept though its membership lapsed
                 "num_waiting": state.num_waiting, "num_running": state.num_running,
@@ -344,13 +378,13 @@ async def admin_stats(request: web.Request) -> web.Response:
             "replicas": replicas,
         }
     payload = {"registry_version": snapshot.version, "models": models,
-               "recent_decisions": proxy.recent_decisions.as_json()}
+               "recent_decisions": proxy.recent_decisions.as_json(),
+               "usage": app[METER_KEY].totals()}  # per tenant and model since this gateway started
     return web.json_response(await app[DASHBOARD_KEY].extend_stats(payload))
 
 
 async def admin_history(request: web.Request) -> web.Response:
-    """The dashboard's time series (`router.dashboard.StatsHistory.series`)."""
-    _check_admin(request)
+    """The dashboard's time series (`router.dashboard.StatsHistory.series`); guarded as /admin/stats is."""
     return web.json_response(request.app[DASHBOARD_KEY].history.series())
 
 

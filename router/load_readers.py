@@ -26,6 +26,7 @@ import asyncio
 import grpc
 
 from kvgate.clock import Clock
+from kvgate.log_limit import LogLimiter
 from kvgate.tokenizer import Tokenizer, TokenizerError
 from kvgate.v1 import replica_pb2, replica_pb2_grpc
 from kvgate.router.block_index import KvCleared, KvEvent, KvRemoved, KvStored
@@ -244,8 +245,12 @@ async def watch_stream(target: str, clock: Clock, on_report: Callable[[LoadRepor
     starts with a full resync); `on_disconnect` is called each time the stream ends, fails to connect, or
     says nothing for `silence_s` (the engine heartbeats every 250 ms, so a silent stream is a stuck replica
     or a half-open connection, whose KV events can no longer be trusted). Never raises but CancelledError:
-    every gRPC error is logged and retried."""
+    every error is retried, and logged once per kind per minute (a dead replica is retried every 5 s for as
+    long as it is tracked), with one line when the stream delivers again."""
     backoff_s = STREAM_BACKOFF_MIN_S
+    # Silences are limited apart from failures, and never "end": a stream that connects and then stalls again
+    # would otherwise log its recovery and its silence at every reconnect.
+    failures, silences = LogLimiter(), LogLimiter()
     while True:
         stream = _stream_once(target, include_kv_events)
         try:
@@ -253,17 +258,30 @@ async def watch_stream(target: str, clock: Clock, on_report: Callable[[LoadRepor
                 async with asyncio.timeout(silence_s):
                     report = await anext(stream)
                 backoff_s = STREAM_BACKOFF_MIN_S
+                if (ended := failures.clear_all(clock.now())) is not None:
+                    log.info("state stream %s delivers again after %.1f s and %d failed connection(s)", target,
+                             ended.duration_s, ended.num_events)
                 on_report(report)
         except StopAsyncIteration:
             pass
-        except TimeoutError:
-            log.warning("state stream %s said nothing for %.1f s; reconnecting", target, silence_s)
-        except grpc.aio.AioRpcError as exc:
-            log.info("state stream %s: %s %s", target, exc.code().name, exc.details())
-        except Exception:  # a backend must never crash the tracker
-            log.exception("state stream %s failed", target)
+        except Exception as exc:  # a backend must never crash the tracker
+            _log_stream_failure(target, exc, silence_s, silences if isinstance(exc, TimeoutError) else failures,
+                                clock.now())
         finally:
             await stream.aclose()
         on_disconnect()
         await clock.sleep(backoff_s)
         backoff_s = min(backoff_s * 2, STREAM_BACKOFF_MAX_S)
+
+
+def _log_stream_failure(target: str, exc: Exception, silence_s: float, limiter: LogLimiter, now: float) -> None:
+    """One line per kind of failure per `limiter` interval: a silent stream (WARNING), a gRPC status (INFO: a
+    replica starting or stopping says UNAVAILABLE), anything else (ERROR, with its traceback the first time)."""
+    if isinstance(exc, TimeoutError):
+        if (verdict := limiter.hit("silent", now)) is not None:
+            log.warning("state stream %s said nothing for %.1f s; reconnecting%s", target, silence_s, verdict.note)
+    elif isinstance(exc, grpc.aio.AioRpcError):
+        if (verdict := limiter.hit(exc.code(), now)) is not None:
+            log.info("state stream %s: %s %s%s", target, exc.code().name, exc.details(), verdict.note)
+    elif (verdict := limiter.hit(type(exc), now)) is not None:
+        log.error("state stream %s failed: %r%s", target, exc, verdict.note, exc_info=exc if verdict.first else None)

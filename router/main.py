@@ -1,7 +1,10 @@
 """`kvgate router` / `python -m kvgate.router`: the gateway alone, on uvloop.
 
     kvgate router --registry DIR [--host 127.0.0.1] [--port 8080] [--state redis://...|memory://] [--key-prefix P]
-                  [--admin-token TOKEN]   (or KVGATE_ADMIN_TOKEN in the environment)
+                  [--insecure-open-admin]
+
+/admin/* and /metrics take their tokens from $KVGATE_ADMIN_TOKEN and $KVGATE_METRICS_TOKEN; without an admin token
+the gateway starts only on a loopback --host, or with --insecure-open-admin (router/operator_access.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from kvgate.registry.problems import RegistryInvalid
 from kvgate.registry.watch import RegistryWatcher
 from kvgate.router.app import build_app, gateway_runner
 from kvgate.router.app_keys import DRAIN_KEY, Drain, GatewaySettings
+from kvgate.router.tenants import KeySecretMissing, key_secret_for
+from kvgate.router.operator_access import (AccessPlan, add_access_arguments, log_notices, plan_from_args,
+                                           refused_to_start)
 
 log = logging.getLogger("kvgate.router")
 
@@ -63,8 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "autoscaler restarting or failing over, Redis restarted empty) stays in rotation this "
                              "long, until it fails three health checks in a row or is listed again; 0 drops it at "
                              "once (default: 600)")
-    parser.add_argument("--admin-token", default=os.environ.get("KVGATE_ADMIN_TOKEN"),
-                        help="token /admin/* requires (default: $KVGATE_ADMIN_TOKEN; unset: open)")
     parser.add_argument("--gateway-id", default="",
                         help="names this gateway's per-model observation records in the state store "
                              "(default: HOSTNAME-PID)")
@@ -79,12 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keepalive-timeout-s", type=seconds, default=GatewaySettings.keepalive_timeout_s,
                         help="an idle client connection (one that sent nothing or part of its headers, or "
                              "whose requests are all answered) is closed after this (default: %(default)g)")
+    parser.add_argument("--usage-log", default=None, metavar="PATH",
+                        help="append one JSON line per finished inference request (tenant, model, outcome, "
+                             "tokens) to PATH, for billing; rotate by renaming the file (default: none)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         type=str.upper, help="(default: INFO)")
+    add_access_arguments(parser)
     return parser
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, access: AccessPlan) -> int:
     from kvgate.router.replicas import ReplicaTracker, TrackerSettings  # grpc: only the server needs it
 
     clock = RealClock()
@@ -93,15 +101,26 @@ async def serve(args: argparse.Namespace) -> int:
     except RegistryInvalid as exc:
         print(exc, file=sys.stderr)
         return 2
+    try:
+        key_secret = key_secret_for(watcher.current, os.environ)
+    except KeySecretMissing as exc:
+        print(f"kvgate router: {exc}", file=sys.stderr)
+        return 2
     store = open_state_store(args.state, clock, prefix=args.key_prefix,
                                  password=os.environ.get(REDIS_PASSWORD_ENV)) if args.state else None
     tracker = ReplicaTracker(clock=clock, store=store, settings=TrackerSettings(member_grace_s=args.member_grace_s))
-    settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=args.admin_token or None,
-                               gateway_id=args.gateway_id, body_timeout_s=args.body_timeout_s,
-                               keepalive_timeout_s=args.keepalive_timeout_s)
+    settings = GatewaySettings(max_body_bytes=args.max_body_bytes, admin_token=access.admin_token,
+                               metrics_token=access.metrics_token, gateway_id=args.gateway_id,
+                               body_timeout_s=args.body_timeout_s, keepalive_timeout_s=args.keepalive_timeout_s,
+                               key_secret=key_secret, usage_log_path=args.usage_log)
     app = build_app(settings, tracker, watcher, clock, store)
     runner = gateway_runner(app, shutdown_timeout_s=1.0)
-    await runner.setup()
+    try:
+        await runner.setup()
+    except OSError as exc:  # the usage log cannot be opened
+        print(f"kvgate router: {exc}", file=sys.stderr)
+        await runner.cleanup()
+        return 2
     await web.TCPSite(runner, args.host, args.port).start()
     gc.collect()
     gc.freeze()  # everything built so far lives as long as the process: full collections need not walk it
@@ -140,13 +159,18 @@ async def drain(state: Drain, timeout_s: float, hurry: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    access = plan_from_args(args, os.environ)
+    if refused_to_start(access, parser.prog):  # before anything starts
+        return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_notices(access, log)
     try:
         import uvloop
     except ImportError:  # uvloop is a dependency; fall back rather than refuse to start
-        return asyncio.run(serve(args))
-    return uvloop.run(serve(args))
+        return asyncio.run(serve(args, access))
+    return uvloop.run(serve(args, access))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,13 @@
 """Which replicas the gateway tracks, decided from the registry and the state store's members: pure.
 
-Two sources say a replica exists. The registry's static replicas (id = URL, always READY) change on a
-reload; the membership records the autoscaler publishes (id = the record's replica_id) change on every
-poll. `ReplicaTracker` reads both, asks these functions what to do, and does it.
+Two sources say a replica exists. The registry's static replicas (always READY) change on a reload; the
+membership records the autoscaler publishes (id = the record's replica_id, "kvg-...") change on every poll.
+`ReplicaTracker` reads both, asks these functions what to do, and does it.
+
+A replica's id is public: the `x-kvgate-replica` header of every answer, the `replica` label of the metrics
+and `/admin/stats` show it. Its URL is not: it may carry credentials (`http://user:password@host`) and names
+an internal address. A static replica's id is "<model>-static-<n>", its place in the model's list
+(`static_replica_id`); operators see its URL only through `public_url`.
 
 Membership is eventually consistent, and the data path must outlive the control path. A member that
 leaves the list while READY (its heartbeat lapsed: the autoscaler crashed, restarts, fails over to a
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgate.registry.schema import Backend
 from kvgate.registry.snapshot import Snapshot
@@ -35,9 +40,9 @@ UNLISTED_DROP_AFTER_CHECKS = 3
 class ReplicaSource:
     """One replica as its source declares it: a registry static replica or a membership record."""
 
-    replica_id: str
+    replica_id: str  # public (see the module docstring)
     model: str
-    url: str
+    url: str = field(repr=False)  # may hold credentials: shown only as `public_url`
     backend: Backend
     grpc_target: str | None  # a kvgate engine's state stream; None: scraped (or, for openai, not read)
     member_state: MemberState | None  # None: a static replica from the registry
@@ -49,11 +54,43 @@ class ReplicaSource:
         return (self.url, self.backend, self.grpc_target)
 
 
+def static_replica_id(model: str, index: int) -> str:
+    """The public id of the model's `index`-th static replica (from 0): "chat-static-0".
+
+    The same in every gateway and after a restart, so that N gateways label one replica alike, and free of
+    anything secret or internal. Not a hash of the URL: a hash of "model + http://10.0.0.5:8000" is found by
+    trying the 2^24 addresses of 10.0.0.0/8 in a second, and with `user:password@` in the URL it would let
+    anyone test password guesses offline. The cost: removing or reordering the registry's entries renames those
+    after them (their records, indexes and metric series start again). Model names are DNS labels, so the id
+    is a valid header value and label; a member's "kvg-..." id has no "-static-<n>" tail to clash with."""
+    return f"{model}-static-{index}"
+
+
 def static_sources(snapshot: Snapshot) -> dict[str, ReplicaSource]:
-    """Every static replica the registry declares, by id (its URL)."""
-    return {static.url: ReplicaSource(static.url, name, static.url, static.backend, static.grpc_target, None,
-                                      static.api_key_env)
-            for name, doc in snapshot.models.items() for static in doc.spec.routing.static_replicas}
+    """Every static replica the registry declares, by id (`static_replica_id`). A URL listed twice for one
+    model is tracked once, under its first place."""
+    sources: dict[str, ReplicaSource] = {}
+    for name, doc in snapshot.models.items():
+        seen: set[str] = set()
+        for index, static in enumerate(doc.spec.routing.static_replicas):
+            if static.url not in seen:
+                seen.add(static.url)
+                replica_id = static_replica_id(name, index)
+                sources[replica_id] = ReplicaSource(replica_id, name, static.url, static.backend, static.grpc_target,
+                                                    None, static.api_key_env)
+    return sources
+
+
+def public_url(url: str) -> str:
+    """`url` fit for an operator's page and a log line: without its user part and its query, which may hold
+    credentials ("user:password@", "?api_key=..."), and its fragment. The path stays: it tells apart two
+    servers behind one host. "http://u:s3cret@10.0.0.5:8000/v1?key=k" -> "http://10.0.0.5:8000/v1".
+
+    The user part is everything up to the last "@", as in `kvgate.state.redact_url`, so a password holding
+    an unencoded "/", "?" or "#" is dropped whole, where urlsplit would take part of it for the path. (An "@"
+    in a path or query then costs the host, never a secret.)"""
+    scheme, sep, rest = url.partition("://") if "://" in url else ("", "", url)
+    return scheme + sep + rest.rpartition("@")[2].partition("?")[0].partition("#")[0]
 
 
 def member_sources(records: Iterable[MemberRecord]) -> list[ReplicaSource]:

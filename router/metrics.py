@@ -40,7 +40,8 @@ class _Labelled:
 
 
 class RouterMetrics:
-    """Every `kvgate_router_*` series. Label `replica` is "" for requests that never reached one."""
+    """Every `kvgate_router_*` series. Label `replica` is the replica's public id ("m-static-0", "kvg-..."), never
+    its URL (`router.membership`), and "" for requests that never reached one."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -75,8 +76,24 @@ class RouterMetrics:
         self.replicas = Gauge("kvgate_router_replicas", "Replicas the gateway knows, by state: ready, unlisted "
                               "(serving though its membership record lapsed), starting, draining, unhealthy.",
                               ["model", "state"], registry=r)
+        # Every answer the gateway writes itself instead of a replica's, labels bounded by `router.refusals`.
+        self.refused_requests = Counter("kvgate_router_refused_requests",
+                                        "Requests the gateway refused or failed itself, by reason and status.",
+                                        ["model", "reason", "status"], registry=r)
+        # Usage per tenant (`router.usage`): `tenant` a registry Tenant's name or "_open", `model` a registry model
+        # or adapter name, `outcome` one of usage.OUTCOMES, `kind` prompt, cached (of prompt) or completion.
+        self.tenant_requests = Counter("kvgate_router_tenant_requests",
+                                       "Requests that reached the proxy, by tenant, model or adapter, and outcome.",
+                                       ["tenant", "model", "outcome"], registry=r)
+        self.tenant_tokens = Counter("kvgate_router_tenant_tokens",
+                                     "Tokens of answers that reported usage, by tenant, model or adapter, and kind.",
+                                     ["tenant", "model", "kind"], registry=r)
+        self.usage_records_dropped = Counter("kvgate_router_usage_records_dropped",
+                                             "Usage-log records dropped as its writer was behind (disk stalled).",
+                                             registry=r)
         for name in ("requests", "decisions", "decision_seconds", "ttft_seconds", "prefix_predicted_tokens",
-                     "prefix_realised_tokens", "prefix_reported_prompt_tokens", "in_flight", "queue_depth"):
+                     "prefix_realised_tokens", "prefix_reported_prompt_tokens", "in_flight", "queue_depth",
+                     "tenant_requests", "tenant_tokens"):
             setattr(self, name, _Labelled(getattr(self, name)))
         # Per model, the `requests` counts of replicas whose series were removed (`retire_replicas`), so that
         # totals read from the series (the dashboard's) never go down.

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from kvgate.clock import Clock
 from kvgate.state.base import StateStore, StateStoreError
+from kvgate.state.outage import Outage
 from kvgate.state.records import OBSERVATIONS_COLLECTION, ObservationRecord, observation_id
 
 log = logging.getLogger(__name__)
@@ -89,20 +90,20 @@ class ObservationPublisher:
             self._written.add(record_id)
 
     async def run(self) -> None:
-        """Publish until cancelled; a store that is down is logged once per outage and retried (the
-        membership poll logs it once a second)."""
-        failing = False
+        """Publish until cancelled; a store that is down is retried, and logged when the outage starts, once a
+        minute while it lasts and once when it ends (`Outage`)."""
+        outage = Outage()
         while True:
             try:
                 await self.publish_once()
-                if failing:
-                    log.info("publishing observations to the state store again")
-                failing = False
+                recovered = outage.recovered(self._clock.now())
+                if recovered is not None:
+                    log.info("publishing observations to the state store again %s", recovered)
             except StateStoreError as exc:
-                if not failing:
+                note = outage.failed(self._clock.now())
+                if note is not None:
                     log.warning("cannot publish observations to the state store (the autoscaler does not see this "
-                                "gateway's load meanwhile): %s", exc)
-                failing = True
+                                "gateway's load meanwhile): %s%s", exc, note)
             await self._clock.sleep(self._interval_s)
 
     async def withdraw(self) -> None:

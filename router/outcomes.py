@@ -47,6 +47,33 @@ def prompt_tokens_of(payload: Any) -> int | None:
     return _count_of(usage.get("prompt_tokens") if isinstance(usage, dict) else None)
 
 
+@dataclass(frozen=True)
+class TokenUsage:
+    """An answer's `usage`, as a tenant is billed for it (`router.usage`)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None  # of prompt_tokens; None when the replica does not say
+
+
+def token_usage_of(payload: Any) -> TokenUsage | None:
+    """The usage of a response or usage chunk, None unless its prompt and completion tokens are counts."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = _count_of(usage.get("prompt_tokens")), _count_of(usage.get("completion_tokens"))
+    if prompt is None or completion is None:
+        return None
+    return TokenUsage(prompt, completion, cached_tokens_of(payload))
+
+
+def tokens_used_of(payload: Any) -> int | None:
+    """usage.prompt_tokens + usage.completion_tokens of a response or usage chunk (what a tenant's tokens per
+    minute are settled with), None unless both are counts."""
+    usage = token_usage_of(payload)
+    return None if usage is None else usage.prompt_tokens + usage.completion_tokens
+
+
 def _count_of(value: object) -> int | None:
     """A token count: an int from 0 to 2^31 (no prompt is longer), else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_COUNT else None
@@ -136,9 +163,13 @@ class StreamEnd:
     message: str = ""  # ... and its message
 
 
-def stream_end(done: bool, error: Exception | None, idle_timeout_s: float) -> StreamEnd:
+def stream_end(done: bool, error: Exception | None, idle_timeout_s: float, unresponsive: bool = False) -> StreamEnd:
     """A stream that sent `[DONE]` ended well; one that idled past `idle_timeout_s` (`error` a
-    TimeoutError), broke (`error` another) or ended without `[DONE]` ends with an error event."""
+    TimeoutError), broke (`error` another), was given up on as its replica stopped answering its health checks
+    (`unresponsive`) or ended without `[DONE]` ends with an error event."""
+    if unresponsive:
+        return StreamEnd("replica_unhealthy", "replica_unhealthy",
+                         "the replica stopped answering its health checks; the stream cannot go on")
     if isinstance(error, TimeoutError):
         return StreamEnd("stream_idle_timeout", "stream_idle_timeout",
                          f"the replica sent nothing for {idle_timeout_s:g} s")

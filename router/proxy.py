@@ -8,6 +8,14 @@ it all count as a failed attempt: the replica gets `report_failure`, joins this 
 nothing is retried; a stream that breaks or idles past `stream_idle_timeout_s` ends with an SSE error
 event and `data: [DONE]`.
 
+A replica that stops answering its health checks (frozen: a hung driver, SIGSTOP) is not waited out: the
+tracker tells each attempt there through its lease (`AttemptLease.when_unresponsive`), which fires the
+attempt's `upstream.Interrupt` if the attempt heard nothing from the replica for a while
+(`TrackerSettings.interrupt_after_silent_s`), and the wait it is in raises at once. Before the first byte that is a
+failed attempt like any other (outcome `replica_unhealthy`, retried elsewhere); after it, the stream's SSE error
+event (code `replica_unhealthy`). A replica that is slow but answers its health checks is never cut off, nor is an
+attempt that is still receiving bytes, however late the health checks are answered.
+
 "First byte" for a stream is its first body bytes, not its headers: an engine sends headers at once
 and may then stall in prefill, and while we hold the headers back the request can still move.
 """
@@ -33,10 +41,11 @@ from kvgate.router.errors import bad_gateway, no_capacity, sse_error_event, upst
 from kvgate.router.features import RouteRequest
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.outcomes import (Answer, DecisionRecord, DecisionRing, Learnt, caching_judgement_log,
-                                    cached_tokens_of, prompt_tokens_of, stream_end)
+                                    TokenUsage, cached_tokens_of, prompt_tokens_of, stream_end, token_usage_of,
+                                    tokens_used_of)
 from kvgate.router.policies import Reason, RouteDecision, RoutingKnobs, choose
 from kvgate.router.queueing import WaitQueues
-from kvgate.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from kvgate.router.upstream import Interrupt, ReplicaUnresponsive, UpstreamError, UpstreamPool, UpstreamResponse
 from kvgate.router.view import ReplicaView
 
 if TYPE_CHECKING:
@@ -45,10 +54,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DRAIN_AFTER_DONE_S = 1.0
-REPLICA_HEADER = "x-kvgate-replica"  # which replica answered: for operators, tests and benchmarks
+# Which replica answered, for operators, tests and benchmarks: its public id ("m-static-0", "kvg-..."), never
+# its URL, which may hold credentials and names an internal address (router.membership).
+REPLICA_HEADER = "x-kvgate-replica"
 # One id per request, the client's or the gateway's, sent to the replica (vLLM takes it as its request id
 # with --enable-request-id-headers) and back to the client, and kept with the decision in /admin/stats.
 REQUEST_ID_HEADER = "X-Request-Id"
+# Prompt plus completion tokens, as the replica's usage said, on the response of an answer that said: what the
+# handler settles a tenant's tokens per minute with (router.admission).
+TOKENS_USED_KEY = web.ResponseKey("kvgate_tokens_used", int)
+# The replica's usage, on the response of an answer that reported one, and how a relayed stream ended (its
+# `kvgate_router_requests_total` outcome): what a tenant's usage is counted with (router.usage).
+USAGE_KEY = web.ResponseKey("kvgate_usage", TokenUsage)
+STREAM_OUTCOME_KEY = web.ResponseKey("kvgate_stream_outcome", str)
 
 
 class Tracker(Protocol):
@@ -184,15 +202,21 @@ class Proxy:
                        decision: RouteDecision, lease: AttemptLease) -> web.StreamResponse:
         routing = preq.routing
         started = self.clock.now()
+        interrupt = Interrupt()
+        lease.when_unresponsive(interrupt.fire_if_silent)
         try:
             upstream = await self.upstream.post(
                 self.tracker.url(replica_id), preq.path, preq.body, accept=request.headers.get("Accept", "*/*"),
                 authorization=self.tracker.authorization(replica_id), request_id=preq.request_id,
-                connect_timeout_s=routing.connect_timeout_s, timeout_s=routing.first_byte_timeout_s)
+                connect_timeout_s=routing.connect_timeout_s, timeout_s=routing.first_byte_timeout_s,
+                interrupt=interrupt)
         except TimeoutError as exc:
             raise AttemptFailed("timeout", f"replica {replica_id}: no answer in time ({type(exc).__name__})") from exc
-        except UpstreamError as exc:
-            raise AttemptFailed("connect_error", f"replica {replica_id}: {exc}") from exc
+        except ReplicaUnresponsive as exc:
+            raise _unresponsive(replica_id) from exc
+        except UpstreamError as exc:  # its text names the replica's address: for the log, not the client
+            log.debug("replica %s: %s", replica_id, exc)
+            raise AttemptFailed("connect_error", f"replica {replica_id} could not be reached") from exc
         finished = False
         try:
             if upstream.status >= 500:
@@ -223,9 +247,12 @@ class Proxy:
                 if size > MAX_ANSWER_BYTES:
                     raise UpstreamError(f"the answer is over {MAX_ANSWER_BYTES} bytes")
         except (TimeoutError, UpstreamError) as exc:
-            if not swallow:
-                outcome = "timeout" if isinstance(exc, TimeoutError) else "broken_body"
-                raise AttemptFailed(outcome, f"replica {replica_id}: body broke: {exc or type(exc).__name__}") from exc
+            if swallow:
+                return b"".join(parts)
+            if isinstance(exc, ReplicaUnresponsive):
+                raise _unresponsive(replica_id) from exc
+            outcome = "timeout" if isinstance(exc, TimeoutError) else "broken_body"
+            raise AttemptFailed(outcome, f"replica {replica_id}: body broke: {exc or type(exc).__name__}") from exc
         return b"".join(parts)
 
     async def _buffered(self, preq: ProxyRequest, upstream: UpstreamResponse, replica_id: str,
@@ -234,6 +261,8 @@ class Proxy:
         body = await self._read_body(upstream, preq.routing.stream_idle_timeout_s, replica_id)
         self.tracker.report_success(replica_id)
         model = preq.route.model
+        used: int | None = None
+        usage: TokenUsage | None = None
         if upstream.status < 300:
             self._count(model, replica_id, "success")
             try:
@@ -241,11 +270,17 @@ class Proxy:
             except (ValueError, RecursionError):
                 payload = None  # not JSON: nothing to learn; the client gets the bytes as they are
             self._learn(preq, replica_id, decision, cached_tokens_of(payload), prompt_tokens_of(payload))
+            used, usage = tokens_used_of(payload), token_usage_of(payload)
         else:
             self._count(model, replica_id, f"upstream_{upstream.status // 100}xx")
         self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
-        return web.Response(status=upstream.status, body=body, headers={
+        response = web.Response(status=upstream.status, body=body, headers={
             "Content-Type": upstream.headers.get("content-type", "application/json"), REPLICA_HEADER: replica_id})
+        if used is not None:
+            response[TOKENS_USED_KEY] = used
+        if usage is not None:
+            response[USAGE_KEY] = usage
+        return response
 
     async def _stream(self, request: web.Request, preq: ProxyRequest, upstream: UpstreamResponse,
                       replica_id: str, decision: RouteDecision, first_byte_s: float,
@@ -256,6 +291,8 @@ class Proxy:
             first = await upstream.read(first_byte_s)
         except TimeoutError as exc:
             raise AttemptFailed("timeout", f"replica {replica_id}: no first event in time") from exc
+        except ReplicaUnresponsive as exc:
+            raise _unresponsive(replica_id) from exc
         except UpstreamError as exc:
             raise AttemptFailed("broken_body", f"replica {replica_id}: stream broke before its first event") from exc
         if not first:
@@ -272,17 +309,24 @@ class Proxy:
             await self._relay(response, upstream, first, relay, preq, lease)
         except ConnectionResetError:  # the client went away: the caller's close() aborts the upstream
             self._count(model, replica_id, "client_gone")  # (seen as handler cancellation: counted in forward)
+            response[STREAM_OUTCOME_KEY] = "client_gone"
             return response
         except (TimeoutError, UpstreamError) as exc:
             error = exc
-        end = stream_end(relay.done, error, preq.routing.stream_idle_timeout_s)
+        end = stream_end(relay.done, error, preq.routing.stream_idle_timeout_s,
+                         unresponsive=isinstance(error, ReplicaUnresponsive))
         self._count(model, replica_id, end.outcome)
+        response[STREAM_OUTCOME_KEY] = end.outcome
         if end.error_code is not None:
             self.tracker.report_failure(replica_id)
             await self._end_with_error(response, end.message, end.error_code)
             return response
         self.tracker.report_success(replica_id)
         self._learn(preq, replica_id, decision, relay.cached_tokens, relay.prompt_tokens)
+        if relay.tokens_used is not None:
+            response[TOKENS_USED_KEY] = relay.tokens_used
+        if relay.usage is not None:
+            response[USAGE_KEY] = relay.usage
         # What follows [DONE] is only the chunked terminator; reading it lets the connection return
         # to the pool instead of being dropped. Bounded, as the client already has everything.
         with contextlib.suppress(TimeoutError, UpstreamError):
@@ -336,6 +380,11 @@ class Proxy:
             log.log(*caching_judgement_log(replica_id, learnt.judgement))
 
 
+def _unresponsive(replica_id: str) -> AttemptFailed:
+    """An attempt given up on before the client's first byte, as its replica stopped answering health checks."""
+    return AttemptFailed("replica_unhealthy", f"replica {replica_id} stopped answering its health checks")
+
+
 class _EventStream(web.StreamResponse):
     """A streamed response whose headers wait for its first events, so that both leave in one write (the
     flag is aiohttp's, read since 3.11; an older aiohttp sends the headers at prepare, as before)."""
@@ -360,6 +409,8 @@ class SseRelay:
         self.done = False
         self.cached_tokens: int | None = None
         self.prompt_tokens: int | None = None
+        self.tokens_used: int | None = None  # the last usage chunk's (vLLM's continuous usage is cumulative)
+        self.usage: TokenUsage | None = None  # ... all of it
 
     def feed(self, data: bytes) -> bytes:
         """The whole events completed by `data`; keeps any partial one for the next call. Raises
@@ -393,6 +444,8 @@ class SseRelay:
                     continue
                 self.cached_tokens = cached_tokens_of(payload) if self.cached_tokens is None else self.cached_tokens
                 self.prompt_tokens = prompt_tokens_of(payload) if self.prompt_tokens is None else self.prompt_tokens
+                self.tokens_used = tokens_used_of(payload) or self.tokens_used
+                self.usage = token_usage_of(payload) or self.usage
 
 
 # A field that holds output, with a value that is not empty: text ("content", "text", "reasoning_content"), a

@@ -6,7 +6,9 @@
     gateway attempts/reports ─┘    tracked_replica.py)     (probes.py)
                                         └──> view(model): frozen ReplicaStates for the policies
 
-Replica ids: a static replica's id is its URL; a member's id is its membership record's replica_id.
+Replica ids: a static replica's is "<model>-static-<n>", a member's its membership record's replica_id; both
+are public (response header, metrics, /admin/stats), the URL is not (`router.membership`). Log lines name a
+replica by its id, or by its `public_url`.
 Routable = a live member in state READY (static replicas always are), passing health checks, not
 ejected, and not draining (by membership or by its own stream).
 
@@ -42,10 +44,11 @@ from kvgate.router.engine_tokenizers import EngineTokenizers, KvChain
 from kvgate.router.features import CharsPerToken, RouteRequest
 from kvgate.router.outcomes import Answer, Learnt, text_chain
 from kvgate.router.prefix_index import PrefixIndex, PrefixIndexes
-from kvgate.router.health import Ejection, after_check, after_request, newly_ejected, readmitted
+from kvgate.router.health import (Ejection, after_check, after_request, newly_ejected, newly_unresponsive, readmitted,
+                                  unresponsive)
 from kvgate.router.load_readers import LoadReport, watch_stream
 from kvgate.router.membership import (ModelKnobs, ReplicaSource, Unlisted, Upsert, drop_reason, judge_unlisted,
-                                      member_sources, model_knobs, static_sources, upsert)
+                                      member_sources, model_knobs, public_url, static_sources, upsert)
 from kvgate.router.probes import HttpTarget, health_loop, scrape_loop
 from kvgate.router.tracked_replica import REPLICA_STATES, AttemptLease, TrackedReplica
 from kvgate.router.upstream import header_safe
@@ -62,6 +65,17 @@ class TrackerSettings:
     health_interval_s: float = 2.0  # GET /health of every replica
     eject_after_failures: int = 3  # requests failed in a row that eject a replica (router.health)
     eject_for_s: float = 10.0  # ... for this long, then until a health check passes
+    # Health checks in a row without an answer (a frozen or dead process) that end the requests in flight
+    # there (router.health): retried elsewhere before their first byte, an SSE error event after it. One such
+    # check already takes the replica out of rotation; two spare the streams a single slow answer.
+    interrupt_after_unanswered_checks: int = 2
+    # ... but only the requests that heard nothing from the replica (no byte since the request went) for this
+    # long, checked again at each unanswered check: a replica that still delivers is never cut off, however late
+    # its /health answers (a busy event loop, a GC pause). Each check takes at most interval + probe_timeout_s,
+    # and a frozen replica's requests are silent since the freeze, so they end within
+    # max(2 x (2 s + 1 s), 5 s + 2 s + 1 s) = 8 s of it with the defaults (7 s with checks every 1 s), instead
+    # of at the 120 s first-byte or 60 s idle timeout.
+    interrupt_after_silent_s: float = 5.0
     prefix_chunk_chars: int = 256  # the prefix index's cut for a replica whose model the registry does not declare
     member_grace_s: float = 600.0  # how long a READY member that left the membership list is kept (router.membership)
 
@@ -75,12 +89,13 @@ class TrackerSettings:
         return max(0.2, min(self.health_interval_s, self.poll_interval_s, 5.0))
 
 
-def bearer_from_env(variable: str, url: str, environ: Mapping[str, str] = os.environ) -> str | None:
-    """`Bearer <key>` from the environment variable a static replica names, or None with a warning when it is
-    unset, empty or not a printable ASCII token (a line break in it would split the request's head)."""
+def bearer_from_env(variable: str, replica: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """`Bearer <key>` from the environment variable a static replica names, or None with a warning (naming
+    the replica as `replica` says) when it is unset, empty or not a printable ASCII token (a line break in it
+    would split the request's head)."""
     key = environ.get(variable, "").strip()
     if not key or not header_safe(key):
-        log.warning("replica %s: environment variable %s %s; sending it no API key", url, variable,
+        log.warning("replica %s: environment variable %s %s; sending it no API key", replica, variable,
                     "is not set" if not key else "does not hold a printable ASCII key")
         return None
     return f"Bearer {key}"
@@ -136,9 +151,11 @@ class ReplicaTracker:
         for replica_id, tracked in list(self._replicas.items()):
             if tracked.member_state is None and replica_id not in wanted:
                 self._drop(replica_id)
-        for url, source in wanted.items():
+        for replica_id, source in wanted.items():
             self._upsert(source)
-            self._replicas[url].authorization = bearer_from_env(source.api_key_env, url) if source.api_key_env else None
+            self._replicas[replica_id].authorization = (
+                bearer_from_env(source.api_key_env, f"{replica_id} ({public_url(source.url)})")
+                if source.api_key_env else None)
         for tracked in self._replicas.values():
             knobs = self._model_knobs(tracked.model)
             tracked.block_size_tokens, tracked.max_loaded_adapters, tracked.prefix_chunk_chars = (
@@ -379,7 +396,8 @@ class ReplicaTracker:
     def _start_readers(self, tracked: TrackedReplica) -> None:
         """Its load reader (gRPC stream, /metrics scrape, or none for an openai server) and health checks."""
         rid = tracked.replica_id
-        target = HttpTarget(tracked.url, self._http_session, tracked.auth_headers, self._settings.probe_timeout_s)
+        target = HttpTarget(tracked.url, self._http_session, tracked.auth_headers, self._settings.probe_timeout_s,
+                            name=rid)
         if tracked.grpc_target:
             tracked.tasks.append(asyncio.create_task(watch_stream(
                 tracked.grpc_target, self._clock, lambda report: self._apply_stream(rid, report),
@@ -391,8 +409,8 @@ class ReplicaTracker:
                 target, self._clock, self._settings.poll_interval_s, lambda report: self._apply_load(rid, report)),
                 name=f"kvgate-scrape-{rid}"))
         tracked.tasks.append(asyncio.create_task(health_loop(
-            target, self._clock, self._settings.health_interval_s, lambda ok: self._apply_health(rid, ok)),
-            name=f"kvgate-health-{rid}"))
+            target, self._clock, self._settings.health_interval_s, lambda ok: self._apply_health(rid, ok),
+            lambda: self._apply_health(rid, False, answered=False)), name=f"kvgate-health-{rid}"))
 
     # ------------------------------------------------------------------------------ membership
 
@@ -406,13 +424,13 @@ class ReplicaTracker:
         try:
             records = await self._store.list_members()
         except Exception as exc:  # keep the last known membership; the grace of unlisted members still runs
-            self._store_outage.failed(self._clock.now())
+            note = self._store_outage.failed(self._clock.now())  # None: said less than a minute ago
             num_static = sum(1 for r in self._replicas.values() if r.member_state is None)
             what = (f"routing to {num_static} static and {len(self._replicas) - num_static} last known member "
-                    f"replica(s), next try in {self._settings.poll_interval_s:g} s")
-            if isinstance(exc, StateStoreError):  # expected (Redis down, starting, restarting): one line, no trace
+                    f"replica(s), next try in {self._settings.poll_interval_s:g} s{note}")
+            if note is not None and isinstance(exc, StateStoreError):  # expected (Redis down, restarting): no trace
                 log.warning("membership poll failed: %s; %s", exc, what)
-            else:  # a bug: its traceback is what fixes it
+            elif note is not None:  # a bug: its traceback is what fixes it
                 log.exception("membership poll failed unexpectedly; %s", what)
             for tracked in [r for r in self._replicas.values() if r.unlisted_since is not None]:
                 self._unlisted(tracked)
@@ -514,18 +532,35 @@ class ReplicaTracker:
         doc = self._snapshot.models.get(model) if self._snapshot is not None else None
         return doc.spec.source if doc is not None else ""
 
-    def _apply_health(self, replica_id: str, ok: bool) -> None:
+    def _apply_health(self, replica_id: str, ok: bool, answered: bool = True) -> None:
         tracked = self._replicas.get(replica_id)
         if tracked is None:
             return
         before, was_routable = tracked.health, tracked.accepts_requests
-        tracked.health = after_check(before, ok, self._clock.now())
+        tracked.health = after_check(before, ok, self._clock.now(), answered)
         if readmitted(before, tracked.health):
             log.info("replica %s passed its probe after ejection", replica_id)
+        if unresponsive(tracked.health, self._settings.interrupt_after_unanswered_checks):
+            self._interrupt_attempts(tracked, newly_unresponsive(
+                before, tracked.health, self._settings.interrupt_after_unanswered_checks))
         if tracked.standing().gone:
             self._unlisted(tracked)  # nothing lists it and it stopped answering: gone
         elif tracked.accepts_requests != was_routable:
             self._notify()
+
+    def _interrupt_attempts(self, tracked: TrackedReplica, first: bool) -> None:
+        """Tell every attempt in flight at a replica that is not answering its health checks, at each such check:
+        the proxy gives up on those that heard nothing from it for `interrupt_after_silent_s` (retried elsewhere
+        or their stream ended), so one that stalls later is caught at a later check. One line per silence
+        (`first`), only when there were some."""
+        leases = list(tracked.leases)
+        silent_for_s = self._settings.interrupt_after_silent_s
+        if leases and first:
+            log.warning("replica %s answered none of its last %d health checks: giving up on those of the %d "
+                        "request(s) in flight there that heard nothing from it for %g s", tracked.replica_id,
+                        tracked.health.unanswered_checks, len(leases), silent_for_s)
+        for lease in leases:
+            lease.unresponsive(silent_for_s)
 
     def _http_session(self) -> aiohttp.ClientSession:
         if self._http is None:

@@ -6,6 +6,7 @@ a record hands it frozen values (`source`, `standing`, `health`) and takes back 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.state.base import ReplicaState as MemberState
@@ -23,9 +24,9 @@ REPLICA_STATES = ("ready", "unlisted", "starting", "draining", "unhealthy")  # T
 class TrackedReplica:
     """Mutable record of one replica; only `ReplicaTracker` changes it (and an attempt's `AttemptLease`)."""
 
-    replica_id: str
+    replica_id: str  # public: the response header, metric labels, /admin/stats (router.membership)
     model: str
-    url: str
+    url: str = field(repr=False)  # where the proxy connects; may hold credentials, so never shown as it is
     backend: Backend
     grpc_target: str | None
     member_state: MemberState | None  # None: a static replica from the registry
@@ -40,10 +41,12 @@ class TrackedReplica:
     # the next one. Without it, sequential requests see a phantom load of 1 on the replica that just
     # served them and the load bound pushes a prefix hit elsewhere.
     num_ended_since_report: int = 0
-    authorization: str | None = None  # the Authorization header value the replica asks of its clients
+    authorization: str | None = field(default=None, repr=False)  # the Authorization value the replica asks for
     health: Health = field(default_factory=Health)  # health checks and ejection (router.health)
     unlisted_since: float | None = None  # a READY member missing from the membership list since (clock)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # The attempts in flight there, told when it stops answering its health checks (`AttemptLease.unresponsive`).
+    leases: set[AttemptLease] = field(default_factory=set, repr=False, compare=False)
     # The ReplicaState last built, until a field changes (__setattr__ drops it): every request's view
     # reads each replica of its model, and all but the one or two it touched are as they were. At 64
     # replicas, building them all anew took 230 us per request (loadtests/bench_routing_decision.py).
@@ -117,13 +120,38 @@ class AttemptLease:
     It holds the replica's record and indexes as they were when the attempt started, not its id: when
     the replica is re-registered under the same id meanwhile (a member restarted on a new port, a
     static replica's backend changed), the new record starts from zero and this attempt's end takes
-    nothing from the requests counted there since."""
+    nothing from the requests counted there since.
+
+    Until it ends, the lease is in its record's `leases`, so the tracker can tell the attempt that the
+    replica stopped answering its health checks (`when_unresponsive`)."""
 
     def __init__(self, tracked: TrackedReplica | None, chains: ChainHold | None, blocks: BlockIndex | None,
                  prefix_hashes: tuple[int, ...], prefill_tokens: int) -> None:
         self._tracked, self._chains, self._blocks = tracked, chains, blocks
         self._hashes, self._prefill_tokens = prefix_hashes, prefill_tokens
         self._prefilled = self._ended = False
+        self._told: float | None = None  # the last `unresponsive(silent_for_s)` heard, if any
+        self._on_unresponsive: Callable[[float], object] | None = None
+        if tracked is not None:
+            tracked.leases.add(self)
+
+    def when_unresponsive(self, callback: Callable[[float], object]) -> None:
+        """Call `callback(silent_for_s)` each time the tracker finds the replica not answering its health checks
+        while the lease lasts (at once if it already has): the proxy then gives up on the attempt if it heard
+        nothing from the replica for `silent_for_s` (`upstream.Interrupt.fire_if_silent`), instead of waiting
+        out its first-byte or idle timeout on a frozen replica. One callback; a second replaces the first."""
+        self._on_unresponsive = callback
+        if self._told is not None:
+            callback(self._told)
+
+    def unresponsive(self, silent_for_s: float) -> None:
+        """The replica is not answering its health checks (`router.health.unresponsive`); the tracker calls this
+        for each lease in flight there at each such check. Nothing after `end`."""
+        if self._ended:
+            return
+        self._told = silent_for_s
+        if self._on_unresponsive is not None:
+            self._on_unresponsive(silent_for_s)
 
     def prefilled(self) -> None:
         """The first token came (or the attempt ended without one): its prompt no longer waits."""
@@ -139,8 +167,10 @@ class AttemptLease:
         if self._ended:
             return
         self._ended = True
+        self._on_unresponsive = None
         self.prefilled()
         if self._tracked is not None:
+            self._tracked.leases.discard(self)
             self._tracked.in_flight = max(0, self._tracked.in_flight - 1)
             self._tracked.num_ended_since_report += 1
         if self._chains is not None:

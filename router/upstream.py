@@ -14,6 +14,10 @@ Contract:
   `TimeoutError` when they take longer than `timeout_s`. A reused connection that closes within 100 ms,
   before any byte of an answer, is the server's idle close: the request goes once more, on a fresh
   connection. Credentials in the base URL (`http://user:password@host`) go as Basic auth.
+- An `Interrupt` given to `post` ends the exchange from outside (the replica stopped answering its health
+  checks): its wait for the head or for body bytes raises `ReplicaUnresponsive` at once, and the connection closes.
+  `fire_if_silent(s)` does so only to an exchange that heard nothing from its replica for `s` seconds (no byte
+  since the request went, none waiting to be read): a replica that is still delivering is never cut off.
 - `UpstreamResponse.read(timeout_s)` returns the body bytes that have arrived (chunked framing removed),
   waiting up to `timeout_s` for some; b"" once the body is complete. A body that breaks raises `UpstreamError`.
 - Every response ends with `release()` (a complete body: the connection goes back to the pool when the
@@ -32,6 +36,8 @@ from typing import cast
 from urllib.parse import unquote, urlsplit
 
 import httptools
+
+from kvgate.router.membership import public_url
 
 # Body bytes buffered per connection before reading from the replica pauses until the proxy catches up:
 # a slow client slows the replica's stream instead of growing the gateway's memory.
@@ -61,6 +67,42 @@ class _ClosedUnanswered(UpstreamError):
     """The replica closed the connection before any byte of an answer."""
 
 
+class ReplicaUnresponsive(UpstreamError):
+    """The gateway gave up on the exchange: the replica stopped answering its health checks (`Interrupt`)."""
+
+
+class Interrupt:
+    """Gives up on one exchange from outside. After `fire`, the exchange's pending wait (for its head or body
+    bytes) and every later one raise `ReplicaUnresponsive`, and its connection closes, which aborts the request
+    at the replica; an exchange not yet sent fails as it starts. Idempotent. Costs nothing until fired: the
+    connection's own waiter is woken, no task or timer per read."""
+
+    def __init__(self) -> None:
+        self._connection: _Connection | None = None
+        self._fired = False
+
+    def fire(self) -> None:
+        self._fired = True
+        if self._connection is not None:
+            self._connection._fail(ReplicaUnresponsive("the replica stopped answering its health checks"))
+
+    def fire_if_silent(self, silent_for_s: float) -> bool:
+        """`fire`, where the exchange has heard nothing from its replica for `silent_for_s` seconds; whether it
+        fired. An exchange still connecting has sent nothing to wait on: it is left to its connect timeout."""
+        if self._connection is None or not self._connection.silent_for(silent_for_s):
+            return False
+        self.fire()
+        return True
+
+    def _attach(self, connection: _Connection) -> None:
+        self._connection = connection
+        if self._fired:
+            self.fire()
+
+    def _detach(self) -> None:
+        self._connection = None
+
+
 @dataclass(frozen=True)
 class _Target:
     """Where a replica's base URL sends requests, parsed once per URL."""
@@ -86,10 +128,11 @@ class UpstreamPool:
 
     async def post(self, base_url: str, path: str, body: bytes, *, accept: str = "*/*",
                    authorization: str | None = None, request_id: str | None = None, connect_timeout_s: float,
-                   timeout_s: float) -> UpstreamResponse:
+                   timeout_s: float, interrupt: Interrupt | None = None) -> UpstreamResponse:
         """POST `body` (JSON) to `base_url + path`, with `authorization` as the Authorization header and
         `request_id` as X-Request-Id when given; the response once its headers are in. Raises UpstreamError
-        or TimeoutError (connect: after min(connect_timeout_s, timeout_s); headers: timeout_s)."""
+        (ReplicaUnresponsive once `interrupt` fired, here or in the response's reads) or TimeoutError (connect:
+        after min(connect_timeout_s, timeout_s); headers: timeout_s)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         target = self._target(base_url)
@@ -109,18 +152,20 @@ class UpstreamPool:
         if connection is not None:
             sent_at = loop.time()
             try:
-                return await self._exchange(connection, head, body, deadline)
+                return await self._exchange(connection, head, body, deadline, interrupt)
             except _ClosedUnanswered:
                 if loop.time() - sent_at > _STALE_CLOSE_WINDOW_S:
                     raise
         connection = await self._connect(target.origin, min(connect_timeout_s, deadline - loop.time()))
-        return await self._exchange(connection, head, body, deadline)
+        return await self._exchange(connection, head, body, deadline, interrupt)
 
-    async def _exchange(self, connection: _Connection, head: bytes, body: bytes, deadline: float
-                        ) -> UpstreamResponse:
-        response = UpstreamResponse(self, connection)
+    async def _exchange(self, connection: _Connection, head: bytes, body: bytes, deadline: float,
+                        interrupt: Interrupt | None) -> UpstreamResponse:
+        response = UpstreamResponse(self, connection, interrupt)
         try:
             connection.send(head, body)
+            if interrupt is not None:
+                interrupt._attach(connection)
             await connection.wait_head(deadline)
         except BaseException:
             response.close()
@@ -208,10 +253,10 @@ def _parse_target(base_url: str) -> _Target:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         host_header = parts.netloc.rpartition("@")[2]
         host_header.encode("ascii")
-    except (ValueError, UnicodeError) as exc:
-        raise UpstreamError(f"not a usable replica URL: {base_url!r}: {exc}") from exc
+    except (ValueError, UnicodeError) as exc:  # its text may quote the user part: only its class
+        raise UpstreamError(f"not a usable replica URL: {public_url(base_url)!r} ({type(exc).__name__})") from exc
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UpstreamError(f"not an http(s) URL: {base_url!r}")
+        raise UpstreamError(f"not an http(s) URL: {public_url(base_url)!r}")
     headers = f"Host: {host_header}\r\n"
     if parts.username is not None:  # http://user:password@host, as aiohttp's client sent it
         credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
@@ -223,9 +268,10 @@ def _parse_target(base_url: str) -> _Target:
 class UpstreamResponse:
     """One answer from a replica: `status`, `headers` (lower-case names), and the body through `read`."""
 
-    def __init__(self, pool: UpstreamPool, connection: _Connection) -> None:
+    def __init__(self, pool: UpstreamPool, connection: _Connection, interrupt: Interrupt | None = None) -> None:
         self._pool = pool
         self._connection: _Connection | None = connection
+        self._interrupt = interrupt
 
     @property
     def status(self) -> int:
@@ -265,6 +311,8 @@ class UpstreamResponse:
             self.close()
             return
         connection, self._connection = self._connection, None
+        if self._interrupt is not None:
+            self._interrupt._detach()  # the connection may serve another request now: never fail that one
         self._pool._release(connection)
 
     def close(self) -> None:
@@ -292,6 +340,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self.idle_in: collections.deque[_Connection] | None = None  # the pool's idle list holding it
         self.idle_since = 0.0  # loop time it went idle
+        self.heard_at = 0.0  # loop time of the last byte from the replica, or of the request sent after it
         self.error: UpstreamError | None = None
         self._reset()
 
@@ -319,6 +368,7 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamError("the replica sent bytes outside any response"))
             return
         self._answered = True
+        self.heard_at = self._loop.time()
         if not self.head_done:
             self._num_head_bytes += len(data)
             if self._num_head_bytes > _MAX_HEAD_BYTES:
@@ -404,7 +454,13 @@ class _Connection(asyncio.Protocol):
         if self._transport is None or self._transport.is_closing():
             raise _ClosedUnanswered("the connection closed before the request was sent")
         self._reset()
+        self.heard_at = self._loop.time()
         self._transport.write(head + body)
+
+    def silent_for(self, silent_for_s: float) -> bool:
+        """Nothing came from the replica for `silent_for_s` seconds and nothing waits to be read: bytes held
+        back while a slow client catches up are the gateway's wait, not the replica's silence."""
+        return not self.body and self._loop.time() - self.heard_at >= silent_for_s
 
     async def wait_head(self, deadline: float) -> None:
         """Until the final head is in; TimeoutError at `deadline` (loop time)."""

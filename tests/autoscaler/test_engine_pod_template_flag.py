@@ -43,16 +43,16 @@ def test_a_missing_or_unparsable_template_is_one_line_naming_the_file(tmp_path: 
 
 def test_the_state_password_is_not_printed(tmp_path: Path) -> None:
     """The chart passes the Redis password inside --state (from a Secret, through $(REDIS_PASSWORD))."""
-    port = free_loopback_port()  # nothing listens: the autoscaler waits as standby and says so each tick
+    port = free_loopback_port()  # nothing listens: the autoscaler waits as standby and says so
     log_path = tmp_path / "autoscaler.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvgate.autoscaler", "--registry", str(write_registry(tmp_path)),
              "--state", f"redis://:hunter2@127.0.0.1:{port}/0", "--interval-s", "0.2"],
             stdout=log, stderr=subprocess.STDOUT)
-    try:  # the start-up line, then standby ticks, each logging the store it cannot reach
-        eventually_sync(lambda: log_path.read_text().count("acting as standby this tick") >= 3,
-                        lambda: f"three standby ticks in the log:\n{log_path.read_text()[-3000:]}")
+    try:  # the start-up line, then a standby tick logging the store it cannot reach (and then one a minute)
+        eventually_sync(lambda: "acting as standby this tick" in log_path.read_text(),
+                        lambda: f"a standby tick in the log:\n{log_path.read_text()[-3000:]}")
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=10)

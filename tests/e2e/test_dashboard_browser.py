@@ -86,6 +86,7 @@ async def test_dashboard_shows_live_traffic_in_headless_chromium(tmp_path: Path,
             errors = collect_errors(page)
             await page.goto(f"{stack.url}/dashboard?token={TOKEN}")
             await expect(page.locator("#conn")).to_have_text("live")
+            assert TOKEN not in page.url  # taken off the address bar (and so the history and Referer)
             await expect(page.locator("#no-autoscaler")).to_be_visible()
             await expect(page.locator("#total-requests")).to_have_text("0")
             await expect(page.locator('tr[data-replica="engine-0"]')).to_contain_text("node-b")

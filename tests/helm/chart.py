@@ -98,7 +98,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "vllm-fleet": {"registry": {"files": {"models.yaml": VLLM_FLEET}}, "gateway": {"extraEnv": [
         {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "vllm", "key": "api-key"}}}]}},
     "existing-secrets": {"adminToken": {"existingSecret": "kvgate-admin", "existingSecretKey": "token"},
+                         "metricsToken": {"existingSecret": "kvgate-metrics", "existingSecretKey": "scrape-token"},
                          "redis": {"auth": {"existingSecret": "kvgate-redis", "existingSecretKey": "password"}}},
+    "service-monitor": {"gateway": {"serviceMonitor": {"enabled": True, "interval": "15s", "scrapeTimeout": "10s",
+                                                       "labels": {"release": "prometheus"}}}},
     "tuned": {"gateway": {"replicas": 4, "drainTimeoutSeconds": 120, "preStopSleepSeconds": 10,
                           "extraArgs": ["--member-grace-s", "300", "--max-body-bytes", "16777216"]},
               "autoscaler": {"intervalSeconds": 2, "leaseTtlSeconds": 20,

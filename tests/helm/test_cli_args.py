@@ -8,10 +8,12 @@ import argparse
 import contextlib
 import importlib
 import io
+import logging
 
 import pytest
 
 from kvgate import cli
+from kvgate.router.operator_access import plan_access
 from tests.helm.chart import FULLNAME, VALUE_SETS, containers, manifests, with_registry
 
 
@@ -71,6 +73,21 @@ def test_the_parsed_arguments_are_the_ones_the_chart_means() -> None:
     assert autoscaler.engine_pod_template == "/etc/kvgate/engine/pod-template.yaml"
     assert autoscaler.holder == "$(POD_NAME)" and autoscaler.log_level == "DEBUG"
     assert parsed["gateway/validate-registry"].sources == ["/etc/kvgate/registry"]
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_the_gateway_would_start_on_its_address_with_tokens_from_its_environment(value_set: str) -> None:
+    """`kvgate router` refuses to start beyond loopback without an admin token: the chart's gateway, on 0.0.0.0,
+    gets one (and a metrics token) from Secrets in its environment, so it starts guarded and without a warning."""
+    [(_, gateway)] = [(w, c) for w, c in kvgate_containers(VALUE_SETS[value_set]) if w.endswith("gateway/gateway")]
+    args = parse_kvgate(gateway["args"])
+    environ = {e["name"]: "from-a-secret" for e in gateway["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    plan = plan_access(args.host, flag_token=args.admin_token, environ=environ, insecure_open=args.insecure_open_admin)
+    assert plan.refusal is None and plan.admin_token and plan.metrics_token
+    assert not args.admin_token and not args.insecure_open_admin  # no token in `ps`, nothing left open
+    assert all(level < logging.WARNING for level, _ in plan.notices)
+    refused = plan_access(args.host, flag_token=None, environ={}, insecure_open=False)
+    assert refused.refusal  # the check can fail: without the Secrets it would not start
 
 
 def test_an_argument_the_cli_does_not_know_is_caught() -> None:

@@ -1,10 +1,11 @@
 """The chart, rendered by Helm's own engine for several value sets: every object is valid Kubernetes
 (kubernetes-validate, strict: unknown fields are errors), and each value set renders what it promises.
 
-kubernetes-validate knows the built-in kinds only. The one CRD kind the chart renders, the Gateway API
-HTTPRoute, is checked against HTTPROUTE_V1 below: a JSON Schema written here from the
-gateway.networking.k8s.io/v1 HTTPRoute CRD for the fields the chart uses (types, patterns, limits,
-no unknown fields), not the CRD itself. A cluster's own API server is the final word on it.
+kubernetes-validate knows the built-in kinds only. The CRD kinds the chart renders, the Gateway API
+HTTPRoute and prometheus-operator's ServiceMonitor, are checked against HTTPROUTE_V1 and SERVICEMONITOR_V1
+below: JSON Schemas written here from the gateway.networking.k8s.io/v1 HTTPRoute and monitoring.coreos.com/v1
+ServiceMonitor CRDs for the fields the chart uses (types, patterns, limits, no unknown fields), not the CRDs
+themselves. A cluster's own API server is the final word on them.
 """
 
 from __future__ import annotations
@@ -63,9 +64,36 @@ HTTPROUTE_V1 = {
 }
 
 
+# prometheus-operator's Duration (monitoring.coreos.com/v1 CRD, v0.75).
+_PROM_DURATION = "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+_SECRET_KEY = {"type": "object", "additionalProperties": False, "required": ["key"], "properties": {
+    "name": {"type": "string"}, "key": {"type": "string"}, "optional": {"type": "boolean"}}}
+SERVICEMONITOR_V1 = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "ServiceMonitor"},
+        "metadata": HTTPROUTE_V1["properties"]["metadata"],
+        "spec": {"type": "object", "additionalProperties": False, "required": ["selector"], "properties": {
+            "selector": {"type": "object", "additionalProperties": False, "properties": {
+                "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+            "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
+                "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+            "endpoints": {"type": "array", "items": {
+                "type": "object", "additionalProperties": False, "properties": {
+                    "port": {"type": "string"}, "path": {"type": "string"}, "scheme": {"enum": ["http", "https"]},
+                    "interval": {"type": "string", "pattern": _PROM_DURATION},
+                    "scrapeTimeout": {"type": "string", "pattern": _PROM_DURATION},
+                    "authorization": {"type": "object", "additionalProperties": False, "properties": {
+                        "type": {"type": "string"}, "credentials": _SECRET_KEY}}}}}}},
+    },
+}
+
+
 def validate(obj: dict[str, Any]) -> None:
     if obj["kind"] == "HTTPRoute":
         jsonschema.validate(obj, HTTPROUTE_V1)
+    elif obj["kind"] == "ServiceMonitor":
+        jsonschema.validate(obj, SERVICEMONITOR_V1)
     else:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
@@ -151,14 +179,66 @@ def test_every_kvgate_container_runs_restricted() -> None:
             assert container["resources"]["requests"]
 
 
-def test_the_gateway_listens_on_all_addresses_only_with_an_admin_token_from_a_secret() -> None:
+def test_the_gateway_listens_on_all_addresses_only_with_admin_and_metrics_tokens_from_secrets() -> None:
     objects = manifests(with_registry({}))
     [container] = find(objects, "Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"]["containers"]
     assert container["args"][container["args"].index("--host") + 1] == "0.0.0.0"
-    [token] = [e for e in container["env"] if e["name"] == "KVGATE_ADMIN_TOKEN"]
-    assert token["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-admin-token", "key": "admin-token"}
-    secret = find(objects, "Secret", f"{FULLNAME}-admin-token")
-    assert re.fullmatch(r"[A-Za-z0-9+/=]{40,}", secret["data"]["admin-token"])
+    assert not [arg for arg in container["args"] if "token" in arg]  # `ps` would show it
+    for env, name in (("KVGATE_ADMIN_TOKEN", "admin-token"), ("KVGATE_METRICS_TOKEN", "metrics-token")):
+        [token] = [e for e in container["env"] if e["name"] == env]
+        assert token["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-{name}", "key": name}
+        secret = find(objects, "Secret", f"{FULLNAME}-{name}")
+        assert re.fullmatch(r"[A-Za-z0-9+/=]{40,}", secret["data"][name])
+    assert not [o for o in objects if o["kind"] == "ServiceMonitor"]  # its CRD may be missing: opt in
+
+
+def test_tenants_api_key_secret_reaches_the_gateway_only_from_a_secret_the_user_names() -> None:
+    def key_env(values: dict[str, Any]) -> list[dict[str, Any]]:
+        objects = manifests(with_registry(values))
+        [container] = find(objects, "Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"]["containers"]
+        return [e for e in container["env"] if e["name"] == "KVGATE_KEY_SECRET"]
+
+    assert key_env({}) == []  # never generated: the registry's HMACs must be made with the same secret
+    [env] = key_env({"apiKeys": {"existingSecret": "kvgate-keys", "existingSecretKey": "hmac"}})
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "kvgate-keys", "key": "hmac"}
+
+
+def test_the_service_monitor_scrapes_the_gateway_service_with_the_metrics_token() -> None:
+    for values, secret, key in ((VALUE_SETS["service-monitor"], f"{FULLNAME}-metrics-token", "metrics-token"),
+                                (merged(VALUE_SETS["service-monitor"], VALUE_SETS["existing-secrets"]),
+                                 "kvgate-metrics", "scrape-token")):
+        objects = manifests(with_registry(values))
+        monitor = find(objects, "ServiceMonitor", f"{FULLNAME}-gateway")
+        service = find(objects, "Service", f"{FULLNAME}-gateway")
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        [endpoint] = monitor["spec"]["endpoints"]
+        assert endpoint["port"] in [port["name"] for port in service["spec"]["ports"]]
+        assert (endpoint["path"], endpoint["interval"], endpoint["scrapeTimeout"]) == ("/metrics", "15s", "10s")
+        assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": secret, "key": key}}
+        [gateway] = find(objects, "Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"]["containers"]
+        [token] = [e for e in gateway["env"] if e["name"] == "KVGATE_METRICS_TOKEN"]
+        assert token["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}  # the one the gateway takes
+
+
+def test_the_service_monitor_check_catches_a_bad_monitor() -> None:
+    monitor = find(manifests(with_registry(VALUE_SETS["service-monitor"])), "ServiceMonitor", f"{FULLNAME}-gateway")
+    monitor["spec"]["endpoints"][0]["bearerToken"] = "s3cret"  # a plain token field the chart must never write
+    with pytest.raises(jsonschema.ValidationError):
+        validate(monitor)
+
+
+def merged(*value_sets: dict[str, Any]) -> dict[str, Any]:
+    """Value sets layered as several `-f` files are (a later one wins key by key)."""
+    def merge(into: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+        for key, value in values.items():
+            into[key] = merge(dict(into.get(key, {})), value) if isinstance(value, dict) else value
+        return into
+    result: dict[str, Any] = {}
+    for values in value_sets:
+        merge(result, values)
+    return result
 
 
 def test_existing_secrets_are_referenced_and_none_is_created() -> None:
@@ -167,6 +247,7 @@ def test_existing_secrets_are_referenced_and_none_is_created() -> None:
     [gateway] = find(objects, "Deployment", f"{FULLNAME}-gateway")["spec"]["template"]["spec"]["containers"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in gateway["env"] if "valueFrom" in e}
     assert refs == {"KVGATE_ADMIN_TOKEN": {"name": "kvgate-admin", "key": "token"},
+                    "KVGATE_METRICS_TOKEN": {"name": "kvgate-metrics", "key": "scrape-token"},
                     "KVGATE_REDIS_PASSWORD": {"name": "kvgate-redis", "key": "password"}}
     redis = find(objects, "StatefulSet", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"][0]
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in redis["env"]} == {"kvgate-redis"}

@@ -26,6 +26,10 @@ from tests.registry.kubelet_volume import KubeletVolume
     ({"autoscaler": {"intervalSeconds": 0}}, "at '/autoscaler/intervalSeconds': exclusiveMinimum: got 0, want 0"),
     ({"cluster": "Prod_1"}, "at '/cluster': 'Prod_1' does not match pattern"),
     ({"gateway": {"httpRoute": {"enabled": True}}}, "at '/gateway/httpRoute/parentRefs': minItems: got 0, want 1"),
+    ({"gateway": {"serviceMonitor": {"interval": "15 seconds"}}},
+     "at '/gateway/serviceMonitor/interval': '15 seconds' does not match pattern"),
+    # A token is never a plain value: it comes from a Secret.
+    ({"metricsToken": {"token": "s3cret"}}, "at '/metricsToken': additional properties 'token' not allowed"),
     # A password in the URL would sit in plain values: it must come from externalRedis.existingSecret.
     ({"redis": {"enabled": False}, "externalRedis": {"url": "redis://:hunter2@redis.example:6379/0"}},
      "at '/externalRedis/url': 'redis://:hunter2@redis.example:6379/0' does not match pattern"),

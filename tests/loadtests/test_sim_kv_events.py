@@ -28,6 +28,7 @@ from loadtests.sim_replica_model import PrefixCache, Scheduler, SchedulerSpec, S
 from loadtests.sim_state import SimTokens
 from kvgate.router.prompt_tokens import prompt_token_ids
 from kvgate.router.proxy import REPLICA_HEADER
+from kvgate.router.membership import static_replica_id
 from kvgate.router.replicas import ReplicaTracker
 from tests.engine.builtin_cache import smollm2_dir
 from tests.eventually import eventually
@@ -168,7 +169,8 @@ async def test_a_gateway_routes_sims_on_their_kv_blocks_and_predicts_their_hits_
             # ...and the sim's events tell the gateway its whole chain, under the adapter's own hashes.
             chain = set(hash_blocks(ids, 16, model if model == ADAPTER else None))
             await eventually(lambda: chain <= index.cached)
-        assert sum(tracker.blocks.get(s.url).stats().realised_cached_tokens_total for s in sims) == realised_total
+        assert sum(tracker.blocks.get(static_replica_id(MODEL, i)).stats().realised_cached_tokens_total
+                   for i in range(len(sims))) == realised_total
 
 
 async def test_kv_events_after_evictions_match_the_sims_cache(tokens: SimTokens) -> None:

@@ -23,6 +23,7 @@ from loadtests.sim_replica_model import SchedulerSpec
 from kvgate.clock import Clock
 from kvgate.state.base import StateStore
 from kvgate.router.app import GatewaySettings
+from kvgate.router.membership import static_replica_id
 from kvgate.router.replicas import ReplicaTracker
 from tests.eventually import eventually
 from tests.gateway_harness import running_gateway
@@ -40,7 +41,8 @@ spec:
 """
 
 
-def write_registry(root: Path, urls: list[str], routing: str = "", backend: str = "openai") -> None:
+def write_registry(root: Path, urls: list[str], routing: str = "", backend: str = "openai", spec: str = "") -> None:
+    """`spec`: more of model m's spec, one YAML line (`limits: {max_n: 2}`)."""
     static = ", ".join(f"{{url: '{u}', backend: {backend}}}" for u in urls)
     (root / "registry.yaml").write_text(f"""apiVersion: kvgate/v1
 kind: Model
@@ -48,6 +50,7 @@ metadata: {{name: m}}
 spec:
   source: builtin:tiny-llama
   routing: {{prefix_chunk_chars: 64, max_retries: 2, static_replicas: [{static}] {routing}}}
+  {spec}
 ---
 apiVersion: kvgate/v1
 kind: Adapter
@@ -72,6 +75,10 @@ class Gateway:
     sims: list[SimReplicaServer]
     client: openai.AsyncOpenAI
 
+    def id_of(self, sim: SimReplicaServer) -> str:
+        """The public id the gateway gives `sim` (the x-kvgate-replica header, the metrics' replica label)."""
+        return static_id([s.url for s in self.sims], sim.url)
+
     async def stats(self, sim: SimReplicaServer) -> dict:
         async with aiohttp.ClientSession() as s, s.get(sim.url + "/stats") as r:
             return await r.json()
@@ -89,13 +96,13 @@ class Gateway:
 async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
                   settings: GatewaySettings | None = None, sim_spec: SchedulerSpec = FAST_SIM,
                   other_urls: tuple[str, ...] = (), store: StateStore | None = None,
-                  backend: str = "openai", clock: Clock | None = None) -> AsyncIterator[Gateway]:
+                  backend: str = "openai", clock: Clock | None = None, spec: str = "") -> AsyncIterator[Gateway]:
     """The gateway over `num_replicas` fresh sims (plus `other_urls`), once every sim has answered its
     first health check, so that a failure mode a test switches on is met by requests, not by that check.
-    `clock`: see `running_gateway`."""
+    `clock`: see `running_gateway`; `spec`: see `write_registry`."""
     sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec))
             for _ in range(num_replicas)]
-    write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing, backend)
+    write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing, backend, spec)
     checked: set[str] = set()  # replicas that answered one of the gateway's health checks
     try:
         async with aiohttp.ClientSession(trace_configs=[health_answers_into(checked)]) as http, \
@@ -110,6 +117,11 @@ async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
     finally:
         for sim in sims:
             await sim.close()
+
+
+def static_id(urls: list[str], url: str, model: str = "m") -> str:
+    """The public id of the static replica at `url`, where `urls` are its model's in the registry's order."""
+    return static_replica_id(model, urls.index(url))
 
 
 def health_answers_into(checked: set[str]) -> aiohttp.TraceConfig:

@@ -115,6 +115,22 @@ async def test_a_status_record_of_a_newer_release_reads_as_no_autoscaler_and_is_
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["skipping state store record autoscaler/status"]
 
 
+async def test_a_broken_status_record_read_at_every_sample_is_logged_once_a_minute(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The sampler reads the status record every 2 s: 60 reads over two minutes of a broken one are 2 lines."""
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    dash = _dashboard(clock, RouterMetrics(), store=store)
+    await store.put_record(STATUS_COLLECTION, STATUS_ID, {"schema_version": 1, "models": "not a mapping"})
+    with caplog.at_level(logging.WARNING, logger="kvgate.router.dashboard"):
+        for _ in range(60):
+            assert await dash.autoscaler_status() is None  # the page says "no autoscaler"
+            await clock.advance(2.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(line.startswith("the autoscaler status record does not parse") for line in lines)
+    assert lines[1].endswith(" (29 more in the last 60 s)"), lines
+
+
 def _traffic(metrics: RouterMetrics, dash: Dashboard, n: int, ttft_s: float) -> None:
     for _ in range(n):
         metrics.requests.labels("a", "r1", "success").inc()

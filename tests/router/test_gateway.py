@@ -382,13 +382,13 @@ async def test_metrics_expose_the_router_series(tmp_path: Path) -> None:
             assert name in text, name
         assert 'kvgate_router_replicas{model="m",state="ready"} 1.0' in text
         await gw.sims[0].close()
-        gw.tracker._apply_health(gw.sims[0].url, False)  # what the next health check finds
+        gw.tracker._apply_health(gw.id_of(gw.sims[0]), False)  # what the next health check finds
         async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
             after = await r.text()
         assert 'kvgate_router_replicas{model="m",state="unhealthy"} 1.0' in after
         assert 'kvgate_router_replicas{model="m",state="ready"} 0.0' in after  # an alert on ready == 0 fires
         assert 'kvgate_router_replicas{model="cold",state="ready"} 0.0' in after  # a model with no replica too
-        assert f'kvgate_router_requests_total{{model="m",outcome="success",replica="{gw.sims[0].url}"}} 2.0' in text
+        assert f'kvgate_router_requests_total{{model="m",outcome="success",replica="m-static-0"}} 2.0' in text
         realised = next(line for line in text.splitlines()
                         if line.startswith('kvgate_router_prefix_realised_tokens_total{model="m"}'))
         assert float(realised.split()[-1]) > 0
@@ -425,6 +425,7 @@ async def test_a_replica_that_left_loses_its_metric_series_after_the_grace_perio
     settings = GatewaySettings(retire_replica_series_after_s=0.3)
     async with gateway(tmp_path, num_replicas=2, settings=settings, clock=clock) as gw:
         kept, left = gw.sims
+        kept_id, left_id = gw.id_of(kept), gw.id_of(left)  # "m-static-0", "m-static-1"
         for i in range(12):  # distinct openings: rendezvous places them on both
             await gw.client.chat.completions.create(**chat(f"question {i} " + LONG_PROMPT))
 
@@ -432,18 +433,18 @@ async def test_a_replica_that_left_loses_its_metric_series_after_the_grace_perio
             async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
                 return await r.text()
 
-        assert f'replica="{left.url}"' in await exported() and f'replica="{kept.url}"' in await exported()
+        assert f'replica="{left_id}"' in await exported() and f'replica="{kept_id}"' in await exported()
         write_registry(tmp_path, [kept.url])
         gw.tracker.update_registry(load_registry(tmp_path))  # what the registry watcher does on reload
         await clock.advance(0.2)
-        assert f'replica="{left.url}"' in await exported()  # scrapes still read its last counts for a while
+        assert f'replica="{left_id}"' in await exported()  # scrapes still read its last counts for a while
         await clock.advance(0.5)  # past the grace, with the retirement check every 0.075 s on the way
 
         async def left_series_gone() -> bool:
-            return f'replica="{left.url}"' not in await exported()
+            return f'replica="{left_id}"' not in await exported()
         await eventually(left_series_gone, "the series of the replica that left are dropped")
-        assert f'replica="{kept.url}"' in await exported()
-        assert left.url not in gw.tracker.replica_ids()
+        assert f'replica="{kept_id}"' in await exported()
+        assert left_id not in gw.tracker.replica_ids()
 
 
 async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_the_end(tmp_path: Path) -> None:

@@ -18,11 +18,13 @@ import aiohttp
 import openai
 import pytest
 
+from kvgate.router.membership import static_replica_id
 from kvgate.router.proxy import REPLICA_HEADER
 from kvgate.router.replicas import ReplicaTracker
 from tests.engine.peft_files import write_peft_dir
 from tests.eventually import eventually
 from tests.gateway_harness import running_gateway
+from tests.router.sim_gateway import static_id
 from tests.services import free_loopback_port
 from tests.engine_server.test_process import SERVED, Replica, start_replica, stop
 
@@ -66,6 +68,14 @@ class Gateway:
     url: str
     client: openai.AsyncOpenAI
     tracker: ReplicaTracker
+    engines: list[Engine]  # the static replicas it fronts, in the registry's order
+
+    def id_of(self, engine: Engine) -> str:
+        """The engine's public id in this gateway (x-kvgate-replica): its place in this gateway's registry."""
+        return static_id([e.url for e in self.engines], engine.url, SERVED)
+
+    def engine_at(self, replica_id: str) -> Engine:
+        return next(e for e in self.engines if self.id_of(e) == replica_id)
 
     async def admin_stats(self) -> dict:
         async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/stats") as r:
@@ -93,8 +103,8 @@ spec: {{base_model: {SERVED}, source: /adapters/{ADAPTER}, rank: 4}}
         try:
             urls = {e.url for e in engines}
             await eventually(lambda: all(r.kv_blocks_total > 0 for r in tracker.view(SERVED).replicas
-                                         if r.replica_id in urls))  # the engines' streams are up
-            yield Gateway(url, client, tracker)
+                                         if r.url in urls))  # the engines' streams are up
+            yield Gateway(url, client, tracker, engines)
         finally:
             await client.close()
 
@@ -110,10 +120,6 @@ async def settled(gw: Gateway, replica_id: str) -> None:
     what the engine kept of it."""
     await eventually(lambda: not gw.tracker.blocks.get(replica_id).predicted,
                      f"the state reports of {replica_id} after its requests")
-
-
-def engine_at(engines: list[Engine], url: str) -> Engine:
-    return next(e for e in engines if e.url == url)
 
 
 async def test_the_openai_sdk_streams_and_not_through_the_gateway(tmp_path: Path, engines: list[Engine]) -> None:
@@ -157,7 +163,7 @@ async def test_a_client_that_drops_a_stream_aborts_it_in_the_engine(tmp_path: Pa
             response = await s.post(gw.url + "/v1/completions", json=body)
             assert response.status == 200
             await response.content.readline()
-            engine = engine_at(engines, response.headers[REPLICA_HEADER])
+            engine = gw.engine_at(response.headers[REPLICA_HEADER])
             response.close()  # the client goes away after the first event
         aborted = "kvgate_engine_requests_aborted_total"
         await eventually(lambda: engine.metric(aborted) > aborted_before[engine.url])
@@ -263,15 +269,15 @@ async def test_two_gateways_that_share_nothing_agree_through_the_engines_events(
                 body = {"model": SERVED, "prompt": prompt, "max_tokens": 1}
                 async with s.post(gw_a.url + "/v1/completions", json=body) as response:
                     assert response.status == 200, await response.text()
-                    assert response.headers[REPLICA_HEADER] == engines[1].url
-            await settled(gw_a, engines[1].url)
-            await eventually(lambda: gw_a.tracker.blocks.get(engines[1].url).cached
-                             <= gw_b.tracker.blocks.get(engines[1].url).cached,
+                    assert response.headers[REPLICA_HEADER] == gw_a.id_of(engines[1])  # its first: -static-0
+            await settled(gw_a, gw_a.id_of(engines[1]))
+            await eventually(lambda: gw_a.tracker.blocks.get(gw_a.id_of(engines[1])).cached
+                             <= gw_b.tracker.blocks.get(gw_b.id_of(engines[1])).cached,
                              "B holds every block engine 1 reported to A")  # one stream's reports, to both
             for prompt in prompts:
                 body = {"model": SERVED, "prompt": prompt + " And then?", "max_tokens": 1}
                 async with s.post(gw_b.url + "/v1/completions", json=body) as response:
-                    assert response.headers[REPLICA_HEADER] == engines[1].url
+                    assert response.headers[REPLICA_HEADER] == gw_b.id_of(engines[1])  # its second: -static-1
                     assert (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         reasons = [d["reason"] for d in (await gw_b.admin_stats())["recent_decisions"]]
         assert reasons == ["prefix_hit"] * len(prompts)
@@ -288,7 +294,7 @@ async def test_a_fleet_with_a_foreign_server_routes_on_text_and_a_dead_stream_co
     async with gateway(tmp_path / "dead", engines,
                        f"{{url: 'http://{dead}', backend: kvgate, grpc_target: '{dead}'}}") as gw:
         await on_kv_blocks(gw)
-        assert gw.tracker.blocks.match_length(f"http://{dead}", (1, 2, 3)) == 0
+        assert gw.tracker.blocks.match_length(static_replica_id(SERVED, len(engines)), (1, 2, 3)) == 0
         assert (await gw.admin_stats())["models"][SERVED]["routes_on"] == "kv_blocks"
     from loadtests.sim_replica import SimReplicaConfig, start_sim_replica  # a vLLM stand-in: /health, /metrics
 
@@ -301,7 +307,7 @@ async def test_a_fleet_with_a_foreign_server_routes_on_text_and_a_dead_stream_co
 
 async def _on_text_with(tmp_path: Path, engines: list[Engine], foreign: str) -> None:
     async with gateway(tmp_path, engines, f"{{url: '{foreign}', backend: vllm}}") as gw:
-        await eventually(lambda: all(gw.tracker.blocks.is_synced(e.url) for e in engines))
+        await eventually(lambda: all(gw.tracker.blocks.is_synced(gw.id_of(e)) for e in engines))
         await eventually(lambda: gw.tracker.tokenizers.get(SERVED), "an engine sent its tokenizer")
         # The tokenizer is there and the engines' streams are synced, yet the model stays on text:
         assert gw.tracker.num_ready(SERVED) == 3  # the vLLM stand-in is routable: it is why this is on text

@@ -68,11 +68,11 @@ async def test_a_failing_replica_is_retried_elsewhere_and_never_twice(tmp_path: 
         for i in range(6):
             before = [(await gw.stats(s))["num_failures_injected"] for s in gw.sims[:2]]
             raw = await gw.client.chat.completions.with_raw_response.create(**chat(f"distinct prompt {i} " * 20))
-            assert raw.headers[REPLICA_HEADER] == gw.sims[2].url
+            assert raw.headers[REPLICA_HEADER] == gw.id_of(gw.sims[2])
             after = [(await gw.stats(s))["num_failures_injected"] for s in gw.sims[:2]]
             assert all(a - b <= 1 for a, b in zip(after, before)), "a failed replica was tried twice"
         # every attempt's prefix chain left the in-flight count, the failed ones too
-        assert [gw.tracker.in_flight_chains.num_hashes(s.url) for s in gw.sims] == [0, 0, 0]
+        assert [gw.tracker.in_flight_chains.num_hashes(gw.id_of(s)) for s in gw.sims] == [0, 0, 0]
 
 
 async def test_when_every_replica_fails_the_upstream_error_passes_through(tmp_path: Path) -> None:
@@ -106,7 +106,7 @@ async def test_a_stalled_replica_is_left_after_the_first_byte_timeout(tmp_path: 
         await gw.fail(gw.sims[0], mode="stall")
         for i in range(3):
             raw = await gw.client.chat.completions.with_raw_response.create(**chat(f"stall {i}"))
-            assert raw.headers[REPLICA_HEADER] == gw.sims[1].url
+            assert raw.headers[REPLICA_HEADER] == gw.id_of(gw.sims[1])
 
 
 async def test_a_stall_with_nowhere_to_retry_is_a_504(tmp_path: Path) -> None:
@@ -129,4 +129,4 @@ async def test_a_client_that_goes_away_aborts_the_upstream_request(tmp_path: Pat
             return (await gw.stats(gw.sims[0]))["num_aborted"] >= 1
         await eventually(aborted, "the replica aborted the request")
         assert (await gw.stats(gw.sims[0]))["num_aborted"] == 1
-        assert gw.tracker.in_flight_chains.num_hashes(gw.sims[0].url) == 0  # no longer counted in flight
+        assert gw.tracker.in_flight_chains.num_hashes(gw.id_of(gw.sims[0])) == 0  # no longer counted in flight

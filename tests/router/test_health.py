@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.router.health import Ejection, Health, after_check, after_request, newly_ejected, readmitted
+from kvgate.router.health import (Ejection, Health, after_check, after_request, newly_ejected, newly_unresponsive,
+                                  unresponsive,
+                                  readmitted)
 
 EJECT = Ejection(after_failures=3, for_s=10.0)
 
@@ -54,3 +56,31 @@ def test_ejection_and_readmission_are_the_changes_that_start_and_end_an_ejection
     out, back = Health(consecutive_failures=3, ejected_until=10.0), Health()
     assert newly_ejected(back, out) and not newly_ejected(out, out) and not newly_ejected(out, back)
     assert readmitted(out, back) and not readmitted(back, back) and not readmitted(back, out)
+
+
+@pytest.mark.parametrize(("before", "ok", "answered", "after"), [
+    (Health(), False, False, Health(failed_checks=1, unanswered_checks=1)),  # no answer: a failed check too
+    (Health(failed_checks=1, unanswered_checks=1), False, False, Health(failed_checks=2, unanswered_checks=2)),
+    # an answer of any status ends the silence: a draining replica's 503 is not a frozen process
+    (Health(failed_checks=2, unanswered_checks=2), False, True, Health(failed_checks=3)),
+    (Health(failed_checks=2, unanswered_checks=2), True, True, Health()),
+])
+def test_checks_without_any_answer_are_counted_apart_from_checks_that_fail(
+        before: Health, ok: bool, answered: bool, after: Health) -> None:
+    assert after_check(before, ok, 0.0, answered) == after
+
+
+def test_a_replica_is_unresponsive_from_its_second_unanswered_check_until_it_answers() -> None:
+    assert [unresponsive(Health(unanswered_checks=n), after_checks=2) for n in (0, 1, 2, 3)] == [False, False, True, True]
+    assert not unresponsive(after_check(Health(unanswered_checks=3), False, 0.0, answered=True), after_checks=2)
+
+
+@pytest.mark.parametrize(("before", "after", "told"), [
+    (Health(unanswered_checks=0), Health(unanswered_checks=1), False),  # out of rotation, its requests go on
+    (Health(unanswered_checks=1), Health(unanswered_checks=2), True),  # the second silence in a row: give up
+    (Health(unanswered_checks=2), Health(unanswered_checks=3), False),  # said once per silence (the log line)
+    (Health(failed_checks=5), Health(failed_checks=6), False),  # answering 503 (draining): never
+])
+def test_the_news_is_new_once_per_silence_at_the_second_unanswered_check(
+        before: Health, after: Health, told: bool) -> None:
+    assert newly_unresponsive(before, after, after_checks=2) is told

@@ -11,7 +11,7 @@ from kvgate.registry.schema import Backend
 from kvgate.registry.snapshot import Snapshot
 from kvgate.router.membership import (DEFAULT_BLOCK_SIZE_TOKENS, ModelKnobs, ReplicaSource, Standing, Unlisted,
                                       Upsert, drop_reason, judge_unlisted, member_sources, model_knobs,
-                                      static_sources, upsert)
+                                      public_url, static_sources, upsert)
 from kvgate.state.base import MemberRecord
 from kvgate.state.base import ReplicaState as MemberState
 
@@ -61,9 +61,34 @@ def registry(tmp_path: Path) -> Snapshot:
     return load_registry(tmp_path)
 
 
-def test_static_replicas_are_keyed_by_url_with_no_membership_state(tmp_path: Path) -> None:
+def test_static_replicas_are_keyed_by_an_opaque_id_with_no_membership_state(tmp_path: Path) -> None:
     assert static_sources(registry(tmp_path)) == {
-        "http://s:1": ReplicaSource("http://s:1", "m", "http://s:1", Backend.SGLANG, None, None, "S_KEY")}
+        "m-static-0": ReplicaSource("m-static-0", "m", "http://s:1", Backend.SGLANG, None, None, "S_KEY")}
+
+
+def test_a_static_replicas_id_is_its_place_in_its_models_list_and_hides_its_url(tmp_path: Path) -> None:
+    (tmp_path / "models.yaml").write_text("".join(
+        f"apiVersion: kvgate/v1\nkind: Model\nmetadata: {{name: {name}}}\nspec:\n  source: builtin:tiny-llama\n"
+        f"  routing: {{static_replicas: [{urls}]}}\n---\n" for name, urls in (
+            ("a", "{url: 'http://u:s3cret@10.0.0.5:8000'}, {url: 'http://10.0.0.6:8000'}, "
+                  "{url: 'http://10.0.0.6:8000'}"),
+            ("b", "{url: 'http://10.0.0.6:8000'}"))))
+    sources = static_sources(load_registry(tmp_path))
+    # The same URL twice in one model is tracked once; one server in front of two models is one replica of each.
+    assert {rid: (s.model, s.url) for rid, s in sources.items()} == {
+        "a-static-0": ("a", "http://u:s3cret@10.0.0.5:8000"), "a-static-1": ("a", "http://10.0.0.6:8000"),
+        "b-static-0": ("b", "http://10.0.0.6:8000")}
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("http://u:s3cret@10.0.0.5:8000/v1?api_key=k#f", "http://10.0.0.5:8000/v1"),
+    ("https://:tok@h", "https://h"),
+    ("http://u:a/b?c#d@h:1/x", "http://h:1/x"),  # a password with "/", "?" and "#" unencoded: dropped whole
+    ("http://10.0.0.5:8000", "http://10.0.0.5:8000"),
+    ("u:p@h:1", "h:1"),
+])
+def test_a_public_url_has_no_user_part_query_or_fragment(url: str, shown: str) -> None:
+    assert public_url(url) == shown
 
 
 def test_a_replica_takes_its_models_knobs_or_the_defaults_for_an_undeclared_model(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from kvgate.router.features import build_route_request
 from kvgate.router.outcomes import (Answer, DecisionRecord, DecisionRing, StreamEnd, cached_tokens_of,
-                                    caching_judgement_log, prompt_tokens_of, stream_end, text_chain)
+                                    caching_judgement_log, prompt_tokens_of, stream_end, text_chain,
+                                    tokens_used_of)
 from kvgate.router.policies import Reason, RouteDecision
 from kvgate.router.prefix_index import CachingJudgement
 from kvgate.router.upstream import UpstreamError
@@ -125,6 +126,12 @@ def test_a_stream_ends_well_only_at_done(done: bool, error: Exception | None, ex
     assert stream_end(done, error, idle_timeout_s=2.5) == expected
 
 
+def test_a_stream_given_up_on_a_replica_that_stopped_answering_health_checks_says_so() -> None:
+    end = stream_end(False, UpstreamError("given up"), idle_timeout_s=2.5, unresponsive=True)
+    assert (end.outcome, end.error_code) == ("replica_unhealthy", "replica_unhealthy")
+    assert "stopped answering its health checks" in end.message
+
+
 def decision(replica_id: str = "r1") -> RouteDecision:
     return RouteDecision(replica_id=replica_id, reason=Reason.PREFIX_HIT, predicted_match_chunks=3, load=2,
                          load_cap=5, num_candidates=4)
@@ -146,3 +153,15 @@ def test_the_decision_ring_keeps_the_newest_records_oldest_first() -> None:
                                       wall=float(i)))
     assert [record.replica for record in ring] == ["r2", "r3", "r4"]
     assert [entry["replica"] for entry in ring.as_json()] == ["r2", "r3", "r4"]
+
+
+@pytest.mark.parametrize("payload, used", [
+    ({"usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}, 15),
+    ({"usage": {"prompt_tokens": 10, "completion_tokens": 0}}, 10),
+    ({"usage": {"prompt_tokens": 10}}, None),  # half a usage settles nothing
+    ({"usage": {"prompt_tokens": 10, "completion_tokens": -5}}, None),  # not a count
+    ({"usage": {"prompt_tokens": True, "completion_tokens": 5}}, None),
+    ({"usage": None}, None), ({}, None), (None, None), ([1], None),
+])
+def test_tokens_used_is_prompt_plus_completion_when_both_are_counts(payload: object, used: int | None) -> None:
+    assert tokens_used_of(payload) == used

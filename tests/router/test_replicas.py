@@ -24,11 +24,13 @@ from loadtests.sim_replica_model import SchedulerSpec
 from kvgate.registry.loader import load_registry
 from kvgate.registry.snapshot import Snapshot
 from kvgate.router.prefix_index import DEFAULT_CAPACITY_CHUNKS, capacity_chunks
+from kvgate.router.membership import static_replica_id
 from kvgate.router.replicas import ReplicaTracker, TrackerSettings, bearer_from_env
 from kvgate.router.load_readers import LoadReport, parse_metrics, replica_url
 from tests.eventually import eventually
 
 FAST = {"poll_interval_s": 0.05, "health_interval_s": 0.05}
+ID = static_replica_id("m", 0)  # the id of the first (or only) static replica `registry` declares
 
 
 def registry(tmp_path: Path, replicas: list[str], *, name: str = "m", backend: str = "vllm",
@@ -159,11 +161,11 @@ async def test_static_sim_replica_is_healthy_with_scraped_waiting_and_running(tm
         requests = [asyncio.create_task(http.post(f"{sim.url}/v1/completions", json=body)) for _ in range(3)]
         await eventually(lambda: (only(tracker).num_running, only(tracker).num_waiting) == (1, 2))
         state = only(tracker)
-        assert (state.replica_id, state.url, state.healthy, state.draining) == (sim.url, sim.url, True, False)
-        assert state.max_loaded_adapters == 3 and tracker.num_ready("m") == 1 and tracker.url(sim.url) == sim.url
+        assert (state.replica_id, state.url, state.healthy, state.draining) == (ID, sim.url, True, False)
+        assert state.max_loaded_adapters == 3 and tracker.num_ready("m") == 1 and tracker.url(ID) == sim.url
         # vllm:cache_config_info's block count sizes the prefix index, as for a vLLM server
         assert state.kv_blocks_total == SchedulerSpec().kv_capacity_tokens // 16 and state.block_size_tokens == 16
-        index = tracker.prefixes.get(sim.url)
+        index = tracker.prefixes.get(ID)
         assert index.capacity == capacity_chunks(state.kv_blocks_total, 16, index.chunk_chars) != DEFAULT_CAPACITY_CHUNKS
         for request in requests:
             (await request).close()
@@ -171,21 +173,21 @@ async def test_static_sim_replica_is_healthy_with_scraped_waiting_and_running(tm
 
 async def test_an_attempt_counts_in_flight_pending_prefill_and_its_chain_until_it_ends(tmp_path, sim) -> None:
     async with tracking(registry(tmp_path, [sim.url])) as tracker:
-        first = tracker.start_attempt(sim.url, (1, 2), prefill_tokens=300)
-        second = tracker.start_attempt(sim.url, (1, 3), prefill_tokens=50)
+        first = tracker.start_attempt(ID, (1, 2), prefill_tokens=300)
+        second = tracker.start_attempt(ID, (1, 3), prefill_tokens=50)
         state = only(tracker)
         assert (state.in_flight, state.pending_prefill_tokens) == (2, 350)
-        assert tracker.in_flight_chains.sharing(sim.url, 1) == 2
+        assert tracker.in_flight_chains.sharing(ID, 1) == 2
         first.prefilled()  # its first token
         first.prefilled()  # once only
         assert (only(tracker).in_flight, only(tracker).pending_prefill_tokens) == (2, 50)
         first.end()
         first.end()  # once only
         assert (only(tracker).in_flight, only(tracker).pending_prefill_tokens) == (1, 50)
-        assert tracker.in_flight_chains.sharing(sim.url, 1) == 1
+        assert tracker.in_flight_chains.sharing(ID, 1) == 1
         second.end()  # ended without a first token: its prefill is no longer pending either
         assert (only(tracker).in_flight, only(tracker).pending_prefill_tokens) == (0, 0)
-        assert tracker.in_flight_chains.num_hashes(sim.url) == 0
+        assert tracker.in_flight_chains.num_hashes(ID) == 0
         gone = tracker.start_attempt("gone", (1,), prefill_tokens=10)  # a replica that just left: nothing counted
         gone.end()
         assert tracker.in_flight_chains.num_hashes("gone") == 0
@@ -196,13 +198,13 @@ async def test_three_failures_in_a_row_eject_until_a_probe_after_eject_for_s(tmp
     async with tracking(registry(tmp_path, [sim.url]), clock, poll_interval_s=1.0, health_interval_s=1.0,
                         eject_for_s=10.0) as tracker:
         await eventually(lambda: clock.num_sleepers >= 2)  # first health check and scrape done
-        tracker.report_failure(sim.url)
-        tracker.report_failure(sim.url)
-        tracker.report_success(sim.url)  # resets the run
-        tracker.report_failure(sim.url)
-        tracker.report_failure(sim.url)
+        tracker.report_failure(ID)
+        tracker.report_failure(ID)
+        tracker.report_success(ID)  # resets the run
+        tracker.report_failure(ID)
+        tracker.report_failure(ID)
         assert only(tracker).healthy
-        tracker.report_failure(sim.url)
+        tracker.report_failure(ID)
         assert not only(tracker).healthy and tracker.num_ready("m") == 0
         await clock.advance(5.0)  # probes pass, but the ejection has 5 s to go
         await eventually(lambda: clock.num_sleepers >= 2)  # the probes answered and the loops sleep again
@@ -224,11 +226,48 @@ async def test_a_replica_failing_health_checks_turns_unhealthy_and_back(tmp_path
         await eventually(lambda: only(tracker).healthy)
 
 
+async def test_attempts_are_told_from_the_second_unanswered_health_check_on_never_for_a_503(tmp_path, sim) -> None:
+    """A replica that answers 503 (draining, or sick but alive) is out of rotation and keeps finishing its
+    requests; one that answers nothing twice in a row (here: its port refuses, as a dead one's) loses them."""
+    clock = FakeClock()
+    async with tracking(registry(tmp_path, [sim.url], backend="openai"), clock, health_interval_s=10.0) as tracker, \
+            aiohttp.ClientSession() as http:
+        await eventually(lambda: clock.num_sleepers >= 1)  # the first health check passed
+        told: list[str] = []
+        lease = tracker.start_attempt(ID, ())
+        lease.when_unresponsive(lambda silent_for_s: told.append(f"in flight, if silent {silent_for_s:g} s"))
+        ended = tracker.start_attempt(ID, ())
+        ended.when_unresponsive(lambda silent_for_s: told.append("ended"))
+        ended.end()
+        await (await http.post(f"{sim.url}/admin/fail", json={"mode": "unavailable"})).release()
+        for failed in (1, 2, 3):
+            await clock.advance(10.0)
+            await eventually(lambda failed=failed: tracker._replicas[ID].health.failed_checks == failed)
+        assert not only(tracker).healthy and told == []  # answered, if with 503: nothing is cut off
+        await sim.close()
+        await clock.advance(10.0)
+        await eventually(lambda: tracker._replicas[ID].health.unanswered_checks == 1)
+        assert told == []  # one silence takes nothing but new requests away
+        await clock.advance(10.0)
+        in_flight = "in flight, if silent 5 s"  # interrupt_after_silent_s: one still receiving bytes is spared
+        await eventually(lambda: told == [in_flight])  # the second does; an ended attempt is not told
+        await clock.advance(10.0)
+        await eventually(lambda: told == [in_flight] * 2)  # and every one after, for an attempt that stalls later
+        lease.when_unresponsive(lambda silent_for_s: told.append("again"))
+        assert told == [in_flight] * 2 + ["again"]  # a callback given after the news hears it at once
+
+
 async def test_reload_adds_and_removes_static_replicas(tmp_path, sim) -> None:
     async with tracking(registry(tmp_path, [sim.url])) as tracker:
+        kept = tracker.prefixes.get(ID)
+        tracker.update_registry(registry(tmp_path, [sim.url, "http://127.0.0.1:1"]))
+        assert [(r.replica_id, r.url) for r in tracker.view("m").replicas] == [
+            (ID, sim.url), ("m-static-1", "http://127.0.0.1:1")]
+        assert tracker.prefixes.get(ID) is kept  # unchanged: tracked as it was
         tracker.update_registry(registry(tmp_path, ["http://127.0.0.1:1"]))
-        assert [r.replica_id for r in tracker.view("m").replicas] == ["http://127.0.0.1:1"]
-        assert tracker.prefixes.get(sim.url) is None
+        assert [(r.replica_id, r.url) for r in tracker.view("m").replicas] == [(ID, "http://127.0.0.1:1")]
+        # Another server in the first place: a new record under that id, and the second id is gone.
+        assert tracker.prefixes.get(ID) is not kept and tracker.prefixes.get("m-static-1") is None
         await eventually(lambda: not only(tracker).healthy)  # nothing listens on port 1
 
 
@@ -302,27 +341,32 @@ def poll_failures(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.getMessage().startswith("membership poll failed")]
 
 
-async def test_a_store_that_cannot_be_reached_is_one_warning_per_poll_without_a_traceback(
+async def test_a_store_that_cannot_be_reached_is_one_warning_when_it_starts_then_one_a_minute_without_a_traceback(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A gateway started before its Redis: its static replica stays, and each poll says once what failed."""
+    """A gateway started before its Redis: its static replica stays, and the polls say what failed at once, then
+    once a minute with the count in between (polls 5 s apart for 130 s: lines at t=0, 60 and 120, not 27)."""
     caplog.set_level(logging.INFO, logger="kvgate.router.replicas")
     clock = FakeClock()
     with socket.socket() as sock:  # a port nobody listens on: connections are refused at once
         sock.bind(("127.0.0.1", 0))
         url = f"redis://:hunter2@127.0.0.1:{sock.getsockname()[1]}/0"
     store = RedisStateStore.from_url(url, clock, timeout_s=0.5)
-    snapshot = registry(tmp_path, ["http://127.0.0.1:9/static"])
+    snapshot = registry(tmp_path, ["http://127.0.0.1:9/static"], backend="openai")  # health checks, no scrape
     try:
-        async with tracking(snapshot, clock, store=store, poll_interval_s=1.0, health_interval_s=60.0) as tracker:
+        async with tracking(snapshot, clock, store=store, poll_interval_s=5.0, health_interval_s=600.0) as tracker:
             assert len(poll_failures(caplog)) == 1  # the first poll, before start() returns
-            for polls in (2, 3):
-                await clock.advance(1.0)
-                await eventually(lambda polls=polls: len(poll_failures(caplog)) == polls)
-            assert tracker.replica_ids() == {"http://127.0.0.1:9/static"}
+            for _ in range(26):
+                await eventually(lambda: clock.num_sleepers == 2)  # the member loop (back in its sleep), health
+                await clock.advance(5.0)
+            await eventually(lambda: clock.num_sleepers == 2)
+            assert tracker.replica_ids() == {ID}
     finally:
         await store.close()
-    [message] = {r.getMessage() for r in poll_failures(caplog)}  # the same line each time
-    assert "state store redis://:***@127.0.0.1:" in message and "routing to 1 static and 0 last known member" in message
+    messages = [r.getMessage() for r in poll_failures(caplog)]
+    assert len(messages) == 3, messages
+    assert all("state store redis://:***@127.0.0.1:" in m and "routing to 1 static and 0 last known member" in m
+               for m in messages)
+    assert messages[1].endswith(" (failing for 60 s; 11 more failed tries since the last line)"), messages[1]
     assert all(r.levelno == logging.WARNING and r.exc_info is None for r in poll_failures(caplog))
     assert "hunter2" not in caplog.text
 
@@ -434,18 +478,18 @@ def two_models(tmp_path: Path, chunk_a: int, chunk_b: int) -> Snapshot:
 
 async def test_each_replica_prefix_index_uses_its_model_chunk_size(tmp_path: Path) -> None:
     async with tracking(two_models(tmp_path, 64, 1024), prefix_chunk_chars=256) as tracker:
-        a, b = tracker.prefixes.get("http://127.0.0.1:9"), tracker.prefixes.get("http://127.0.0.1:10")
+        a, b = tracker.prefixes.get("a-static-0"), tracker.prefixes.get("b-static-0")
         assert (a.chunk_chars, b.chunk_chars) == (64, 1024)
-        tracker._apply_load("http://127.0.0.1:9", LoadReport(kv_blocks_total=100, block_size_tokens=16))
-        assert tracker.prefixes.get("http://127.0.0.1:9").capacity == 100  # 100 x 16 x 4 / 64
+        tracker._apply_load("a-static-0", LoadReport(kv_blocks_total=100, block_size_tokens=16))
+        assert tracker.prefixes.get("a-static-0").capacity == 100  # 100 x 16 x 4 / 64
         tracker.update_registry(two_models(tmp_path, 128, 1024))  # a reload changes model a's cut
-        a = tracker.prefixes.get("http://127.0.0.1:9")
+        a = tracker.prefixes.get("a-static-0")
         assert (a.chunk_chars, a.capacity) == (128, 50)  # the reported KV figures still count
 
 
 async def test_a_request_the_gateway_ended_stops_counting_before_the_next_report(tmp_path: Path) -> None:
     async with tracking(two_models(tmp_path, 64, 64)) as tracker:
-        rid = "http://127.0.0.1:9"
+        rid = "a-static-0"
         attempt = tracker.start_attempt(rid, ())
         tracker._apply_load(rid, LoadReport(num_waiting=1, num_running=1, kv_blocks_total=100))
         attempt.end()  # the report above still counts it: 2 - 1 ended = 1, taken off running first
@@ -470,7 +514,8 @@ async def test_a_kvgate_engine_reports_running_requests_and_kv_blocks_over_its_g
             await eventually(lambda: only(tracker, SERVED).kv_blocks_total > 0, timeout_s=10)
             state = only(tracker, SERVED)
             assert state.healthy and state.num_running == 0 and state.kv_blocks_free == state.kv_blocks_total
-            assert tracker.prefixes.get(engine.url).capacity != DEFAULT_CAPACITY_CHUNKS  # sized from the stream
+            index = tracker.prefixes.get(static_replica_id(SERVED, 0))
+            assert index.capacity != DEFAULT_CAPACITY_CHUNKS  # sized from the stream
             body = {"model": SERVED, "prompt": "count", "max_tokens": 1000, "stream": True, "ignore_eos": True}
             async with http.post(f"{engine.url}/v1/completions", json=body) as response:
                 await response.content.readline()
@@ -520,6 +565,6 @@ async def test_a_state_stream_that_goes_silent_is_dropped_and_reconnected() -> N
 def test_a_replicas_api_key_comes_from_the_named_variable_or_not_at_all(value: str | None, expected: str | None,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     environ = {} if value is None else {"KEY": value}
-    assert bearer_from_env("KEY", "http://h:1", environ) == expected
+    assert bearer_from_env("KEY", "m-static-0", environ) == expected
     assert (expected is None) == any("sending it no API key" in r.message for r in caplog.records)
 

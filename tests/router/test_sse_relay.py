@@ -75,3 +75,18 @@ def test_an_event_that_never_ends_is_a_broken_stream_not_a_growing_buffer(monkey
     with pytest.raises(UpstreamError, match="over 1000 bytes"):
         relay.feed(b"y" * 600)  # no event boundary in 1,206 bytes
 
+
+
+def test_the_relay_keeps_the_last_usage_chunks_tokens_used() -> None:
+    # vLLM's continuous usage stats put a cumulative usage in every chunk: the last one is the answer's.
+    relay = SseRelay()
+    relay.feed(event(chat_chunk({"content": "a"}, usage={"prompt_tokens": 7, "completion_tokens": 1})))
+    relay.feed(event(chat_chunk({"content": "b"}, usage={"prompt_tokens": 7, "completion_tokens": 2})))
+    relay.feed(b"data: [DONE]\n\n")
+    assert relay.tokens_used == 9 and relay.prompt_tokens == 7
+
+
+def test_a_stream_without_usage_leaves_tokens_used_unknown() -> None:
+    relay = SseRelay()
+    relay.feed(event(chat_chunk({"content": "a"}, finish_reason="stop")) + b"data: [DONE]\n\n")
+    assert relay.tokens_used is None

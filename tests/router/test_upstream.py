@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 import uvloop
 
-from kvgate.router.upstream import UpstreamError, UpstreamPool
+from kvgate.router.upstream import Interrupt, ReplicaUnresponsive, UpstreamError, UpstreamPool
 from tests.services import free_loopback_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -456,3 +456,103 @@ async def test_a_reader_that_falls_behind_stops_the_replicas_stream_instead_of_b
             assert writers[0].transport.get_write_buffer_size() > size // 2
             assert len(await response.read_all(LONG_S)) == size
             response.release()
+
+
+def waiting_for_the_close(answer: Handler) -> Handler:
+    """`answer`, then hold the connection open until the client closes it."""
+    async def then_wait(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer(reader, writer)
+        await reader.read()  # returns at the client's close
+        raise ConnectionResetError
+    return then_wait
+
+
+@on_both_loops
+async def test_an_interrupt_ends_the_wait_for_a_head_at_once_and_closes_the_connection() -> None:
+    async with pooled() as pool:
+        async with serving(waiting_for_the_close(answering())) as server:  # a replica that never answers
+            interrupt = Interrupt()
+            exchange = asyncio.ensure_future(pool.post(server.url, "/v1/chat/completions", b"{}",
+                                                       connect_timeout_s=LONG_S, timeout_s=LONG_S, interrupt=interrupt))
+            await asyncio.sleep(0.1)
+            interrupt.fire()
+            with pytest.raises(ReplicaUnresponsive):
+                await asyncio.wait_for(exchange, 1.0)  # far before its 5 s timeout
+            await asyncio.wait_for(server.closed.wait(), LONG_S)  # the replica sees its client go
+
+
+@on_both_loops
+async def test_an_interrupt_ends_the_wait_for_body_bytes_and_every_read_after() -> None:
+    async with pooled() as pool:
+        answer = answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        async with serving(waiting_for_the_close(answer)) as server:
+            interrupt = Interrupt()
+            response = await pool.post(server.url, "/v1/chat/completions", b"{}", connect_timeout_s=LONG_S,
+                                       timeout_s=LONG_S, interrupt=interrupt)
+            assert await response.read(LONG_S) == b"first"
+            read = asyncio.ensure_future(response.read(LONG_S))
+            await asyncio.sleep(0.1)
+            interrupt.fire()
+            with pytest.raises(ReplicaUnresponsive):
+                await asyncio.wait_for(read, 1.0)
+            with pytest.raises(ReplicaUnresponsive):
+                await response.read(LONG_S)
+            response.close()
+            await asyncio.wait_for(server.closed.wait(), LONG_S)
+
+
+@on_both_loops
+async def test_an_interrupt_if_silent_spares_an_exchange_that_still_hears_from_its_replica() -> None:
+    async def trickling(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(8):  # a byte every 0.1 s, then silence
+            await asyncio.sleep(0.1)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        await reader.read()
+        raise ConnectionResetError
+
+    async with pooled() as pool, serving(trickling) as server:
+        interrupt = Interrupt()
+        response = await pool.post(server.url, "/v1/chat/completions", b"{}", connect_timeout_s=LONG_S,
+                                   timeout_s=LONG_S, interrupt=interrupt)
+        received = b""
+        while len(received) < 8:
+            received += await response.read(LONG_S)
+            assert not interrupt.fire_if_silent(0.3)  # heard from it within the last 0.3 s: spared
+        read = asyncio.ensure_future(response.read(LONG_S))
+        await asyncio.sleep(0.4)
+        assert interrupt.fire_if_silent(0.3)  # silent for 0.3 s: given up on
+        with pytest.raises(ReplicaUnresponsive):
+            await asyncio.wait_for(read, 1.0)
+        response.close()
+
+
+@on_both_loops
+async def test_an_interrupt_fired_before_the_exchange_fails_it_as_it_starts() -> None:
+    async with pooled() as pool:
+        async with serving(answering(json_answer(b"{}"))) as server:
+            interrupt = Interrupt()
+            interrupt.fire()
+            with pytest.raises(ReplicaUnresponsive):
+                await pool.post(server.url, "/v1/chat/completions", b"{}", connect_timeout_s=LONG_S,
+                                timeout_s=LONG_S, interrupt=interrupt)
+
+
+@on_both_loops
+async def test_an_interrupt_fired_after_its_exchange_released_the_connection_spares_the_next_request() -> None:
+    # The connection goes back to the pool when the first answer is read; a late "stop" meant for the first
+    # request must not fail the second, which reuses the same connection.
+    async with pooled() as pool:
+        answer = json_answer(b"{}")
+        async with serving(answering(answer[:-2], answer[-2:], pause_s=0.2)) as server:  # the body a bit later
+            interrupt = Interrupt()
+            first = await pool.post(server.url, "/v1/chat/completions", b"{}", connect_timeout_s=LONG_S,
+                                    timeout_s=LONG_S, interrupt=interrupt)
+            assert await first.read_all(LONG_S) == b"{}"
+            first.release()
+            second = await pool.post(server.url, "/v1/chat/completions", b"{}", connect_timeout_s=LONG_S,
+                                     timeout_s=LONG_S)
+            interrupt.fire()
+            assert await second.read_all(LONG_S) == b"{}"
+            assert server.num_connections == 1  # the second request did reuse the first's connection

@@ -75,6 +75,32 @@ app.kubernetes.io/part-of: kvgate
 {{- default (include "kvgate.componentName" (dict "root" . "component" "admin-token")) .Values.adminToken.existingSecret }}
 {{- end }}
 
+{{- define "kvgate.metricsTokenSecret" -}}
+{{- default (include "kvgate.componentName" (dict "root" . "component" "metrics-token")) .Values.metricsToken.existingSecret }}
+{{- end }}
+
+{{/*
+A Secret the chart makes when values name none: one random value of 40 letters and digits under `key`. On
+`helm upgrade` the value is read back with `lookup`, so it stays the same. Args: root, name, key, component.
+*/}}
+{{- define "kvgate.generatedSecret" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ .name }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "kvgate.labels" (dict "root" .root "component" .component) | nindent 4 }}
+type: Opaque
+data:
+  {{- if and $existing $existing.data (hasKey $existing.data .key) }}
+  {{ .key }}: {{ get $existing.data .key }}
+  {{- else }}
+  {{ .key }}: {{ randAlphaNum 40 | b64enc }}
+  {{- end }}
+{{- end }}
+
 {{- define "kvgate.redisSecret" -}}
 {{- if .Values.redis.enabled }}
 {{- default (include "kvgate.componentName" (dict "root" . "component" "redis")) .Values.redis.auth.existingSecret }}
