@@ -51,11 +51,17 @@ class StoreOutage(str, enum.Enum):
 
 class RateLimits(Strict):
     requests_per_minute: float | None = Field(
-        default=None, ge=1, description="Requests admitted per minute, over all gateways; a tenant idle for a "
-                                        "minute may send a minute's worth at once.")
+        default=None, ge=1, description="Requests admitted per minute, over all gateways; at most burst_s of it "
+                                        "(at least one request) at once.")
     tokens_per_minute: float | None = Field(
         default=None, ge=1, description="Prompt plus completion tokens per minute: the prompt's estimate plus "
                                         "max_tokens are reserved at admission, and settled from the answer's usage.")
+    burst_s: float = Field(
+        default=3.0, gt=0, le=60,
+        description="How much of each per-minute limit may be sent at once, in seconds of it: 3 lets a tenant "
+                    "idle for 3 s send 3 s worth (at least one request), so over any minute it gets at most the "
+                    "limit plus 5%; 60 lets an idle tenant send a whole minute's worth at once (up to twice the "
+                    "limit in its first minute).")
     max_concurrent_requests: int | None = Field(default=None, ge=1, description="Requests in flight at once, over "
                                                                                 "all gateways.")
     on_store_outage: StoreOutage = Field(
@@ -65,11 +71,10 @@ class RateLimits(Strict):
     @field_validator("requests_per_minute", "tokens_per_minute", mode="before")
     @classmethod
     def _at_least_one(cls, value: object) -> object:
-        # A bucket holds one minute's worth: under 1, not even one request (or token) ever fits, and every
-        # request would wait forever. (Field's ge=1 still refuses what is not a number, and feeds the JSON Schema.)
+        # Under 1 a minute is a rate nobody means (one request an hour is not what a per-minute limit is for).
+        # (Field's ge=1 still refuses what is not a number, and feeds the JSON Schema.)
         if isinstance(value, int | float) and not isinstance(value, bool) and value < 1:
-            raise ValueError(f"is {value:g} per minute; a limit under 1 could never admit anything (its bucket "
-                             "holds a minute's worth, less than one): use at least 1, or leave it unset for none")
+            raise ValueError(f"is {value:g} per minute; use at least 1, or leave it unset for none")
         return value
 
 

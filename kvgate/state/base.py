@@ -18,11 +18,14 @@ import enum
 import json
 import math
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from kvgate.state.schema import SCHEMA_KEY, check_schema
+
+if TYPE_CHECKING:
+    from kvgate.state.quota import BucketGive, BucketTake, QuotaResult, Slot
 
 # A JSON value as the record store accepts it. Mappings must have str keys; floats must be finite.
 JSONValue = Any
@@ -188,13 +191,17 @@ class StateStore(Protocol):
         refill_per_s < 0 or cost <= 0."""
         ...
 
-    async def adjust_tokens(self, key: str, capacity: float, refill_per_s: float, delta: float) -> float:
-        """Atomically add `delta` tokens to the bucket `key` (after its refill, as `take_tokens` computes it)
-        and return what it holds then; never denies. A positive delta gives back what a take reserved and
-        did not use, up to `capacity`; a negative one charges an overrun, which may leave the bucket in debt
-        down to `-capacity` (at most one full refill of debt), so the next takes wait for it to be paid back.
-        Worked numbers: capacity 100, 30 left, delta +50 -> 80; delta +90 -> 100; delta -180 -> -100.
-        Raises ValueError for capacity <= 0, refill_per_s < 0 or a delta that is not finite."""
+    async def take_quota(self, slot: Slot | None, takes: Sequence[BucketTake]) -> QuotaResult:
+        """Atomically count one more in the in-flight counter `slot` (if given) and take each of `takes` from
+        its bucket, all or nothing: when the slot is full or a bucket holds too little, nothing changes and the
+        result names what refused (`quota.decide_take`). Buckets refill as in `take_tokens`. On Redis the keys
+        must share one hash slot (put a `{tag}` in them) for Redis Cluster."""
+        ...
+
+    async def return_quota(self, slot: Slot | None, give: BucketGive | None) -> None:
+        """Atomically count one out of the in-flight counter `slot` (never below 0: a counter that lapsed while
+        its request ran stays at 0) and add `give.delta` to its bucket within [give.floor, capacity]. Worked
+        numbers: capacity 100 with 30 left: +50 -> 80; +90 -> 100; -180 with floor -100 -> -100."""
         ...
 
     # -- leases ----------------------------------------------------------------------------------
@@ -286,12 +293,6 @@ def check_bucket_args(capacity: float, refill_per_s: float, cost: float) -> None
         raise ValueError(f"refill_per_s must be a finite number >= 0, got {refill_per_s!r}")
     if not (math.isfinite(cost) and cost > 0):
         raise ValueError(f"cost must be a finite number > 0, got {cost!r}")
-
-
-def check_adjust_args(capacity: float, refill_per_s: float, delta: float) -> None:
-    check_bucket_args(capacity, refill_per_s, 1.0)
-    if isinstance(delta, bool) or not isinstance(delta, int | float) or not math.isfinite(delta):
-        raise ValueError(f"delta must be a finite number, got {delta!r}")
 
 
 def _plain(value: Any) -> Any:

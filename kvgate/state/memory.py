@@ -13,16 +13,17 @@ frozen dataclasses and are kept as they are.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from kvgate.clock import Clock
 from kvgate.state.base import (
     JSONValue, MemberRecord, StateStoreUnavailable, StoredRecord, TokenBucketResult, VersionConflict,
-    check_adjust_args, check_bucket_args, check_delta, check_expected_version, check_name, check_ttl_s,
+    check_bucket_args, check_delta, check_expected_version, check_name, check_ttl_s,
     decode_record_data, encode_record_data,
 )
+from kvgate.state.quota import BucketGive, BucketTake, QuotaResult, Slot, decide_take
 
 
 T = TypeVar("T")
@@ -74,11 +75,11 @@ def _refilled(bucket: _Bucket | None, now: float, capacity: float, refill_per_s:
     return min(capacity, bucket.tokens + elapsed_s * refill_per_s), max(bucket.updated_at, now)
 
 
-def adjust_bucket(bucket: _Bucket | None, now: float, capacity: float, refill_per_s: float, delta: float) -> _Bucket:
-    """`delta` added to the refilled bucket, kept within [-capacity, capacity] (`StateStore.adjust_tokens`);
-    the Redis store's script mirrors it. Capacity 10, 4 left: +3 -> 7, +9 -> 10, -30 -> -10."""
-    tokens, updated_at = _refilled(bucket, now, capacity, refill_per_s)
-    return _Bucket(max(-capacity, min(capacity, tokens + delta)), updated_at)
+def give_to_bucket(bucket: _Bucket | None, now: float, give: BucketGive) -> _Bucket:
+    """`give.delta` added to the refilled bucket, kept within [give.floor, capacity] (`StateStore.return_quota`);
+    the Redis store's script mirrors it. Capacity 10, 4 left: +3 -> 7, +9 -> 10, -30 with floor -10 -> -10."""
+    tokens, updated_at = _refilled(bucket, now, give.capacity, give.refill_per_s)
+    return _Bucket(max(give.floor, min(give.capacity, tokens + give.delta)), updated_at)
 
 
 class MemoryStateStore:
@@ -156,12 +157,26 @@ class MemoryStateStore:
         self._buckets[key] = bucket
         return result
 
-    async def adjust_tokens(self, key: str, capacity: float, refill_per_s: float, delta: float) -> float:
-        check_name("key", key)
-        check_adjust_args(capacity, refill_per_s, delta)
-        bucket = adjust_bucket(self._buckets.get(key), self._now(), capacity, refill_per_s, delta)
-        self._buckets[key] = bucket
-        return bucket.tokens
+    async def take_quota(self, slot: Slot | None, takes: Sequence[BucketTake]) -> QuotaResult:
+        now = self._now()
+        refilled = [_refilled(self._buckets.get(t.key), now, t.capacity, t.refill_per_s) for t in takes]
+        live = self._live(self._counters.get(slot.key), now) if slot is not None else None
+        in_flight = max(0, live.value) if live is not None else 0
+        result = decide_take(in_flight, slot, [tokens for tokens, _ in refilled], takes)
+        if result.allowed:
+            if slot is not None:
+                self._counters[slot.key] = _Expiring(in_flight + 1, now + slot.ttl_s)
+            for take, level, (_, updated_at) in zip(takes, result.levels, refilled):
+                self._buckets[take.key] = _Bucket(level, updated_at)
+        return result
+
+    async def return_quota(self, slot: Slot | None, give: BucketGive | None) -> None:
+        now = self._now()
+        if slot is not None:
+            live = self._live(self._counters.get(slot.key), now)
+            self._counters[slot.key] = _Expiring(max(0, (live.value if live else 0) - 1), now + slot.ttl_s)
+        if give is not None:
+            self._buckets[give.key] = give_to_bucket(self._buckets.get(give.key), now, give)
 
     # -- leases ----------------------------------------------------------------------------------
 

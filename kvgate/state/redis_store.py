@@ -6,8 +6,10 @@ collection backstop, set to the logical ttl plus `gc_slack_s` (default 60 s), so
 again still goes away, while clock skew between hosts of up to the slack never lets Redis delete a
 record that is logically live. The tests drive a FakeClock against a real redis-server on this basis.
 
-Every read-modify-write is one Lua script touching one key, so it is atomic across gateways and
-works on Redis Cluster without hash tags. Key layout, under `prefix` (default "kvgate:"):
+Every read-modify-write is one Lua script, so it is atomic across gateways. All but the quota scripts touch one
+key and work on Redis Cluster as they are; `take_quota` / `return_quota` touch a tenant's counter and buckets
+together, whose keys carry one hash tag (`router.limits.tenant_key`). The quota scripts, called for every
+admitted request, go in automatic pipelines (`redis_batch`). Key layout, under `prefix` (default "kvgate:"):
 
     {prefix}members               hash  replica_id -> "<expires_at>\\n<MemberRecord JSON>"
     {prefix}counter:{key}         hash  value, expires_at
@@ -26,10 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis.asyncio as aioredis
@@ -40,9 +43,11 @@ from redis.backoff import ExponentialBackoff
 from kvgate.clock import Clock
 from kvgate.state.base import (
     JSONValue, MemberRecord, StateStoreError, StateStoreUnavailable, StoredRecord, TokenBucketResult,
-    VersionConflict, check_adjust_args, check_bucket_args, check_delta, check_expected_version, check_name,
+    VersionConflict, check_bucket_args, check_delta, check_expected_version, check_name,
     check_ttl_s, decode_record_data, encode_record_data,
 )
+from kvgate.state.quota import BucketGive, BucketTake, QuotaResult, Slot
+from kvgate.state.redis_batch import Script, ScriptBatcher
 from kvgate.state.schema import NewerSchema, SkippedRecords
 
 log = logging.getLogger(__name__)
@@ -92,36 +97,32 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return value
 """
 
-# The two bucket scripts share their opening and their end. KEYS[1] bucket hash; ARGV: now, capacity,
-# refill_per_s, cost or delta, gc_slack_ms. They mirror memory.take_from_bucket and memory.adjust_bucket.
-# Numbers go back as strings, since Redis truncates Lua floats in replies. The backstop TTL is the time
-# until the bucket is full again, when deleting it changes nothing (an absent bucket starts full).
-_BUCKET_REFILL = """
-local now = tonumber(ARGV[1])
-local capacity = tonumber(ARGV[2])
-local rate = tonumber(ARGV[3])
-local cur = redis.call('HMGET', KEYS[1], 'tokens', 'updated_at')
-local tokens, updated_at = capacity, now
-if cur[1] then
-  local last = tonumber(cur[2])
-  tokens = math.min(capacity, tonumber(cur[1]) + math.max(0, now - last) * rate)
-  updated_at = math.max(last, now)
+# The bucket scripts share two Lua functions: the refill (an absent bucket starts full) and the write. They
+# mirror memory.take_from_bucket, quota.decide_take and memory.give_to_bucket. Numbers go back as strings, since
+# Redis truncates Lua floats in replies. The backstop TTL is the time until the bucket is full again, when
+# deleting it changes nothing.
+_STORE_BUCKET = """
+local function store_bucket(key, tokens, updated_at, capacity, rate, slack_ms)
+  redis.call('HSET', key, 'tokens', string.format('%.17g', tokens), 'updated_at', string.format('%.17g', updated_at))
+  if rate > 0 then
+    redis.call('PEXPIRE', key, string.format('%d', math.ceil((capacity - tokens) / rate * 1000) + slack_ms))
+  else
+    redis.call('PERSIST', key)
+  end
 end
-"""
-_BUCKET_STORE = """
-local fmt_tokens = string.format('%.17g', tokens)
-redis.call('HSET', KEYS[1], 'tokens', fmt_tokens, 'updated_at', string.format('%.17g', updated_at))
-if rate > 0 then
-  local gc_ms = math.ceil((capacity - tokens) / rate * 1000) + tonumber(ARGV[5])
-  redis.call('PEXPIRE', KEYS[1], string.format('%d', gc_ms))
-else
-  redis.call('PERSIST', KEYS[1])
+local function refilled(key, now, capacity, rate)
+  local cur = redis.call('HMGET', key, 'tokens', 'updated_at')
+  if not cur[1] then return capacity, now end
+  local last = tonumber(cur[2])
+  return math.min(capacity, tonumber(cur[1]) + math.max(0, now - last) * rate), math.max(last, now)
 end
 """
 
-# Returns {allowed 0/1, remaining, retry_after_s}.
-_TAKE_TOKENS = _BUCKET_REFILL + """
-local cost = tonumber(ARGV[4])
+# KEYS[1] bucket hash; ARGV: now, capacity, refill_per_s, cost, gc_slack_ms. Returns {allowed 0/1, remaining,
+# retry_after_s}.
+_TAKE_TOKENS = _STORE_BUCKET + """
+local now, capacity, rate, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local tokens, updated_at = refilled(KEYS[1], now, capacity, rate)
 local allowed, retry = 0, 'inf'
 if cost > capacity then
   -- never allowed; retry stays 'inf'
@@ -131,12 +132,74 @@ elseif tokens >= cost then
 elseif rate > 0 then
   retry = string.format('%.17g', (cost - tokens) / rate)
 end
-""" + _BUCKET_STORE + "return {allowed, fmt_tokens, retry}"
+store_bucket(KEYS[1], tokens, updated_at, capacity, rate, tonumber(ARGV[5]))
+return {allowed, string.format('%.17g', tokens), retry}
+"""
 
-# Returns the tokens after the change, kept within [-capacity, capacity].
-_ADJUST_TOKENS = _BUCKET_REFILL + """
-tokens = math.max(-capacity, math.min(capacity, tokens + tonumber(ARGV[4])))
-""" + _BUCKET_STORE + "return fmt_tokens"
+# `take_quota` and `return_quota`: a slot counter and buckets in one step. KEYS: the slot's counter hash when
+# ARGV[2] is '1', then the buckets' hashes.
+# ARGV: now, has_slot, slot_limit, slot_expires_at, slot_gc_ms, gc_slack_ms, then capacity, rate, amount per
+# bucket. Returns {allowed 0/1, refused (-1 none, 0 slot, i bucket i), retry_after_s, level per bucket}.
+_TAKE_QUOTA = _STORE_BUCKET + """
+local now, has_slot, slack_ms = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[6])
+local first = has_slot and 2 or 1
+local levels, stamps = {}, {}
+for k = first, #KEYS do
+  local j = 7 + 3 * (k - first)
+  levels[#levels + 1], stamps[#stamps + 1] = refilled(KEYS[k], now, tonumber(ARGV[j]), tonumber(ARGV[j + 1]))
+end
+local function answer(allowed, refused, retry)
+  local out = {allowed, refused, retry}
+  for i = 1, #levels do out[#out + 1] = string.format('%.17g', levels[i]) end
+  return out
+end
+local in_flight = 0
+if has_slot then
+  local cur = redis.call('HMGET', KEYS[1], 'value', 'expires_at')
+  if cur[1] and tonumber(cur[2]) > now then in_flight = math.max(0, tonumber(cur[1])) end
+  if in_flight + 1 > tonumber(ARGV[3]) then return answer(0, 0, '0') end
+end
+for i = 1, #levels do
+  local j = 7 + 3 * (i - 1)
+  local capacity, rate, amount = tonumber(ARGV[j]), tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
+  if amount > capacity then return answer(0, i, 'inf') end
+  if levels[i] < amount then
+    if rate > 0 then return answer(0, i, string.format('%.17g', (amount - levels[i]) / rate)) end
+    return answer(0, i, 'inf')
+  end
+end
+if has_slot then
+  redis.call('HSET', KEYS[1], 'value', string.format('%d', in_flight + 1), 'expires_at', ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+end
+for i = 1, #levels do
+  local j = 7 + 3 * (i - 1)
+  levels[i] = levels[i] - tonumber(ARGV[j + 2])
+  store_bucket(KEYS[first + i - 1], levels[i], stamps[i], tonumber(ARGV[j]), tonumber(ARGV[j + 1]), slack_ms)
+end
+return answer(1, -1, '0')
+"""
+
+# ARGV: now, has_slot, slot_expires_at, slot_gc_ms, has_give, capacity, rate, delta, floor, gc_slack_ms.
+_RETURN_QUOTA = _STORE_BUCKET + """
+local now = tonumber(ARGV[1])
+local k = 1
+if ARGV[2] == '1' then
+  local cur = redis.call('HMGET', KEYS[1], 'value', 'expires_at')
+  local value = 0
+  if cur[1] and tonumber(cur[2]) > now then value = tonumber(cur[1]) end
+  redis.call('HSET', KEYS[1], 'value', string.format('%d', math.max(0, value - 1)), 'expires_at', ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  k = 2
+end
+if ARGV[5] == '1' then
+  local capacity, rate = tonumber(ARGV[6]), tonumber(ARGV[7])
+  local tokens, updated_at = refilled(KEYS[k], now, capacity, rate)
+  tokens = math.max(tonumber(ARGV[9]), math.min(capacity, tokens + tonumber(ARGV[8])))
+  store_bucket(KEYS[k], tokens, updated_at, capacity, rate, tonumber(ARGV[10]))
+end
+return 1
+"""
 
 # KEYS[1] lease hash; ARGV: now, holder, expires_at, gc_ms. Returns 1 if acquired or renewed.
 _ACQUIRE_LEASE = """
@@ -180,6 +243,10 @@ if not cur then return {2, 0} end
 redis.call('HDEL', KEYS[1], ARGV[1])
 return {1, version}
 """
+
+
+def _script(source: str) -> Script:
+    return Script(source, hashlib.sha1(source.encode()).hexdigest())
 
 
 def redact_url(url: str) -> str:
@@ -236,7 +303,10 @@ class RedisStateStore:
         self._remove_member = client.register_script(_REMOVE_MEMBER)
         self._incr = client.register_script(_INCR)
         self._take_tokens = client.register_script(_TAKE_TOKENS)
-        self._adjust_tokens = client.register_script(_ADJUST_TOKENS)
+        # Called for every admitted request: batched (redis_batch), not one round trip each.
+        self._batches = ScriptBatcher(client)
+        self._take_quota = _script(_TAKE_QUOTA)
+        self._return_quota = _script(_RETURN_QUOTA)
         self._acquire_lease = client.register_script(_ACQUIRE_LEASE)
         self._release_lease = client.register_script(_RELEASE_LEASE)
         self._put_record = client.register_script(_PUT_RECORD)
@@ -356,12 +426,34 @@ class RedisStateStore:
             )
         return TokenBucketResult(allowed == 1, float(remaining), float(retry_after_s))
 
-    async def adjust_tokens(self, key: str, capacity: float, refill_per_s: float, delta: float) -> float:
-        check_name("key", key)
-        check_adjust_args(capacity, refill_per_s, delta)
+    async def take_quota(self, slot: Slot | None, takes: Sequence[BucketTake]) -> QuotaResult:
+        now = self._clock.wall()
+        keys = [self._key("counter", slot.key)] if slot is not None else []
+        args: list[str | int] = [repr(now), "1" if slot is not None else "0"]
+        args += ([str(slot.limit), repr(now + slot.ttl_s), self._gc_ms(slot.ttl_s)] if slot is not None
+                 else ["0", "0", "0"])
+        args.append(math.ceil(self._gc_slack_s * 1000))
+        for take in takes:
+            keys.append(self._key("bucket", take.key))
+            args += [repr(float(take.capacity)), repr(float(take.refill_per_s)), repr(float(take.amount))]
         with self._mapped_errors():
-            return float(await self._adjust_tokens(
-                keys=[self._key("bucket", key)], args=self._bucket_args(capacity, refill_per_s, delta)))
+            allowed, refused, retry_after_s, *levels = await self._batches.call(self._take_quota, keys, args)
+        return QuotaResult(allowed == 1, None if refused == -1 else int(refused),
+                           tuple(float(level) for level in levels), float(retry_after_s))
+
+    async def return_quota(self, slot: Slot | None, give: BucketGive | None) -> None:
+        now = self._clock.wall()
+        keys = [self._key("counter", slot.key)] if slot is not None else []
+        args: list[str | int] = [repr(now), "1" if slot is not None else "0"]
+        args += [repr(now + slot.ttl_s), self._gc_ms(slot.ttl_s)] if slot is not None else ["0", "0"]
+        if give is not None:
+            keys.append(self._key("bucket", give.key))
+            args += ["1", *map(repr, map(float, (give.capacity, give.refill_per_s, give.delta, give.floor)))]
+        else:
+            args += ["0", "0", "0", "0", "0"]
+        args.append(math.ceil(self._gc_slack_s * 1000))
+        with self._mapped_errors():
+            await self._batches.call(self._return_quota, keys, args)
 
     def _bucket_args(self, capacity: float, refill_per_s: float, amount: float) -> list[str | int]:
         numbers = [self._clock.wall(), float(capacity), float(refill_per_s), float(amount)]
@@ -444,5 +536,6 @@ class RedisStateStore:
         if self._closed:
             return
         self._closed = True
+        await self._batches.close()
         with contextlib.suppress(redis.exceptions.RedisError, OSError):
             await self._client.aclose()

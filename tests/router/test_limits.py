@@ -16,27 +16,28 @@ from kvgate.router.limits import (
 from kvgate.router.request_caps import completion_budget
 
 
-@pytest.mark.parametrize("per_minute, capacity, refill_per_s", [
-    (60, 60, 1.0),  # one a second, a minute's worth at once
-    (600, 600, 10.0),
-    (5, 5, 5 / 60),  # one every 12 s
-    (90_000, 90_000, 1_500.0),  # tokens per minute
+@pytest.mark.parametrize("per_minute, burst_s, capacity, refill_per_s", [
+    (60, 3, 3, 1.0),  # one a second, 3 s worth at once
+    (600, 3, 30, 10.0),
+    (5, 3, 1, 5 / 60),  # one every 12 s, and never less than one request at once
+    (90_000, 3, 4_500, 1_500.0),  # tokens per minute
+    (60, 60, 60, 1.0),  # a minute's worth at once
 ])
-def test_a_per_minute_limit_is_a_bucket_of_one_minute_refilled_at_the_limit_over_60(
-        per_minute: float, capacity: float, refill_per_s: float) -> None:
-    assert Bucket.per_minute(per_minute) == Bucket(capacity=capacity, refill_per_s=refill_per_s)
+def test_a_per_minute_limit_is_a_bucket_of_burst_s_refilled_at_the_limit_over_60(
+        per_minute: float, burst_s: float, capacity: float, refill_per_s: float) -> None:
+    assert Bucket.per_minute(per_minute, burst_s) == Bucket(capacity=capacity, refill_per_s=refill_per_s)
 
 
 @pytest.mark.parametrize("per_minute, remaining, reset_s", [
-    (60, 30, 30.0),  # half empty at 1/s
-    (60, 60, 0.0),  # full
+    (60, 1, 2.0),  # 1 of 3 left at 1/s
+    (60, 3, 0.0),  # full
     (60, 75, 0.0),  # above capacity (a lowered limit) is full, not a negative wait
-    (600, 0, 60.0),  # empty: one minute
-    (60, -30, 90.0),  # in debt after an overrun: the debt and then the bucket
+    (600, 0, 3.0),  # empty: 3 s
+    (60, -30, 33.0),  # in debt after an overrun: the debt and then the bucket
 ])
 def test_reset_is_the_time_until_the_bucket_is_full_again(per_minute: float, remaining: float,
                                                           reset_s: float) -> None:
-    assert Bucket.per_minute(per_minute).reset_s(remaining) == pytest.approx(reset_s)
+    assert Bucket.per_minute(per_minute, 3).reset_s(remaining) == pytest.approx(reset_s)
 
 
 @pytest.mark.parametrize("prompt, completion, capacity, reserved", [
@@ -92,14 +93,15 @@ def test_reset_times_read_as_openai_writes_them(seconds: float, text: str) -> No
 
 
 def test_headers_say_limit_remaining_and_reset_of_each_limit_set() -> None:
-    # 5 requests a minute, 2.7 left: 2 whole ones; full again in (5 - 2.7) / (5 / 60) = 27.6 s -> "28s".
-    # 6,000 tokens a minute, 5,900 left: full again in 100 / 100 = 1 s.
+    # 5 requests a minute hold one at once (3 s of 5 a minute is under one); 0.7 left: 0 whole ones; full again
+    # in (1 - 0.7) / (5 / 60) = 3.6 s -> "4s". 6,000 tokens a minute hold 300 at once; 250 left: full again in
+    # 50 / 100 = 0.5 s.
     limits = RateLimits(requests_per_minute=5, tokens_per_minute=6000)
-    assert rate_headers(limits, Remaining(requests=2.7, tokens=5900)) == {
-        "x-ratelimit-limit-requests": "5", "x-ratelimit-remaining-requests": "2",
-        "x-ratelimit-reset-requests": "28s",
-        "x-ratelimit-limit-tokens": "6000", "x-ratelimit-remaining-tokens": "5900",
-        "x-ratelimit-reset-tokens": "1s",
+    assert rate_headers(limits, Remaining(requests=0.7, tokens=250)) == {
+        "x-ratelimit-limit-requests": "5", "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "4s",
+        "x-ratelimit-limit-tokens": "6000", "x-ratelimit-remaining-tokens": "250",
+        "x-ratelimit-reset-tokens": "500ms",
     }
 
 
@@ -113,7 +115,8 @@ def test_headers_leave_out_a_limit_not_set_or_not_measured() -> None:
 
 def test_a_bucket_in_debt_shows_nothing_remaining() -> None:
     headers = rate_headers(RateLimits(tokens_per_minute=600), Remaining(tokens=-300))
-    assert headers["x-ratelimit-remaining-tokens"] == "0" and headers["x-ratelimit-reset-tokens"] == "1m30s"
+    # 600 a minute refill 10 a second into a bucket of 30: (30 + 300) / 10 = 33 s.
+    assert headers["x-ratelimit-remaining-tokens"] == "0" and headers["x-ratelimit-reset-tokens"] == "33s"
 
 
 @pytest.mark.parametrize("retry_after_s, header", [(0.2, "1"), (1.0, "1"), (2.1, "3"), (0.0, "1"), (61.5, "62")])
