@@ -22,6 +22,7 @@ from kvgate.registry.snapshot import Snapshot, UnknownName
 from kvgate.router.errors import model_not_found, no_capacity
 from kvgate.router.features import build_route_request
 from kvgate.router.membership import public_url
+from kvgate.router.memory import install_memory_routes
 from kvgate.router.dashboard import dashboard_page
 from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
                          REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY,
@@ -92,6 +93,7 @@ def install_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/stats", admin_stats)
     app.router.add_get("/admin/history", admin_history)
+    install_memory_routes(app, app[CLOCK_KEY])  # /admin/memory: RSS and tracemalloc's sites (`router.memory`)
     app.router.add_get("/dashboard", dashboard)
 
 
