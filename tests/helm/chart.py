@@ -100,6 +100,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "existing-secrets": {"adminToken": {"existingSecret": "kvgate-admin", "existingSecretKey": "token"},
                          "metricsToken": {"existingSecret": "kvgate-metrics", "existingSecretKey": "scrape-token"},
                          "redis": {"auth": {"existingSecret": "kvgate-redis", "existingSecretKey": "password"}}},
+    # The usage log for billing: on an emptyDir (kept across container restarts), and on a claim (kept across pods).
+    "usage-log": {"gateway": {"usageLog": {"enabled": True}}},
+    "usage-log-on-a-claim": {"gateway": {"usageLog": {"enabled": True, "existingClaim": "kvgate-usage",
+                                                      "mountPath": "/data/usage"}}},
     "service-monitor": {"gateway": {"serviceMonitor": {"enabled": True, "interval": "15s", "scrapeTimeout": "10s",
                                                        "labels": {"release": "prometheus"}}}},
     "tuned": {"gateway": {"replicas": 4, "drainTimeoutSeconds": 120, "preStopSleepSeconds": 10,

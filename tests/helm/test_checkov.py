@@ -17,7 +17,7 @@ from pathlib import Path
 from tests.helm.chart import FULLNAME, NAMESPACE, VALUE_SETS, render, with_registry
 from tests.services import checkov_command
 
-SCANNED = ("defaults", "ingress-and-httproute", "gpu-engines", "external-redis")
+SCANNED = ("defaults", "ingress-and-httproute", "gpu-engines", "external-redis", "usage-log", "usage-log-on-a-claim")
 SHARED_SKIPS = {"CKV_K8S_11", "CKV_K8S_15", "CKV_K8S_43"}  # no CPU limit, IfNotPresent, tags (reasons in place)
 EXPECTED_SKIPS = {
     f"Deployment.{NAMESPACE}.{FULLNAME}-gateway": SHARED_SKIPS | {"CKV_K8S_35"},

@@ -163,6 +163,11 @@ template that needs them, so `helm template` and `helm install` stop before anyt
 {{- fail (printf "engine.resources.%s.nvidia.com/gpu: the GPU count of an engine comes from its Model's resources.gpu_count in the registry (what the autoscaler plans for); remove it here" $key) }}
 {{- end }}
 {{- end }}
+{{- with .Values.gateway.usageLog }}
+{{- if and .enabled (or (eq .mountPath "/tmp") (eq .mountPath $.Values.registry.mountPath) (hasPrefix (printf "%s/" $.Values.registry.mountPath) .mountPath)) }}
+{{- fail (printf "gateway.usageLog.mountPath: %s is, or is inside, a volume the gateway already mounts (/tmp, or the read-only registry at %s); give the usage log a directory of its own, such as /var/lib/kvgate/usage" .mountPath $.Values.registry.mountPath) }}
+{{- end }}
+{{- end }}
 {{- include "kvgate.registryChecks" . }}
 {{- end }}
 
