@@ -226,7 +226,19 @@ class Routing(_Strict):
                     "alike; false: on this gateway's own index of what it sent (as for foreign servers), saving "
                     "the tokenizer's CPU at the gateway.")
     max_queued_requests: int = Field(default=256, ge=0,
-                                     description="Requests held at a gateway while the model has no ready replica.")
+                                     description="Requests held at a gateway while the model has no ready replica, "
+                                                 "or while its replicas are saturated (fair_queueing).")
+    fair_queueing: bool = Field(
+        default=True,
+        description="While every replica is saturated (max_in_flight_per_replica), hold further requests at the "
+                    "gateway in queues per tenant and priority, served by weighted fair queuing, and shed the "
+                    "lowest priority first (503, Retry-After) when its wait would break slo.ttft_ms; false: send "
+                    "every request on at once and let the replicas queue them.")
+    max_in_flight_per_replica: int | None = Field(
+        default=None, ge=1,
+        description="fair_queueing: the requests one replica runs at once (its batch: vLLM's max_num_seqs, "
+                    "engine.max_running_requests); unset: learned, from the most a replica has reported running "
+                    "once it has also reported requests waiting.")
     max_retries: int = Field(default=2, ge=0, le=10, description="Retries on other replicas before the first byte.")
     connect_timeout_s: float = Field(default=2.0, gt=0)
     first_byte_timeout_s: float = Field(default=120.0, gt=0)

@@ -85,6 +85,35 @@ class TenantSpec(Strict):
                                                               "name (a model does not bring its adapters); '*' "
                                                               "means all.")
     rate_limits: RateLimits = Field(default_factory=RateLimits)
+    weight: float = Field(
+        default=1.0, gt=0, le=1000,
+        description="Its share of a saturated model against the other tenants waiting at the same priority: "
+                    "weighted fair queuing gives a tenant of weight 2 twice the requests of one of weight 1.")
+    priority: int = Field(
+        default=0, ge=-100, le=100,
+        description="The priority of its requests while a model is saturated: a higher one is served first, a "
+                    "lower one shed first when the wait would break the model's TTFT SLO.")
+    max_priority: int | None = Field(
+        default=None, ge=-100, le=100,
+        description="The highest priority its requests may ask for in the x-kvgate-priority header (one above "
+                    "is refused with 400); unset: its own priority. Any request may ask for a lower one.")
+
+    @model_validator(mode="after")
+    def _max_priority_at_least_its_own(self) -> TenantSpec:
+        if self.max_priority is not None and self.max_priority < self.priority:
+            raise FieldProblem("max_priority", f"is {self.max_priority}, below the tenant's own priority "
+                                               f"{self.priority}; leave it unset, or at least {self.priority}")
+        return self
+
+    def priority_of(self, asked: int | None) -> int:
+        """The priority a request of this tenant gets when it asks for `asked` (None: its own); raises
+        ValueError for one above what it may ask for."""
+        if asked is None:
+            return self.priority
+        highest = self.priority if self.max_priority is None else self.max_priority
+        if asked > highest:
+            raise ValueError(f"priority {asked} is above the highest this key may ask for ({highest})")
+        return asked
 
     @model_validator(mode="before")
     @classmethod

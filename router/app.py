@@ -25,8 +25,9 @@ from kvgate.server_log import MalformedRequestLog
 from kvgate.state.base import StateStore
 from kvgate.registry.snapshot import Snapshot
 from kvgate.router.dashboard import Dashboard, gauge_values
+from kvgate.router.flow_control import FlowGate, FlowGates
 from kvgate.router.handlers import error_middleware, install_routes
-from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
+from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
                          LIMITER_KEY, METER_KEY, REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY, TRACKER_KEY,
                          Drain, GatewaySettings)
 from kvgate.router.metrics import RouterMetrics
@@ -88,6 +89,8 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
     app[METRICS_KEY] = metrics
     app[QUEUES_KEY] = WaitQueues(tracker.wait_for_replica,
                                  lambda model, depth: metrics.queue_depth.labels(model).set(depth))
+    app[GATES_KEY] = FlowGates(clock, tracker.capacity, on_change=_fair_queue_gauges(metrics))
+    tracker.on_change(app[GATES_KEY].dispatch_all)
     app[SEQUENCE_KEY] = collections.Counter()
     app[OPENINGS_KEY] = CommonOpenings()
     app[DRAIN_KEY] = Drain()
@@ -107,12 +110,27 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
         dashboard = app[DASHBOARD_KEY]
         publisher = ObservationPublisher(
             store=store, gateway_id=settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}", clock=clock,
-            model_names=lambda: registry.current.models, arrivals=app[SEQUENCE_KEY], queued=app[QUEUES_KEY].depth,
+            model_names=lambda: registry.current.models, arrivals=app[SEQUENCE_KEY],
+            queued=lambda model: app[QUEUES_KEY].depth(model) + app[GATES_KEY].depth(model),
             in_flight=lambda: gauge_values(metrics.in_flight),
             ttft_p99_s=lambda: _ttft_p99_s(dashboard), interval_s=settings.observation_interval_s)
         app.cleanup_ctx.append(lambda app: _publishing(publisher))
     install_routes(app)
     return app
+
+
+def _fair_queue_gauges(metrics: RouterMetrics) -> Callable[[FlowGate], None]:
+    """Keeps `kvgate_router_fair_queue_depth` to each gate's queue per tenant (a tenant no longer waiting: 0)."""
+    shown: dict[str, set[str]] = collections.defaultdict(set)
+
+    def note(gate: FlowGate) -> None:
+        depths = gate.depth_by_tenant()
+        for tenant in shown[gate.model] - depths.keys():
+            metrics.fair_queue_depth.labels(gate.model, tenant).set(0)
+        for tenant, depth in depths.items():
+            metrics.fair_queue_depth.labels(gate.model, tenant).set(depth)
+        shown[gate.model] |= depths.keys()
+    return note
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:

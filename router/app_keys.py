@@ -9,6 +9,7 @@ from aiohttp import web
 
 from kvgate.clock import Clock
 from kvgate.router.dashboard import Dashboard
+from kvgate.router.flow_control import FlowGates
 from kvgate.router.metrics import RouterMetrics
 from kvgate.router.common_openings import CommonOpenings
 from kvgate.router.proxy import Proxy
@@ -61,6 +62,7 @@ REGISTRY_KEY: web.AppKey[object] = web.AppKey("kvgate_registry", object)
 CLOCK_KEY = web.AppKey("kvgate_clock", Clock)
 METRICS_KEY = web.AppKey("kvgate_metrics", RouterMetrics)
 QUEUES_KEY = web.AppKey("kvgate_queues", WaitQueues)
+GATES_KEY = web.AppKey("kvgate_flow_gates", FlowGates)  # per model: fair queuing while saturated
 PROXY_KEY = web.AppKey("kvgate_proxy", Proxy)
 SEQUENCE_KEY = web.AppKey("kvgate_request_seq", collections.Counter)  # per model: round robin's counter
 DASHBOARD_KEY = web.AppKey("kvgate_dashboard", Dashboard)

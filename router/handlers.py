@@ -10,6 +10,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -20,20 +21,23 @@ from kvgate.openai_wire import ApiError, BodyWording, bad_request, error_respons
 from kvgate.registry.schema import RoutingPolicy, TenantDoc
 from kvgate.registry.snapshot import Snapshot, UnknownName
 from kvgate.router.errors import model_not_found, no_capacity
+from kvgate.router.fair_queue import Flow
+from kvgate.router.flow_control import fair_queue_stats
 from kvgate.router.features import build_route_request
 from kvgate.router.membership import public_url
 from kvgate.router.memory import install_memory_routes
 from kvgate.router.dashboard import dashboard_page
-from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
+from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
                          REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY,
                          TRACKER_KEY, ADMITTED_KEY, LIMITER_KEY, METER_KEY)
 from kvgate.router.policies import RoutingKnobs
 from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
 from kvgate.router.proxy import REQUEST_ID_HEADER, TOKENS_USED_KEY, ProxyRequest
-from kvgate.router.refusals import NO_MODEL, REFUSAL_MODEL_KEY, refusal_labels
+from kvgate.router.refusals import NO_MODEL, NO_TENANT, REFUSAL_MODEL_KEY, REFUSAL_TENANT_KEY, refusal_labels
 from kvgate.router.request_caps import check_prompt_size, check_sampling_caps, completion_budget
-from kvgate.router.tenants import visible_names
+from kvgate.router.tenants import PRIORITY_HEADER, flow_of, visible_names
 from kvgate.router.upstream import header_safe
+from kvgate.router.usage import tenant_label
 
 log = logging.getLogger("kvgate.router")
 # Prompts longer than this (characters) are tokenized on a worker thread: 4,096 characters of new text take
@@ -69,8 +73,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def refuse(request: web.Request, error: ApiError) -> web.Response:
     """The gateway's own error answer, counted in `kvgate_router_refused_requests_total` (`router.refusals`)."""
-    model = request.get(REFUSAL_MODEL_KEY, NO_MODEL)
-    request.app[METRICS_KEY].refused_requests.labels(*refusal_labels(error, model)).inc()
+    labels = refusal_labels(error, request.get(REFUSAL_MODEL_KEY, NO_MODEL), request.get(REFUSAL_TENANT_KEY, NO_TENANT))
+    request.app[METRICS_KEY].refused_requests.labels(*labels).inc()
     return error_response(error)
 
 
@@ -237,6 +241,8 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
     arrived_at = clock.now()
     snapshot = _snapshot(request)
     tenant = _authenticate(request, snapshot)  # before reading the body: a stranger costs no parsing
+    request[REFUSAL_TENANT_KEY] = tenant_label(tenant)
+    flow = flow_of(tenant, request.headers.get(PRIORITY_HEADER))
     raw, body = await _read_json(request)
     name = await _off_loop(len(raw), validate_inference_body, body, chat)
     try:
@@ -278,14 +284,37 @@ async def _serve_inference(request: web.Request, chat: bool) -> web.StreamRespon
     # and SGLang with --lora-modules, so the body goes upstream byte for byte.
     preq = ProxyRequest(path=request.path, body=raw, route=route, knobs=RoutingKnobs.from_routing(routing),
                         routing=routing, queue_wait_s=queue_wait_s, arrived_at=arrived_at, request_id=request_id)
+    slo_ttft_ms = model_doc.spec.slo.ttft_ms
+    fair = FairTerms(flow, slo_ttft_ms / 1000 if slo_ttft_ms else queue_wait_s) if routing.fair_queueing else None
+    return await _forward(request, preq, tenant, name, fair)
+
+
+@dataclass(frozen=True)
+class FairTerms:
+    """How a request waits while its model is saturated (`router.flow_control`)."""
+
+    flow: Flow
+    budget_s: float  # the most it may wait there: the model's TTFT SLO, else its queue wait
+
+
+async def _forward(request: web.Request, preq: ProxyRequest, tenant: TenantDoc | None, name: str,
+                   fair: FairTerms | None) -> web.StreamResponse:
+    """Wait for a place while the model is saturated (`fair`), forward, and account for the answer: its usage,
+    its tenant's limits settled, its place given to the next."""
+    app, model = request.app, preq.route.model
     in_flight = app[METRICS_KEY].in_flight.labels(model)
     in_flight.inc()
-    response = None
+    gate, permit, response = app[GATES_KEY].gate(model), None, None
     try:
-        with app[METER_KEY].metering(tenant, name, request_id) as metered:  # its usage, however it ends
+        if fair is not None:
+            permit = await gate.enter(fair.flow, fair.budget_s, preq.routing.max_queued_requests)
+            app[METRICS_KEY].fair_dispatched.labels(model, fair.flow.tenant).inc()
+        with app[METER_KEY].metering(tenant, name, preq.request_id) as metered:  # its usage, however it ends
             response = metered.response = await app[PROXY_KEY].forward(request, preq)
         return response
     finally:
+        if permit is not None:
+            gate.leave(permit)
         in_flight.dec()
         if ADMITTED_KEY in request:  # settled with the answer's usage, where it reported one
             used = response.get(TOKENS_USED_KEY) if response is not None else None
@@ -377,6 +406,7 @@ async def admin_stats(request: web.Request) -> web.Response:
             "num_ready": tracker.num_ready(name),
             "queue_depth": queues.depth(name),
             "in_flight": sum(r["in_flight"] for r in replicas),
+            "fair_queue": fair_queue_stats(app[GATES_KEY].gate(name), tracker.capacity(name)),
             "replicas": replicas,
         }
     payload = {"registry_version": snapshot.version, "models": models,

@@ -78,8 +78,8 @@ class RouterMetrics:
                               ["model", "state"], registry=r)
         # Every answer the gateway writes itself instead of a replica's, labels bounded by `router.refusals`.
         self.refused_requests = Counter("kvgate_router_refused_requests",
-                                        "Requests the gateway refused or failed itself, by reason and status.",
-                                        ["model", "reason", "status"], registry=r)
+                                        "Requests the gateway refused or failed itself, by reason, status and "
+                                        "tenant.", ["model", "reason", "status", "tenant"], registry=r)
         # Usage per tenant (`router.usage`): `tenant` a registry Tenant's name or "_open", `model` a registry model
         # or adapter name, `outcome` one of usage.OUTCOMES, `kind` prompt, cached (of prompt) or completion.
         self.tenant_requests = Counter("kvgate_router_tenant_requests",
@@ -88,12 +88,20 @@ class RouterMetrics:
         self.tenant_tokens = Counter("kvgate_router_tenant_tokens",
                                      "Tokens of answers that reported usage, by tenant, model or adapter, and kind.",
                                      ["tenant", "model", "kind"], registry=r)
+        # Fair queuing (`router.flow_control`): what waits per tenant while a model is saturated, and each tenant's
+        # requests sent on through the gate (its share of what was served is its rate over the model's).
+        self.fair_queue_depth = Gauge("kvgate_router_fair_queue_depth",
+                                      "Requests waiting at the gateway while the model's replicas are saturated.",
+                                      ["model", "tenant"], registry=r)
+        self.fair_dispatched = Counter("kvgate_router_fair_dispatched",
+                                       "Requests sent on through the model's fair queue (at once or after a wait).",
+                                       ["model", "tenant"], registry=r)
         self.usage_records_dropped = Counter("kvgate_router_usage_records_dropped",
                                              "Usage-log records dropped as its writer was behind (disk stalled).",
                                              registry=r)
         for name in ("requests", "decisions", "decision_seconds", "ttft_seconds", "prefix_predicted_tokens",
                      "prefix_realised_tokens", "prefix_reported_prompt_tokens", "in_flight", "queue_depth",
-                     "tenant_requests", "tenant_tokens"):
+                     "tenant_requests", "tenant_tokens", "fair_queue_depth", "fair_dispatched"):
             setattr(self, name, _Labelled(getattr(self, name)))
         # Per model, the `requests` counts of replicas whose series were removed (`retire_replicas`), so that
         # totals read from the series (the dashboard's) never go down.

@@ -1,9 +1,11 @@
 """Answers the gateway writes itself instead of a replica's, counted in /metrics by reason:
-`kvgate_router_refused_requests_total{model, reason, status}` (`RouterMetrics.refused_requests`).
+`kvgate_router_refused_requests_total{model, reason, status, tenant}` (`RouterMetrics.refused_requests`).
 
 Every label is bounded, whatever clients send: `reason` comes from the fixed set below, `status` is one of
-the HTTP statuses the gateway answers with, and `model` is a base model the registry declares (the request
-named it or one of its adapters) or NO_MODEL, so naming made-up models adds no series. A replica's own error
+the HTTP statuses the gateway answers with, `model` is a base model the registry declares (the request
+named it or one of its adapters) or NO_MODEL, so naming made-up models adds no series, and `tenant` is the
+registry Tenant whose key the request carried, `_open` on an open gateway, or NO_TENANT before (or without) a
+valid key. A replica's own error
 answers pass through uncounted here (`kvgate_router_requests_total{outcome="upstream_4xx"}` counts them).
 """
 
@@ -22,6 +24,9 @@ REFUSAL_MODEL_KEY = web.RequestKey("kvgate_refusal_model", str)
 # The `model` label before (or without) a declared model: no registry name starts with "_", so it never
 # shares a model's series.
 NO_MODEL = "_unknown"
+# Set on a request once its key named a tenant (or the gateway is open): the refusal's `tenant` label.
+REFUSAL_TENANT_KEY = web.RequestKey("kvgate_refusal_tenant", str)
+NO_TENANT = "_none"
 
 # Reasons that an error's code tells apart within one status; every other answer is named by its status.
 _REASON_OF_CODE: Mapping[str, str] = MappingProxyType({
@@ -29,6 +34,7 @@ _REASON_OF_CODE: Mapping[str, str] = MappingProxyType({
     "invalid_body": "bad_body",  # a Content-Encoding that does not decode
     "model_not_found": "unknown_model",
     "draining": "draining",  # this gateway is shutting down
+    "model_overloaded": "shed",  # fair queuing: the wait would break the model's TTFT SLO (router.flow_control)
     **{code: "over_cap" for code in OVER_CAP_CODES},  # the model's `limits`
 })
 _REASON_OF_STATUS: Mapping[int, str] = MappingProxyType({
@@ -48,7 +54,8 @@ _REASON_OF_STATUS: Mapping[int, str] = MappingProxyType({
 REASONS = frozenset(_REASON_OF_CODE.values()) | frozenset(_REASON_OF_STATUS.values()) | {"other"}
 
 
-def refusal_labels(error: ApiError, model: str) -> tuple[str, str, str]:
-    """(model, reason, status) of a refusal; `model` as set under REFUSAL_MODEL_KEY, else NO_MODEL."""
+def refusal_labels(error: ApiError, model: str, tenant: str = NO_TENANT) -> tuple[str, str, str, str]:
+    """(model, reason, status, tenant) of a refusal; `model` and `tenant` as set under REFUSAL_MODEL_KEY and
+    REFUSAL_TENANT_KEY, else NO_MODEL and NO_TENANT."""
     reason = _REASON_OF_CODE.get(error.code or "") or _REASON_OF_STATUS.get(error.status, "other")
-    return model, reason, str(error.status)
+    return model, reason, str(error.status), tenant

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -46,6 +46,7 @@ from kvgate.router.outcomes import Answer, Learnt, text_chain
 from kvgate.router.prefix_index import PrefixIndex, PrefixIndexes
 from kvgate.router.health import (Ejection, after_check, after_request, newly_ejected, newly_unresponsive, readmitted,
                                   unresponsive)
+from kvgate.router.capacity import model_capacity
 from kvgate.router.load_readers import LoadReport, watch_stream
 from kvgate.router.membership import (ModelKnobs, ReplicaSource, Unlisted, Upsert, drop_reason, judge_unlisted,
                                       member_sources, model_knobs, public_url, static_sources, upsert)
@@ -123,6 +124,7 @@ class ReplicaTracker:
         self._replicas: dict[str, TrackedReplica] = {}
         self._sorted_by_model: dict[str, tuple[TrackedReplica, ...]] = {}  # cleared when a replica comes or goes
         self._snapshot: Snapshot | None = None
+        self._listeners: list[Callable[[], None]] = []
         self._started = False
         self._closed = False
         self._member_task: asyncio.Task[None] | None = None
@@ -227,6 +229,12 @@ class ReplicaTracker:
     def num_ready(self, model: str) -> int:
         """Replicas of `model` that take requests now."""
         return sum(1 for r in self._replicas.values() if r.model == model and r.accepts_requests)
+
+    def capacity(self, model: str) -> float:
+        """Requests `model`'s ready replicas run at once (`router.capacity`); math.inf while unknown."""
+        knobs = self._snapshot.models.get(model) if self._snapshot is not None else None
+        per_replica = knobs.spec.routing.max_in_flight_per_replica if knobs is not None else None
+        return model_capacity((r.ceiling for r in self._of_model(model) if r.accepts_requests), per_replica)
 
     def url(self, replica_id: str) -> str:
         """Base URL of a tracked replica; raises KeyError for an unknown one."""
@@ -354,10 +362,16 @@ class ReplicaTracker:
                              tracked.load.block_size_tokens or tracked.block_size_tokens, tracked.prefix_chunk_chars,
                              self.chars_per_token_of(tracked.model), caches=tracked.load.prefix_caching is not False)
 
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever a replica becomes routable or not, or shows it runs more (its capacity)."""
+        self._listeners.append(listener)
+
     def _notify(self) -> None:
-        """Wake every wait_for_replica; they re-check and wait on a fresh event."""
+        """Wake every wait_for_replica; they re-check and wait on a fresh event. Tell the listeners."""
         self._changed.set()
         self._changed = asyncio.Event()
+        for listener in self._listeners:
+            listener()
 
     def _upsert(self, source: ReplicaSource) -> None:
         """Track `source` as `membership.upsert` says: as it is, with a new state, or as a new record."""
@@ -495,11 +509,12 @@ class ReplicaTracker:
         tracked = self._replicas.get(replica_id)
         if tracked is None:
             return
-        was_routable = tracked.accepts_requests
+        was_routable, capacity = tracked.accepts_requests, tracked.ceiling.capacity()
         tracked.load = report
+        tracked.ceiling = tracked.ceiling.seen(report)
         tracked.num_ended_since_report = 0
         self._ensure_index(tracked)
-        if tracked.accepts_requests != was_routable:
+        if tracked.accepts_requests != was_routable or tracked.ceiling.capacity() != capacity:
             self._notify()
 
     def _apply_stream(self, replica_id: str, report: LoadReport) -> None:

@@ -16,10 +16,12 @@ import hmac
 import logging
 from collections.abc import Mapping
 
-from kvgate.openai_wire import ApiError, bearer_credential
+from kvgate.openai_wire import ApiError, bad_request, bearer_credential
 from kvgate.registry.schema import TenantDoc
 from kvgate.registry.snapshot import Snapshot
 from kvgate.registry.tenant import KEY_SECRET_ENV, key_hmac, key_secret_problem
+from kvgate.router.fair_queue import Flow
+from kvgate.router.usage import OPEN_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +126,23 @@ def visible_names(snapshot: Snapshot, tenant: TenantDoc | None) -> list[str]:
     """The names `tenant` may put in `model` (every servable name on an open gateway), sorted."""
     names = snapshot.served_names()
     return names if tenant is None else [name for name in names if tenant.spec.allows(name)]
+
+
+# The header a request asks for its priority in, up to its tenant's `max_priority` (`router.flow_control`).
+PRIORITY_HEADER = "x-kvgate-priority"
+
+
+def flow_of(tenant: TenantDoc | None, asked: str | None) -> Flow:
+    """Whose a request is for fair queuing: its tenant, the priority it asked for in PRIORITY_HEADER within
+    what the tenant may, and the tenant's weight. On an open gateway every request is one flow at priority 0:
+    nobody is there to grant a priority, so the header is ignored. Raises ApiError 400 for a header that is not
+    a whole number or asks for more than the tenant may."""
+    if tenant is None:
+        return Flow(OPEN_TENANT)
+    try:
+        priority = tenant.spec.priority_of(None if asked is None else int(asked.strip()))
+    except ValueError as exc:
+        message = str(exc) if asked is not None and asked.strip().lstrip("+-").isdigit() else (
+            f"{PRIORITY_HEADER} must be a whole number, e.g. 0 or -1")
+        raise bad_request(message, code="invalid_priority") from None
+    return Flow(tenant.metadata.name, priority, tenant.spec.weight)

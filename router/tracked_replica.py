@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.registry.schema import Backend
 from kvgate.router.block_index import BlockIndex
+from kvgate.router.capacity import RunCeiling
 from kvgate.router.health import Health
 from kvgate.router.load_readers import LoadReport
 from kvgate.router.membership import ReplicaSource, Standing
@@ -34,6 +35,7 @@ class TrackedReplica:
     max_loaded_adapters: int
     prefix_chunk_chars: int  # the model's routing.prefix_chunk_chars: the cut its prefix index counts in
     load: LoadReport = field(default_factory=LoadReport)
+    ceiling: RunCeiling = field(default_factory=RunCeiling)  # what it has shown it runs at once (router.capacity)
     in_flight: int = 0
     pending_prefill_tokens: int = 0  # see ReplicaState.pending_prefill_tokens
     # Requests this gateway finished there since the last load report: that report still counts them

@@ -96,18 +96,20 @@ class Gateway:
 async def gateway(tmp_path: Path, num_replicas: int = 3, routing: str = "",
                   settings: GatewaySettings | None = None, sim_spec: SchedulerSpec = FAST_SIM,
                   other_urls: tuple[str, ...] = (), store: StateStore | None = None,
-                  backend: str = "openai", clock: Clock | None = None, spec: str = "") -> AsyncIterator[Gateway]:
+                  backend: str = "openai", clock: Clock | None = None, spec: str = "",
+                  poll_interval_s: float = 60.0) -> AsyncIterator[Gateway]:
     """The gateway over `num_replicas` fresh sims (plus `other_urls`), once every sim has answered its
     first health check, so that a failure mode a test switches on is met by requests, not by that check.
-    `clock`: see `running_gateway`; `spec`: see `write_registry`."""
+    `clock`: see `running_gateway`; `spec`: see `write_registry`; `poll_interval_s`: how often the sims' /metrics
+    are scraped (vllm and sglang backends)."""
     sims = [await start_sim_replica(SimReplicaConfig(model="m", adapters=("sql",), scheduler=sim_spec))
             for _ in range(num_replicas)]
     write_registry(tmp_path, [s.url for s in sims] + list(other_urls), routing, backend, spec)
     checked: set[str] = set()  # replicas that answered one of the gateway's health checks
     try:
         async with aiohttp.ClientSession(trace_configs=[health_answers_into(checked)]) as http, \
-                running_gateway(tmp_path, settings, store, clock=clock, http=http, prefix_chunk_chars=64
-                                ) as (url, tracker):
+                running_gateway(tmp_path, settings, store, clock=clock, http=http, prefix_chunk_chars=64,
+                                poll_interval_s=poll_interval_s) as (url, tracker):
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10.0)
             await eventually(lambda: {s.url for s in sims} <= checked, "every sim answered its first health check")
             try:

@@ -78,7 +78,7 @@ async def test_refused_operator_requests_are_counted_as_unauthorized(tmp_path: P
         for path in ("/metrics", "/admin/stats", "/admin/history"):
             await get(gw, path, bearer("wrong"))
         _, _, exported = await get(gw, "/metrics", bearer(ADMIN))
-    assert 'kvgate_router_refused_requests_total{model="_unknown",reason="unauthorized",status="401"} 3.0' in exported
+    assert 'kvgate_router_refused_requests_total{model="_unknown",reason="unauthorized",status="401",tenant="_none"} 3.0' in exported
 
 
 async def test_without_tokens_the_operator_endpoints_stay_open_as_on_the_single_box(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ gateway refuses itself: a real gateway over a hand-written replica that records 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -30,16 +31,16 @@ class Fronted:
             return r.status, await r.json(content_type=None)
 
     async def refusals(self) -> dict[tuple[str, str, str], float]:
-        """(model, reason, status) -> count, from /metrics."""
+        """(model, reason, status) -> count over every tenant, from /metrics."""
         async with aiohttp.ClientSession() as s, s.get(self.url + "/metrics") as r:
             text = await r.text()
-        counts = {}
+        counts: dict[tuple[str, str, str], float] = collections.defaultdict(float)
         for line in text.splitlines():
             if line.startswith("kvgate_router_refused_requests_total{"):
                 labels, value = line.removeprefix("kvgate_router_refused_requests_total").rsplit(" ", 1)
                 pairs = dict(pair.split("=", 1) for pair in labels.strip("{}").split(","))
-                counts[tuple(pairs[k].strip('"') for k in ("model", "reason", "status"))] = float(value)
-        return counts
+                counts[tuple(pairs[k].strip('"') for k in ("model", "reason", "status"))] += float(value)
+        return dict(counts)
 
 
 def chat(model: str, content: str = "hi", **extra: object) -> dict:

@@ -82,7 +82,7 @@ async def test_a_missing_or_wrong_key_gets_401_invalid_api_key_counted_in_metric
         assert error["code"] == "invalid_api_key" and error["type"] == "AuthenticationError"
     assert listing[0] == 401 and listing[2]["error"]["code"] == "invalid_api_key"
     assert caught.value.code == "invalid_api_key"
-    assert 'kvgate_router_refused_requests_total{model="_unknown",reason="unauthorized",status="401"} 5.0' in metrics
+    assert 'kvgate_router_refused_requests_total{model="_unknown",reason="unauthorized",status="401",tenant="_none"} 5.0' in metrics
 
 
 async def test_a_tenant_sees_and_uses_only_its_own_models(tmp_path: Path) -> None:

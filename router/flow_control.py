@@ -1,0 +1,212 @@
+"""Fair sharing of a saturated model: requests past what its replicas run at once wait at the gateway, in queues
+per tenant and priority (`router.fair_queue` decides the order), and the lowest priority is shed first, before
+its first byte, when its wait would break the model's TTFT SLO.
+
+A model's capacity is what its ready replicas run at once (`ReplicaTracker.capacity`: the registry's
+`max_in_flight_per_replica`, or what each has shown it runs): below it a request goes straight on, as without
+fair sharing; at it, requests wait and each one that ends lets the next go. Sending more would not run more: the
+replicas would queue them first come, first served, and one tenant offering five times the fleet would sit in
+front of everyone else. Capacity is unknown (infinite) until every replica's is known, and while a model has no
+ready replica (`queueing.WaitQueues` holds those requests).
+
+Shedding. A waiting request is predicted to wait (requests ahead of it + 1) x the mean time a request holds its
+place / capacity; one predicted past its budget (the model's `slo.ttft_ms`, else its queue wait) is refused at
+once with 503 `model_overloaded` and Retry-After, and one still waiting when its budget runs out is refused then.
+A higher priority goes ahead of everything lower, so the lowest priority's wait passes the budget first, and when
+the queue is full an arrival takes the place of the last request of a lower priority. Each gateway holds its own
+queues against the capacity it sees; N gateways share a model's replicas, so each keeps the load signal honest
+only for what it sent (the replicas' reported queues still tell every gateway when they are saturated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvgate.clock import Clock
+from kvgate.openai_wire import ApiError
+from kvgate.router.errors import no_capacity
+from kvgate.router.fair_queue import FairQueue, Flow, Ticket
+from kvgate.router.fair_share import FairShares
+
+HOLD_EWMA_ALPHA = 0.1  # weight of the newest hold time in the mean the wait prediction uses
+
+
+@dataclass(frozen=True)
+class Permit:
+    """A request's place among those the model runs; `FlowGate.leave` gives it back."""
+
+    flow: Flow
+    granted_at: float
+
+
+def overloaded(model: str, wait_s: float, budget_s: float) -> ApiError:
+    return no_capacity(f"model '{model}' is saturated: a request of this priority would wait about {wait_s:.1f} s "
+                       f"for a replica, past the {budget_s:g} s it may; retry later", max(1.0, wait_s),
+                       code="model_overloaded")
+
+
+class FlowGate:
+    """The fair queue of one model, on one event loop (no locks: no await between a check and its change)."""
+
+    def __init__(self, model: str, clock: Clock, capacity: Callable[[], float],
+                 on_change: Callable[[FlowGate], None] = lambda gate: None) -> None:
+        self.model = model
+        self._clock = clock
+        self._capacity = capacity
+        self._on_change = on_change
+        self._queue = FairQueue()
+        self.shares = FairShares()  # who runs and waits, and who may start next (router.fair_share)
+        self._waiters: dict[Ticket, asyncio.Future[Permit]] = {}
+        self.mean_hold_s: float | None = None
+        self.dispatched: dict[str, int] = {}  # per tenant, since start: each tenant's share of what was served
+
+    @property
+    def active(self) -> int:
+        """Permits out: requests sent on and not yet ended."""
+        return self.shares.running
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def clock_now(self) -> float:
+        return self._clock.now()
+
+    def depth_by_tenant(self) -> dict[str, int]:
+        return self._queue.depth_by_tenant()
+
+    async def enter(self, flow: Flow, budget_s: float, max_queued: int) -> Permit:
+        """A place among the requests the model runs, at once or after a fair wait; raises ApiError 503
+        (`model_overloaded`) when the wait would pass `budget_s` or the queue holds `max_queued` of this
+        priority or higher."""
+        arrived = self._clock.now()
+        if len(self._queue) >= max_queued:
+            self._make_room(flow, budget_s)
+        ticket = self._queue.push(flow)
+        self.shares.arrived(flow.tenant, flow.weight, arrived, flow.priority)
+        waiter: asyncio.Future[Permit] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = waiter
+        self.dispatch()
+        if waiter.done():
+            self._waiters.pop(ticket, None)
+            return waiter.result()
+        predicted = self._predicted_wait_s(self._queue.ahead_of(ticket))
+        if predicted > budget_s:
+            self._abandon(ticket, waiter)
+            raise overloaded(self.model, predicted, budget_s)
+        self._on_change(self)
+        timer = asyncio.ensure_future(self._clock.sleep(budget_s))
+        try:
+            await asyncio.wait((waiter, timer), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client went
+            self._abandon(ticket, waiter)
+            raise
+        finally:
+            timer.cancel()
+            self._waiters.pop(ticket, None)
+        if waiter.done():
+            return waiter.result()  # granted, or shed to make room for a higher priority (raises)
+        self._abandon(ticket, waiter)
+        raise overloaded(self.model, self._clock.now() - arrived, budget_s)
+
+    def leave(self, permit: Permit) -> None:
+        """The request ended: its place goes to the next one waiting."""
+        now = self._clock.now()
+        self.shares.ended(permit.flow.tenant, now)
+        held_s = max(0.0, now - permit.granted_at)
+        self.mean_hold_s = held_s if self.mean_hold_s is None else (
+            (1 - HOLD_EWMA_ALPHA) * self.mean_hold_s + HOLD_EWMA_ALPHA * held_s)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Start as many waiting requests as may start (`FairShares.may_start`), in the fair queue's order:
+        after a request arrives or ends, or when the capacity grew (a replica became ready, or showed it runs
+        more)."""
+        capacity, now, changed = self._capacity(), self._clock.now(), False
+        while len(self._queue):
+            ticket = self._queue.pop(lambda flow: self.shares.may_start(flow.tenant, capacity, now))
+            if ticket is None:
+                break
+            self.shares.started(ticket.flow.tenant, now)
+            self.dispatched[ticket.flow.tenant] = self.dispatched.get(ticket.flow.tenant, 0) + 1
+            waiter = self._waiters.get(ticket)
+            if waiter is None or waiter.done():  # nobody waits for it any more: the place goes back
+                self.shares.ended(ticket.flow.tenant, now)
+                continue
+            waiter.set_result(Permit(ticket.flow, now))
+            changed = True
+        if changed:
+            self._on_change(self)
+
+    def _abandon(self, ticket: Ticket, waiter: asyncio.Future[Permit]) -> None:
+        """The request stopped waiting (its budget ran out, or its client went): out of the queue, or, if it
+        was granted a place in the same instant, that place given back."""
+        if self._queue.remove(ticket):
+            self.shares.gave_up(ticket.flow.tenant, self._clock.now())
+        elif waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            self.leave(waiter.result())
+        self._waiters.pop(ticket, None)
+        self._on_change(self)
+
+    def _make_room(self, flow: Flow, budget_s: float) -> None:
+        """The queue is full: the last request of a lower priority is shed for `flow`, or `flow` is."""
+        last = self._queue.last_of_lowest()
+        if last is None or last.flow.priority >= flow.priority:
+            raise overloaded(self.model, self._predicted_wait_s(len(self._queue)), budget_s)
+        self._queue.remove(last)
+        self.shares.gave_up(last.flow.tenant, self._clock.now())
+        waiter = self._waiters.get(last)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(overloaded(self.model, self._predicted_wait_s(len(self._queue)), budget_s))
+
+    def _predicted_wait_s(self, ahead: int) -> float:
+        """(ahead + 1) x mean hold / capacity; 0 until a request has ended (nothing to predict from)."""
+        capacity = self._capacity()
+        if self.mean_hold_s is None or not math.isfinite(capacity) or capacity <= 0:
+            return 0.0
+        return (ahead + 1) * self.mean_hold_s / capacity
+
+
+class FlowGates:
+    """One `FlowGate` per model, made on first use."""
+
+    def __init__(self, clock: Clock, capacity: Callable[[str], float],
+                 on_change: Callable[[FlowGate], None] = lambda gate: None) -> None:
+        self._clock = clock
+        self._capacity = capacity
+        self._on_change = on_change
+        self._gates: dict[str, FlowGate] = {}
+
+    def gate(self, model: str) -> FlowGate:
+        gate = self._gates.get(model)
+        if gate is None:
+            gate = self._gates[model] = FlowGate(model, self._clock, lambda: self._capacity(model), self._on_change)
+        return gate
+
+    def depth(self, model: str) -> int:
+        gate = self._gates.get(model)
+        return gate.depth if gate is not None else 0
+
+    def dispatch_all(self) -> None:
+        """A replica's capacity changed: every gate sends on what now fits."""
+        for gate in self._gates.values():
+            gate.dispatch()
+
+    def gates(self) -> dict[str, FlowGate]:
+        return dict(self._gates)
+
+
+def fair_queue_stats(gate: FlowGate, capacity: float) -> dict[str, object]:
+    """A gate as /admin/stats shows it: the capacity it holds to (None: unknown, nothing waits), what runs and
+    waits and the places reserved per tenant, and each tenant's share of the requests sent on since start."""
+    now = gate.clock_now()
+    reserved = gate.shares.reservations(capacity, now) if math.isfinite(capacity) else {}
+    total = sum(gate.dispatched.values()) or 1
+    return {"capacity": capacity if math.isfinite(capacity) else None, "running": gate.active,
+            "waiting": gate.depth, "mean_hold_s": gate.mean_hold_s,
+            "tenants": {tenant: {"running": running, "waiting": waiting, "reserved": reserved.get(tenant)}
+                        for tenant, (running, waiting) in sorted(gate.shares.tenants().items())},
+            "dispatched_share": {tenant: n / total for tenant, n in sorted(gate.dispatched.items())}}
