@@ -76,6 +76,21 @@ class RouterMetrics:
         self.replicas = Gauge("kvgate_router_replicas", "Replicas the gateway knows, by state: ready, unlisted "
                               "(serving though its membership record lapsed), starting, draining, unhealthy.",
                               ["model", "state"], registry=r)
+        self._tenant_series(r)
+        self.usage_records_dropped = Counter("kvgate_router_usage_records_dropped",
+                                             "Usage-log records dropped as its writer was behind (disk stalled).",
+                                             registry=r)
+        for name in ("requests", "decisions", "decision_seconds", "ttft_seconds", "prefix_predicted_tokens",
+                     "prefix_realised_tokens", "prefix_reported_prompt_tokens", "in_flight", "queue_depth",
+                     "tenant_requests", "tenant_tokens", "fair_queue_depth", "fair_dispatched"):
+            setattr(self, name, _Labelled(getattr(self, name)))
+        # Per model, the `requests` counts of replicas whose series were removed (`retire_replicas`), so that
+        # totals read from the series (the dashboard's) never go down.
+        self.retired_requests: collections.Counter[str] = collections.Counter()
+        self._gone_since: dict[str, float] = {}  # replica label -> when it was first seen gone
+
+    def _tenant_series(self, r: CollectorRegistry) -> None:
+        """The series with a `tenant` label: refusals, usage and fair queuing."""
         # Every answer the gateway writes itself instead of a replica's, labels bounded by `router.refusals`.
         self.refused_requests = Counter("kvgate_router_refused_requests",
                                         "Requests the gateway refused or failed itself, by reason, status and "
@@ -96,17 +111,6 @@ class RouterMetrics:
         self.fair_dispatched = Counter("kvgate_router_fair_dispatched",
                                        "Requests sent on through the model's fair queue (at once or after a wait).",
                                        ["model", "tenant"], registry=r)
-        self.usage_records_dropped = Counter("kvgate_router_usage_records_dropped",
-                                             "Usage-log records dropped as its writer was behind (disk stalled).",
-                                             registry=r)
-        for name in ("requests", "decisions", "decision_seconds", "ttft_seconds", "prefix_predicted_tokens",
-                     "prefix_realised_tokens", "prefix_reported_prompt_tokens", "in_flight", "queue_depth",
-                     "tenant_requests", "tenant_tokens", "fair_queue_depth", "fair_dispatched"):
-            setattr(self, name, _Labelled(getattr(self, name)))
-        # Per model, the `requests` counts of replicas whose series were removed (`retire_replicas`), so that
-        # totals read from the series (the dashboard's) never go down.
-        self.retired_requests: collections.Counter[str] = collections.Counter()
-        self._gone_since: dict[str, float] = {}  # replica label -> when it was first seen gone
 
     def retire_replicas(self, live: Collection[str], now: float, after_s: float) -> list[str]:
         """Remove the `requests` series of each replica the gateway no longer tracks (not in `live`) once it
