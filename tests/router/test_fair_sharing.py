@@ -15,7 +15,7 @@ from kvgate.registry.tenant import key_hmac
 from kvgate.router.app import GatewaySettings
 from loadtests.sim_replica_model import SchedulerSpec
 from tests.eventually import eventually
-from tests.router.sim_gateway import chat, gateway
+from tests.router.sim_gateway import Gateway, chat, gateway
 
 SECRET = b"fair-sharing-test-secret-0123456789abcdef"
 KEYS = {"noisy": "kvg_noisy-tenant-key", "quiet": "kvg_quiet-tenant-key"}
@@ -55,10 +55,19 @@ async def quiet_rank_behind_a_burst(tmp_path: Path, routing: str) -> int:
             finished.append(tenant)
 
         noisy = [asyncio.ensure_future(one("noisy")) for _ in range(12)]
-        await asyncio.sleep(0.1)  # the burst has arrived: 2 run, 10 wait
+        await eventually(lambda: _waiting(gw), "the burst has arrived: 2 run, 10 wait (at the gateway or the sim)")
         await one("quiet")
         await asyncio.gather(*noisy)
     return finished.index("quiet")
+
+
+async def _waiting(gw: Gateway) -> bool:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/admin/stats") as r:
+            at_gateway = (await r.json())["models"]["m"]["fair_queue"]["waiting"]
+        async with s.get(gw.sims[0].url + "/stats") as r:
+            at_sim = (await r.json())["num_waiting"]
+    return at_gateway + at_sim == 10
 
 
 async def test_a_quiet_tenant_goes_before_a_noisy_tenants_backlog(tmp_path: Path) -> None:
