@@ -103,6 +103,7 @@ async def test_dashboard_shows_live_traffic_in_headless_chromium(tmp_path: Path,
             await expect(row.locator(".req-total")).to_have_text(str(num_requests))
             assert float(await row.locator(".req-rate").inner_text()) > 0
             await expect(page.locator("#decisions tr").first).to_be_visible()
+            await expect(page.locator("#tenants")).to_contain_text("_open")  # one flow through the fair queue
             # The engine reports KV blocks over gRPC: its KV usage is a percentage, not a dash.
             await expect(page.locator('tr[data-replica="engine-0"]')).to_contain_text("%")
             # Both replicas cache prefixes: neither is flagged as keeping no prefix cache.
