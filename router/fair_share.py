@@ -11,8 +11,11 @@ back - what runs) have room: a higher priority never waits for what is held back
 capacity; a heavy tenant beside a light one gets everything the light one's peak leaves, which is the price of
 the light one never waiting: places held back for a peak stand idle between peaks.
 
-Demand is requests running plus waiting; its peak decays by half every PEAK_HALF_LIFE_S, and a tenant whose peak
-has decayed below half a request, with nothing running or waiting, is forgotten (so the records stay bounded).
+Demand is requests running plus waiting. Its peak decays slowly while the tenant is active (half every
+ACTIVE_HALF_LIFE_S: a reservation that shrank between a light tenant's bursts would let a heavy one take the places
+the next burst needs, and, places being held until their requests end, the burst would wait for them) and fast
+once it has nothing running or waiting (half every IDLE_HALF_LIFE_S), and a tenant whose peak has decayed below
+half a request, with nothing running or waiting, is forgotten (so the records stay bounded).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-PEAK_HALF_LIFE_S = 60.0
+ACTIVE_HALF_LIFE_S = 300.0
+IDLE_HALF_LIFE_S = 10.0
 FORGET_BELOW = 0.5
 
 
@@ -100,7 +104,8 @@ class FairShares:
 
     @staticmethod
     def _peak(record: _Tenant, now: float) -> float:
-        return record.peak * 0.5 ** (max(0.0, now - record.peak_at) / PEAK_HALF_LIFE_S)
+        half_life = ACTIVE_HALF_LIFE_S if record.running or record.waiting else IDLE_HALF_LIFE_S
+        return record.peak * 0.5 ** (max(0.0, now - record.peak_at) / half_life)
 
     def _forget_idle(self, now: float) -> None:
         idle = [name for name, record in self._tenants.items()

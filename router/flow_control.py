@@ -10,8 +10,10 @@ front of everyone else. Capacity is unknown (infinite) until every replica's is 
 ready replica (`queueing.WaitQueues` holds those requests).
 
 Shedding. A waiting request is predicted to wait (requests ahead of it + 1) x the mean time a request holds its
-place / capacity; one predicted past its budget (the model's `slo.ttft_ms`, else its queue wait) is refused at
-once with 503 `model_overloaded` and Retry-After, and one still waiting when its budget runs out is refused then.
+place / capacity; one predicted past its budget is refused at once with 503 `model_overloaded` and Retry-After,
+and one still waiting when its budget runs out is refused then. The budget is the model's `slo.ttft_ms` (else its
+queue wait) less the mean time from a place granted to the first token, so that what waits and is served still
+meets the SLO: a queue kept full to the whole SLO would serve every request just past it.
 A higher priority goes ahead of everything lower, so the lowest priority's wait passes the budget first, and when
 the queue is full an arrival takes the place of the last request of a lower priority. Each gateway holds its own
 queues against the capacity it sees; N gateways share a model's replicas, so each keeps the load signal honest
@@ -61,6 +63,7 @@ class FlowGate:
         self.shares = FairShares()  # who runs and waits, and who may start next (router.fair_share)
         self._waiters: dict[Ticket, asyncio.Future[Permit]] = {}
         self.mean_hold_s: float | None = None
+        self.mean_first_token_s: float | None = None  # from a place granted to the first token sent
         self.dispatched: dict[str, int] = {}  # per tenant, since start: each tenant's share of what was served
 
     @property
@@ -83,6 +86,7 @@ class FlowGate:
         (`model_overloaded`) when the wait would pass `budget_s` or the queue holds `max_queued` of this
         priority or higher."""
         arrived = self._clock.now()
+        budget_s = max(0.0, budget_s - (self.mean_first_token_s or 0.0))  # what is left of it for waiting
         if len(self._queue) >= max_queued:
             self._make_room(flow, budget_s)
         ticket = self._queue.push(flow)
@@ -111,6 +115,12 @@ class FlowGate:
             return waiter.result()  # granted, or shed to make room for a higher priority (raises)
         self._abandon(ticket, waiter)
         raise overloaded(self.model, self._clock.now() - arrived, budget_s)
+
+    def first_token(self, permit: Permit, now: float) -> None:
+        """The request sent its first token: how long that took once it had its place."""
+        took_s = max(0.0, now - permit.granted_at)
+        self.mean_first_token_s = took_s if self.mean_first_token_s is None else (
+            (1 - HOLD_EWMA_ALPHA) * self.mean_first_token_s + HOLD_EWMA_ALPHA * took_s)
 
     def leave(self, permit: Permit) -> None:
         """The request ended: its place goes to the next one waiting."""

@@ -7,10 +7,11 @@ bad input is never a 500.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -309,6 +310,7 @@ async def _forward(request: web.Request, preq: ProxyRequest, tenant: TenantDoc |
         if fair is not None:
             permit = await gate.enter(fair.flow, fair.budget_s, preq.routing.max_queued_requests)
             app[METRICS_KEY].fair_dispatched.labels(model, fair.flow.tenant).inc()
+            preq = replace(preq, on_first_token=functools.partial(gate.first_token, permit))
         with app[METER_KEY].metering(tenant, name, preq.request_id) as metered:  # its usage, however it ends
             response = metered.response = await app[PROXY_KEY].forward(request, preq)
         return response

@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -98,6 +98,13 @@ class ProxyRequest:
     queue_wait_s: float  # the model's scaling.max_queue_wait_s, or the gateway default
     arrived_at: float  # clock.now() when the request arrived, for TTFT
     request_id: str = ""  # REQUEST_ID_HEADER: the client's, or one the gateway made up
+    # Told clock.now() when the first token reaches the client (the fair queue learns its wait budget from it).
+    on_first_token: Callable[[float], None] | None = None
+
+    def first_token(self, model: str, metrics: RouterMetrics, now: float) -> None:
+        metrics.ttft_seconds.labels(model).observe(now - self.arrived_at)
+        if self.on_first_token is not None:
+            self.on_first_token(now)
 
 
 class AttemptFailed(Exception):
@@ -273,7 +280,7 @@ class Proxy:
             used, usage = tokens_used_of(payload), token_usage_of(payload)
         else:
             self._count(model, replica_id, f"upstream_{upstream.status // 100}xx")
-        self.metrics.ttft_seconds.labels(model).observe(self.clock.now() - preq.arrived_at)
+        preq.first_token(model, self.metrics, self.clock.now())
         response = web.Response(status=upstream.status, body=body, headers={
             "Content-Type": upstream.headers.get("content-type", "application/json"), REPLICA_HEADER: replica_id})
         if used is not None:
@@ -349,7 +356,7 @@ class Proxy:
                 # may open the stream with a role-only chunk before it has prefilled.
                 ttft_observed = True
                 lease.prefilled()
-                self.metrics.ttft_seconds.labels(preq.route.model).observe(self.clock.now() - preq.arrived_at)
+                preq.first_token(preq.route.model, self.metrics, self.clock.now())
             if relay.done:
                 return
             chunk = await upstream.read(preq.routing.stream_idle_timeout_s)

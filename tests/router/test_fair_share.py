@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from kvgate.router.fair_share import PEAK_HALF_LIFE_S, FairShares
+from kvgate.router.fair_share import ACTIVE_HALF_LIFE_S, IDLE_HALF_LIFE_S, FairShares
 
 
 def start(shares: FairShares, tenant: str, now: float = 0.0, weight: float = 1.0) -> bool:
@@ -55,15 +55,24 @@ def test_weights_set_the_fair_shares() -> None:
     assert shares.reservations(16, 0.0) == {"gold": 12.0, "bronze": 4.0}
 
 
-def test_a_peak_decays_so_an_idle_tenant_stops_holding_places_and_is_forgotten() -> None:
+def test_a_peak_decays_slowly_while_its_tenant_is_active() -> None:
+    shares = FairShares()
+    for _ in range(7):
+        start(shares, "light")
+    for _ in range(6):
+        shares.ended("light", 0.0)  # one still runs
+    assert shares.reservations(16, ACTIVE_HALF_LIFE_S)["light"] == 4.5  # a peak of 3.5, plus 1
+
+
+def test_an_idle_tenants_peak_decays_fast_and_it_is_forgotten() -> None:
     shares = FairShares()
     for _ in range(7):
         start(shares, "light")
     for _ in range(7):
         shares.ended("light", 0.0)
     assert shares.reservations(16, 0.0)["light"] == 8.0
-    assert shares.reservations(16, PEAK_HALF_LIFE_S)["light"] == 4.5  # a peak of 3.5, plus 1
-    assert "light" not in shares.reservations(16, 5 * PEAK_HALF_LIFE_S)  # 7 / 32 < 0.5: forgotten
+    assert shares.reservations(16, IDLE_HALF_LIFE_S)["light"] == 4.5  # a peak of 3.5, plus 1
+    assert "light" not in shares.reservations(16, 5 * IDLE_HALF_LIFE_S)  # 7 / 32 < 0.5: forgotten
 
 
 def test_an_unknown_capacity_lets_everyone_start() -> None:

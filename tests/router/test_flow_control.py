@@ -164,3 +164,18 @@ async def test_a_capacity_that_grows_sends_on_what_now_fits() -> None:
     await settle()
     assert [task.done() for task in waiting] == [True, True, False] and gate.active == 3
     waiting[2].cancel()
+
+
+async def test_the_wait_budget_leaves_room_for_the_time_to_the_first_token() -> None:
+    # A place granted, then 1.5 s to the first token: of a 10 s SLO, 8.5 s are left for waiting.
+    clock = FakeClock()
+    gate, _ = gate_of(clock, 1)
+    held = await gate.enter(NOISY, BUDGET_S, MAX_QUEUED)
+    await clock.advance(1.5)
+    gate.first_token(held, clock.now())
+    waiting = asyncio.ensure_future(gate.enter(QUIET, BUDGET_S, MAX_QUEUED))
+    await settle()
+    await clock.advance(8.5)
+    with pytest.raises(ApiError):
+        await waiting
+    assert gate.mean_first_token_s == 1.5
