@@ -245,19 +245,24 @@ def _read_until_eof(fd: int, timeout_s: float) -> bytes | None:
 
 
 def _collect_garbage(top: int) -> dict[str, object]:
-    """In the copy: one full collection, and what it freed (bytes traced before less after), how many objects
-    and of which types (the `top` most common)."""
+    """In the copy: one full collection, and what its garbage held (bytes traced with it kept less after it is
+    freed, so the interpreter's free lists, which a full collection also empties, do not count), how many
+    objects and of which types (the `top` most common); and `free_lists_bytes`, what the emptied free lists held
+    (freed objects the interpreter keeps for reuse, up to a fixed number per kind: 2,000 tuples per size...)."""
     before = tracemalloc.get_traced_memory()[0]
     gc.set_debug(gc.DEBUG_SAVEALL)  # keep what it finds in gc.garbage, to count it by type
     try:
         num_objects = gc.collect()
-        by_type = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
     finally:
         gc.set_debug(0)
+    held = tracemalloc.get_traced_memory()[0]
+    by_type = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
+    types = [{"type": name, "num_objects": count} for name, count in by_type.most_common(top)]
+    del by_type
     gc.garbage.clear()
     gc.collect()  # now freed
-    return {"bytes": before - tracemalloc.get_traced_memory()[0], "num_objects": num_objects,
-            "types": [{"type": name, "num_objects": count} for name, count in by_type.most_common(top)]}
+    freed = held - tracemalloc.get_traced_memory()[0]  # less the few KB of `types`: < 0 when there was none
+    return {"bytes": max(freed, 0), "num_objects": num_objects, "types": types, "free_lists_bytes": before - held}
 
 
 def _look_at_sites(top: int, baseline: Baseline | None) -> bytes:

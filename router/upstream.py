@@ -334,7 +334,12 @@ class _Connection(asyncio.Protocol):
         self._pool = pool
         self.origin = origin
         self._loop = asyncio.get_running_loop()
-        self._parser = httptools.HttpResponseParser(self)
+        # The parser holds this connection's bound methods (its callbacks): a cycle, which `connection_lost`
+        # breaks (None), so a closed connection is freed by reference counting. Left to the cyclic collector,
+        # which the gateway runs once per GC_GEN0_THRESHOLD objects that outlive their request (`router.main`),
+        # the connections the idle sweep closes (~5 KB each, one every few seconds at 35 req/s) piled up for
+        # over an hour: ~2.5 MiB/h in loadtests/soak_gateway.py (docs/benchmarks.md).
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
@@ -364,7 +369,8 @@ class _Connection(asyncio.Protocol):
         self._pool._live.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.complete or self.error is not None:  # nothing is owed on an idle connection: unusable now
+        parser = self._parser
+        if parser is None or self.complete or self.error is not None:  # nothing is owed: unusable now
             self._fail(UpstreamError("the replica sent bytes outside any response"))
             return
         self._answered = True
@@ -375,7 +381,7 @@ class _Connection(asyncio.Protocol):
                 self._fail(UpstreamError(f"the replica's answer has no end of headers in {_MAX_HEAD_BYTES} bytes"))
                 return
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(UpstreamError(f"the replica's answer is not valid HTTP/1.1: {type(exc).__name__}: {exc}"))
 
@@ -395,6 +401,7 @@ class _Connection(asyncio.Protocol):
             error = UpstreamError if self._answered else _ClosedUnanswered
             self._fail(error(f"the replica closed the connection {where}{reason}"), close=False)
         self._transport = None
+        self._parser = None  # nothing more to parse: the cycle through its callbacks ends here
         self._wake()
 
     # -- llhttp callbacks
@@ -410,7 +417,8 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.error is not None:
             return
-        status = self._parser.get_status_code()
+        parser = cast(httptools.HttpResponseParser, self._parser)  # a callback runs inside parser.feed_data
+        status = parser.get_status_code()
         if status == 101:
             self._fail(UpstreamError("the replica switched protocols, which nothing asked for"))
             return
@@ -419,7 +427,7 @@ class _Connection(asyncio.Protocol):
             self.headers = {}
             return
         self.status = status
-        self.keep_alive = self._parser.should_keep_alive()
+        self.keep_alive = parser.should_keep_alive()
         headers = self.headers
         self._delimited = ("content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
                            or self.status in (204, 304))
