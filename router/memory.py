@@ -1,8 +1,8 @@
 """`/admin/memory`: the gateway's resident memory and, while `tracemalloc` traces, where its Python allocations are.
 
 Tracing is Python's own: start the gateway with `PYTHONTRACEMALLOC=1` (or N frames) to trace from the first
-allocation. It costs CPU (~1.5-2x per allocation) and memory (tracemalloc's tables, reported as
-`tracemalloc_overhead_bytes`: ~20 MiB for ~250,000 live blocks), so it is for a soak or a hunt, not for every day.
+allocation. It costs CPU (the soak's gateway used 2.1x its untraced CPU) and memory (tracemalloc's tables, reported
+as `tracemalloc_overhead_bytes`: ~23 MiB for ~250,000 live blocks), so it is for a soak or a hunt, not every day.
 Without it the endpoint still answers, with `tracing: false` and the RSS.
 
 - `GET /admin/memory?top=N`: RSS (`/proc/self/status` VmRSS), traced current/peak bytes, tracemalloc's overhead,
@@ -13,10 +13,10 @@ Without it the endpoint still answers, with `tracing: false` and the RSS.
 - Always, tracing or not: the cyclic garbage collector's figures (`gc`: collections per generation, objects
   waiting in each). With sites: `garbage`, what a full collection would free now (bytes, objects, the most
   common types), measured in the copy below by running one there; the sites are what stays reachable after it.
-  Garbage that waits in the oldest generation is freed only at the next full collection, which CPython runs
-  once the objects that reached that generation since the last one number a quarter of those that survived
-  it: with ~250,000 long-lived objects, some tens of thousands of garbage objects may wait, which RSS shows as
-  growth that stops at that bound.
+  Garbage (objects in reference cycles) waits for the cyclic collector, which the gateway runs rarely
+  (`router.main.GC_GEN0_THRESHOLD`: once 50,000 more objects were made than freed, which a gateway in a steady
+  state may not reach for hours), so growth that shows here as garbage is such a wait, and growth in the sites is
+  what a leak looks like.
 
 Looking at the sites means a tracemalloc snapshot, which copies every trace into Python objects: ~5 s of CPU and
 ~70 MiB at ~250,000 live blocks, which the process would then keep as freed-but-resident memory and as a bigger
