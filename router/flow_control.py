@@ -75,9 +75,6 @@ class FlowGate:
     def depth(self) -> int:
         return len(self._queue)
 
-    def clock_now(self) -> float:
-        return self._clock.now()
-
     def depth_by_tenant(self) -> dict[str, int]:
         return self._queue.depth_by_tenant()
 
@@ -209,10 +206,9 @@ class FlowGates:
         return dict(self._gates)
 
 
-def fair_queue_stats(gate: FlowGate, capacity: float) -> dict[str, object]:
+def fair_queue_stats(gate: FlowGate, capacity: float, now: float) -> dict[str, object]:
     """A gate as /admin/stats shows it: the capacity it holds to (None: unknown, nothing waits), what runs and
     waits and the places reserved per tenant, and each tenant's share of the requests sent on since start."""
-    now = gate.clock_now()
     reserved = gate.shares.reservations(capacity, now) if math.isfinite(capacity) else {}
     total = sum(gate.dispatched.values()) or 1
     return {"capacity": capacity if math.isfinite(capacity) else None, "running": gate.active,

@@ -408,7 +408,7 @@ async def admin_stats(request: web.Request) -> web.Response:
             "num_ready": tracker.num_ready(name),
             "queue_depth": queues.depth(name),
             "in_flight": sum(r["in_flight"] for r in replicas),
-            "fair_queue": fair_queue_stats(app[GATES_KEY].gate(name), tracker.capacity(name)),
+            "fair_queue": fair_queue_stats(app[GATES_KEY].gate(name), tracker.capacity(name), app[CLOCK_KEY].now()),
             "replicas": replicas,
         }
     payload = {"registry_version": snapshot.version, "models": models,
