@@ -174,6 +174,8 @@ class ModelKnobs:
     block_size_tokens: int
     max_loaded_adapters: int
     prefix_chunk_chars: int  # routing.prefix_chunk_chars: the cut its prefix index counts in
+    holds_places: bool = False  # routing.fair_queueing: requests go to a replica with a place free (view.places)
+    places_per_replica: int | None = None  # routing.max_in_flight_per_replica; None: learned (router.capacity)
 
 
 def model_knobs(snapshot: Snapshot | None, model: str, default_chunk_chars: int) -> ModelKnobs:
@@ -181,5 +183,6 @@ def model_knobs(snapshot: Snapshot | None, model: str, default_chunk_chars: int)
     doc = snapshot.models.get(model) if snapshot is not None else None
     if doc is None:
         return ModelKnobs(DEFAULT_BLOCK_SIZE_TOKENS, 0, default_chunk_chars)
+    routing = doc.spec.routing
     return ModelKnobs(doc.spec.engine.block_size_tokens, doc.spec.engine.max_loaded_adapters,
-                      doc.spec.routing.prefix_chunk_chars)
+                      routing.prefix_chunk_chars, routing.fair_queueing, routing.max_in_flight_per_replica)

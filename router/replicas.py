@@ -162,6 +162,7 @@ class ReplicaTracker:
             knobs = self._model_knobs(tracked.model)
             tracked.block_size_tokens, tracked.max_loaded_adapters, tracked.prefix_chunk_chars = (
                 knobs.block_size_tokens, knobs.max_loaded_adapters, knobs.prefix_chunk_chars)
+            tracked.holds_places, tracked.places_per_replica = knobs.holds_places, knobs.places_per_replica
             self._ensure_index(tracked)
         self.tokenizers.after_reload()
         self._notify()
@@ -388,7 +389,8 @@ class ReplicaTracker:
         knobs = self._model_knobs(source.model)
         tracked = TrackedReplica(source.replica_id, source.model, source.url, source.backend,
                                  source.grpc_target, source.member_state, knobs.block_size_tokens,
-                                 knobs.max_loaded_adapters, knobs.prefix_chunk_chars)
+                                 knobs.max_loaded_adapters, knobs.prefix_chunk_chars, knobs.holds_places,
+                                 knobs.places_per_replica)
         self._replicas[source.replica_id] = tracked
         self._sorted_by_model.clear()
         self._ensure_index(tracked)

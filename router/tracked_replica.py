@@ -6,6 +6,7 @@ a record hands it frozen values (`source`, `standing`, `health`) and takes back 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ class TrackedReplica:
     block_size_tokens: int
     max_loaded_adapters: int
     prefix_chunk_chars: int  # the model's routing.prefix_chunk_chars: the cut its prefix index counts in
+    holds_places: bool = False  # the model's routing.fair_queueing: its state carries `places`
+    places_per_replica: int | None = None  # the model's routing.max_in_flight_per_replica
     load: LoadReport = field(default_factory=LoadReport)
     ceiling: RunCeiling = field(default_factory=RunCeiling)  # what it has shown it runs at once (router.capacity)
     in_flight: int = 0
@@ -93,6 +96,14 @@ class TrackedReplica:
             return "unhealthy"
         return "ready" if self.unlisted_since is None else "unlisted"
 
+    @property
+    def places(self) -> float:
+        """The requests this gateway keeps in flight here while the model is saturated (`ReplicaState.places`):
+        the registry's max_in_flight_per_replica, else what it has shown it runs (`router.capacity`)."""
+        if not self.holds_places:
+            return math.inf
+        return float(self.places_per_replica) if self.places_per_replica is not None else self.ceiling.capacity()
+
     def auth_headers(self) -> dict[str, str] | None:
         """The headers its health checks and scrapes send: its Authorization, if it asks for one."""
         return {"Authorization": self.authorization} if self.authorization else None
@@ -113,7 +124,8 @@ class TrackedReplica:
             pending_prefill_tokens=self.pending_prefill_tokens,
             kv_blocks_free=self.load.kv_blocks_free, kv_blocks_total=self.load.kv_blocks_total,
             block_size_tokens=self.load.block_size_tokens or self.block_size_tokens,
-            adapters_loaded=self.load.adapters_loaded, max_loaded_adapters=self.max_loaded_adapters)
+            adapters_loaded=self.load.adapters_loaded, max_loaded_adapters=self.max_loaded_adapters,
+            places=self.places)
 
 
 class AttemptLease:

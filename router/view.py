@@ -8,6 +8,7 @@ or scraped /metrics) and its own in-flight counts; policies never see anything m
 from __future__ import annotations
 
 import enum
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ class ReplicaState:
     # This gateway's estimate of prompt tokens routed here and not yet prefilled (no first token yet),
     # after the replica's predicted cache hit: the prefill queued ahead of a new request.
     pending_prefill_tokens: int = 0
+    # The requests this gateway keeps in flight here while the model is saturated (fair queuing: what the
+    # replica runs at once, configured or learned, `router.capacity`); math.inf where unknown or not held.
+    places: float = math.inf
     # Requests queued or running here: max(in_flight, num_waiting + num_running), set from those fields.
     # A max, not a sum: the gateway's own in-flight requests are also in the engine's counts once it has
     # seen them, so a sum counts them twice. `in_flight` is fresh (it rises the moment we route, so a
@@ -177,8 +181,14 @@ class ReplicaView:
                    in_flight_chains=in_flight_chains if in_flight_chains is not None else NoPrefixes())
 
     def candidates(self, model: str) -> tuple[ReplicaState, ...]:
-        """Replicas of `model` that take new requests: healthy and not draining, sorted by id."""
-        return tuple(r for r in self.replicas if r.model == model and r.accepts_requests)
+        """Replicas of `model` that take new requests (healthy and not draining, sorted by id), and of those,
+        when any has a place free (`places`: fair queuing holds the model to what its replicas run), only
+        those. A request the fair queue let go was granted a place; sent where every place is taken, it would
+        wait inside that replica behind whoever came first while another replica has room (the load bound
+        alone allows it: 16 and 15 in flight of 16 each is within 1.25 x the mean)."""
+        ready = tuple(r for r in self.replicas if r.model == model and r.accepts_requests)
+        free = tuple(r for r in ready if r.in_flight < r.places)
+        return free if free and len(free) < len(ready) else ready
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
         return self.prefixes.match_length(replica_id, hashes)

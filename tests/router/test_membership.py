@@ -93,7 +93,7 @@ def test_a_public_url_has_no_user_part_query_or_fragment(url: str, shown: str) -
 
 def test_a_replica_takes_its_models_knobs_or_the_defaults_for_an_undeclared_model(tmp_path: Path) -> None:
     snapshot = registry(tmp_path)
-    assert model_knobs(snapshot, "m", 256) == ModelKnobs(32, 3, 128)
+    assert model_knobs(snapshot, "m", 256) == ModelKnobs(32, 3, 128, holds_places=True)  # fair queuing: the default
     assert model_knobs(snapshot, "gone", 256) == ModelKnobs(DEFAULT_BLOCK_SIZE_TOKENS, 0, 256)
     assert model_knobs(None, "m", 64) == ModelKnobs(DEFAULT_BLOCK_SIZE_TOKENS, 0, 64)
 

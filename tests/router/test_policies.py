@@ -100,6 +100,21 @@ def test_draining_and_unhealthy_replicas_are_never_chosen(policy: RoutingPolicy)
         assert decision.replica_id == "c"
 
 
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_while_fair_queuing_holds_places_a_request_goes_where_one_is_free(policy: RoutingPolicy) -> None:
+    # a holds the prompt and is within the load bound (16 and 15 of 16 each), but every place there is taken
+    replicas = [replace(replica("a", load=16), places=16.0), replace(replica("b", load=15), places=16.0)]
+    indexes = PrefixIndexes(CHUNK)
+    req = request(HOT_SYSTEM)
+    indexes.record("a", req.prefix_hashes)
+    for seq in range(8):
+        decision = choose(replace(req, request_seq=seq), ReplicaView.of(replicas, indexes), knobs(policy))
+        assert decision.replica_id == "b"
+    # every place taken (more gateways, or stale counts): the policy chooses among all of them as before
+    full = [replace(r, in_flight=16) for r in replicas]
+    assert choose(req, ReplicaView.of(full, indexes), knobs(RoutingPolicy.CACHE_AWARE)).replica_id == "a"
+
+
 def test_round_robin_cycles_in_replica_id_order() -> None:
     view = ReplicaView.of([replica("r2"), replica("r0"), replica("r1", load=9)])
     chosen = [choose(request("same", seq), view, knobs(RoutingPolicy.ROUND_ROBIN)).replica_id for seq in range(6)]

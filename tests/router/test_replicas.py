@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -498,6 +499,22 @@ async def test_a_request_the_gateway_ended_stops_counting_before_the_next_report
         tracker._apply_load(rid, LoadReport(num_waiting=0, num_running=1, kv_blocks_total=100, seq=1))
         assert next(r for r in tracker.view("a").replicas).load == 1  # a fresh report counts as it is
 
+
+
+@pytest.mark.parametrize("routing, places", [
+    ("", [math.inf, 9.0]),  # learned: unknown until it queues, then the most it ran + 1
+    ("max_in_flight_per_replica: 4, ", [4.0, 4.0]),  # configured
+    ("fair_queueing: false, ", [math.inf, math.inf]),  # not held: every replica a candidate, as before
+])
+async def test_a_replicas_places_are_configured_or_learned_while_fair_queueing_holds_them(
+        tmp_path: Path, routing: str, places: list[float]) -> None:
+    (tmp_path / "models.yaml").write_text(
+        "apiVersion: kvgate/v1\nkind: Model\nmetadata: {name: m}\nspec:\n  source: builtin:tiny-llama\n"
+        f"  routing: {{{routing}static_replicas: [{{url: 'http://127.0.0.1:9', backend: openai}}]}}\n")
+    async with tracking(load_registry(tmp_path)) as tracker:
+        seen = [only(tracker).places]
+        tracker._apply_load(ID, LoadReport(num_waiting=2, num_running=8))
+        assert [*seen, only(tracker).places] == places
 
 # ---------------------------------------------------------------------------------- a real engine
 
