@@ -84,6 +84,10 @@ class FairShares:
                         if name != tenant and record.priority >= own.priority)
         return self.running + held_back < capacity
 
+    def within_reservation(self, tenant: str, capacity: float, now: float) -> bool:
+        """Whether `tenant` (arrived) runs fewer than its reservation: its next request takes a place held for it."""
+        return self._tenants[tenant].running < self.reservations(capacity, now)[tenant]
+
     def reservations(self, capacity: float, now: float) -> dict[str, float]:
         """Each active tenant's reservation: min(its fair share, peak demand + 1), its fair share being
         capacity x its weight / the weights of the active tenants at its priority or above."""

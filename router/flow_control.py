@@ -9,6 +9,13 @@ replicas would queue them first come, first served, and one tenant offering five
 front of everyone else. Capacity is unknown (infinite) until every replica's is known, and while a model has no
 ready replica (`queueing.WaitQueues` holds those requests).
 
+Pacing. Places free in groups (requests that started together end together), and a tenant with a backlog would
+take a whole group at once; the replicas would then prefill its requests together, in the steps a lighter tenant's
+next request also waits for. So a tenant past its reservation (`router.fair_share`) starts a request only while
+fewer than a steady stream's number are before their first token (capacity / mean hold x mean time to the first
+token, Little's law) plus one; a tenant within its reservation is never paced. What it does for a light tenant's
+tail: docs/benchmarks.md, Fair sharing.
+
 Shedding. A waiting request is predicted to wait (requests ahead of it + 1) x the mean time a request holds its
 place / capacity; one predicted past its budget is refused at once with 503 `model_overloaded` and Retry-After,
 and one still waiting when its budget runs out is refused then. The budget is the model's `slo.ttft_ms` (else its
@@ -36,7 +43,7 @@ from kvgate.router.fair_share import FairShares
 HOLD_EWMA_ALPHA = 0.1  # weight of the newest hold time in the mean the wait prediction uses
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Permit:
     """A request's place among those the model runs; `FlowGate.leave` gives it back."""
 
@@ -65,6 +72,7 @@ class FlowGate:
         self.mean_hold_s: float | None = None
         self.mean_first_token_s: float | None = None  # from a place granted to the first token sent
         self.dispatched: dict[str, int] = {}  # per tenant, since start: each tenant's share of what was served
+        self._before_first_token: set[Permit] = set()  # granted, no first token yet: prefilling (or queued) upstream
 
     @property
     def active(self) -> int:
@@ -118,10 +126,14 @@ class FlowGate:
         took_s = max(0.0, now - permit.granted_at)
         self.mean_first_token_s = took_s if self.mean_first_token_s is None else (
             (1 - HOLD_EWMA_ALPHA) * self.mean_first_token_s + HOLD_EWMA_ALPHA * took_s)
+        if permit in self._before_first_token:
+            self._before_first_token.discard(permit)
+            self.dispatch()
 
     def leave(self, permit: Permit) -> None:
         """The request ended: its place goes to the next one waiting."""
         now = self._clock.now()
+        self._before_first_token.discard(permit)
         self.shares.ended(permit.flow.tenant, now)
         held_s = max(0.0, now - permit.granted_at)
         self.mean_hold_s = held_s if self.mean_hold_s is None else (
@@ -133,8 +145,10 @@ class FlowGate:
         after a request arrives or ends, or when the capacity grew (a replica became ready, or showed it runs
         more)."""
         capacity, now, changed = self._capacity(), self._clock.now(), False
+        burst = self._start_burst(capacity)
         while len(self._queue):
-            ticket = self._queue.pop(lambda flow: self.shares.may_start(flow.tenant, capacity, now))
+            ticket = self._queue.pop(lambda flow: self.shares.may_start(flow.tenant, capacity, now) and (
+                len(self._before_first_token) < burst or self.shares.within_reservation(flow.tenant, capacity, now)))
             if ticket is None:
                 break
             self.shares.started(ticket.flow.tenant, now)
@@ -143,10 +157,23 @@ class FlowGate:
             if waiter is None or waiter.done():  # nobody waits for it any more: the place goes back
                 self.shares.ended(ticket.flow.tenant, now)
                 continue
-            waiter.set_result(Permit(ticket.flow, now))
+            permit = Permit(ticket.flow, now)
+            self._before_first_token.add(permit)
+            waiter.set_result(permit)
             changed = True
         if changed:
             self._on_change(self)
+
+    def _start_burst(self, capacity: float) -> float:
+        """How many requests may be before their first token at once, for those past their tenant's reservation:
+        what a steady stream has there (Little: capacity / mean hold x mean time to the first token), plus one.
+        Places free in groups (requests that started together end together), and one tenant's waiting
+        requests would take a group at once and prefill together in the replicas, in the same steps as a lighter
+        tenant's next request; started one or two at a time they fill the places as fast as they free on average.
+        math.inf until both means are known."""
+        if not math.isfinite(capacity) or not self.mean_hold_s or self.mean_first_token_s is None:
+            return math.inf
+        return math.ceil(capacity * self.mean_first_token_s / self.mean_hold_s) + 1
 
     def _abandon(self, ticket: Ticket, waiter: asyncio.Future[Permit]) -> None:
         """The request stopped waiting (its budget ran out, or its client went): out of the queue, or, if it

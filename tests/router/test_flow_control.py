@@ -179,3 +179,33 @@ async def test_the_wait_budget_leaves_room_for_the_time_to_the_first_token() -> 
     with pytest.raises(ApiError):
         await waiting
     assert gate.mean_first_token_s == 1.5
+
+
+async def test_places_freed_together_go_to_a_tenant_past_its_reservation_a_few_at_a_time() -> None:
+    # Capacity 8: the quiet tenant runs 2 and 1 more place is held back for it (its peak + 1), the noisy tenant
+    # runs 5. Requests hold a place 2 s and send their first token 0.5 s after it: a steady stream has
+    # 8 / 2 x 0.5 = 2 before their first token, so past its reservation (4, its fair share) the noisy tenant may
+    # start while fewer than 2 + 1 = 3 are there.
+    clock = FakeClock()
+    gate, _ = gate_of(clock, 8)
+    quiet = [await gate.enter(QUIET, BUDGET_S, MAX_QUEUED) for _ in range(2)]
+    held = [await gate.enter(NOISY, BUDGET_S, MAX_QUEUED) for _ in range(5)]
+    for permit in [*quiet, *held]:
+        gate.first_token(permit, clock.now() + 0.5)
+    waiting = [asyncio.ensure_future(gate.enter(NOISY, BUDGET_S, MAX_QUEUED)) for _ in range(5)]
+    await settle()
+    assert not any(task.done() for task in waiting)
+    await clock.advance(2.0)
+    for permit in held:  # all 5 end in the same instant: 4 start (its reservation), not 5
+        gate.leave(permit)
+    await settle()
+    started = [task.result() for task in waiting if task.done()]
+    assert len(started) == 4 and gate.active == 6
+    gate.first_token(started[0], clock.now())  # 3 still before their first token: none more yet
+    await settle()
+    assert sum(task.done() for task in waiting) == 4
+    gate.first_token(started[1], clock.now())  # 2 left there: one more starts
+    await settle()
+    assert sum(task.done() for task in waiting) == 5 and gate.active == 7
+    # the quiet tenant, under its reservation, is not held back by the noisy one's pace
+    assert (await asyncio.wait_for(gate.enter(QUIET, BUDGET_S, MAX_QUEUED), 1)).flow == QUIET
