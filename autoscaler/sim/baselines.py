@@ -19,8 +19,9 @@ so they differ only in their rules:
 - `StaticPolicy`: a fixed count (static at peak: the oracle's peak need), never changes.
 - `OraclePolicy`: knows the future. `need[s]` is the replicas second `s` needs (from the trace replayed
   on unlimited replicas, see `oracle_need`); it asks at t for the most needed over [t, t + cold start],
-  so replicas are ready exactly when load lands and released as soon as it leaves: a lower bound on
-  GPU time for a reactive fleet with the same service model.
+  so replicas are ready exactly when load lands and released as soon as it leaves. The cheapest of these
+  that meets the goal is a yardstick, not a bound: a schedule outside the family may cost less (capping its
+  need curve did, by 1-4%). The bound is `sim/bound.py`'s.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ replicas (the per-second peak, or its mean over 30 or 60 s) into replicas at a u
 the batch; for each curve a bisection finds the largest u (100%, 98%, ... 50%) whose run still meets
 the attainment goal (99%), and the cheapest passing run is the oracle: the cheapest perfect-foresight
 schedule of this family, not a proven optimum. Static-at-peak holds that curve's peak all along.
+
+Below every policy, the oracle included, is the lower bound (`bound.py`): the GPU-hours no schedule within the
+fleet's limits can go under while meeting the goal, or the reason none meets it (then no ratio is reported
+against it, nor against an oracle that misses the goal).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -28,6 +32,9 @@ from kvgate.autoscaler.sim.service import SimConfigError, placements
 from kvgate.autoscaler.sim.traces import Trace, with_warmup
 from kvgate.registry.schema import Scaling
 from kvgate.registry.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from kvgate.autoscaler.sim.bound import Bound
 
 POLICIES = ("kvgate", "kpa", "ray-serve", "static-peak", "oracle")
 ATTAINMENT_GOAL = 0.99
@@ -97,6 +104,7 @@ class Comparison:
     summaries: tuple[Summary, ...]
     oracle_rule: str  # which need curve the oracle search kept
     cold_start_s: float
+    bound: Bound  # the least GPU-hours any schedule meeting ATTAINMENT_GOAL spends (bound.py)
 
 
 def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policies: Sequence[str] = POLICIES,
@@ -137,7 +145,21 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
         else:
             results.append(bench.run(fleet, runners[name]))
     return Comparison(warm_trace.name, model_name, tuple(results),
-                      tuple(summarize(r, base.ttft_slo_s) for r in results), oracle_rule, bench.cold_start_s)
+                      tuple(summarize(r, base.ttft_slo_s) for r in results), oracle_rule, bench.cold_start_s,
+                      lower_bound(trace, snapshot, base))
+
+
+def lower_bound(trace: Trace, snapshot: Snapshot, fleet: FleetSetup, goal: float = ATTAINMENT_GOAL) -> Bound:
+    """`bound.gpu_hours_lower_bound` of `trace` (the scored part: no warm-up) on `fleet`, a replica paying its
+    model load before it serves. Raises `SimConfigError` when scipy (the `sim` extra) is missing."""
+    try:
+        from kvgate.autoscaler.sim.bound import gpu_hours_lower_bound  # scipy: the sim extra
+    except ImportError as error:
+        raise SimConfigError(f"the lower bound needs {error.name}: pip install 'kvgate[sim]'") from None
+    model_load_s = snapshot.model(fleet.model).spec.performance.model_load_s
+    return gpu_hours_lower_bound(trace, fleet.placements, slo_s=fleet.ttft_slo_s, goal=goal,
+                                 max_replicas=fleet.max_replicas, min_replicas=fleet.min_replicas,
+                                 tail_s=fleet.tail_s, start_cost_s=model_load_s)
 
 
 def _check_stockouts(scenario: Scenario, base: FleetSetup, model_name: str) -> None:

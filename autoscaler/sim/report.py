@@ -13,9 +13,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvgate.autoscaler.sim.compare import Comparison, Summary
+from kvgate.autoscaler.sim.compare import ATTAINMENT_GOAL, Comparison, Summary
 
-COLUMNS = ("policy", "TTFT-SLO", "p50 TTFT", "p99 TTFT", "GPU-h", "vs oracle", "USD", "cold starts",
+COLUMNS = ("policy", "TTFT-SLO", "p50 TTFT", "p99 TTFT", "GPU-h", "vs oracle", "vs bound", "USD", "cold starts",
            "actions/h", "peak")
 
 
@@ -23,15 +23,35 @@ def _seconds(value: float) -> str:
     return "never" if math.isinf(value) else f"{value:.2f}s"
 
 
-def rows(comparison: Comparison) -> list[tuple[str, ...]]:
+def _ratio(value: float, against: float | None) -> str:
+    return f"{value / against:.2f}x" if against else "-"
+
+
+def yardsticks(comparison: Comparison) -> tuple[float | None, float | None]:
+    """The GPU-hours of the oracle and of the lower bound, each None where it does not meet the goal (no
+    ratio against a schedule that misses the SLO says anything)."""
     oracle = next((s for s in comparison.summaries if s.policy == "oracle"), None)
-    out = []
-    for s in comparison.summaries:
-        ratio = f"{s.gpu_hours / oracle.gpu_hours:.2f}x" if oracle and oracle.gpu_hours > 0 else "-"
-        out.append((s.policy, f"{s.slo_attainment * 100:.2f}%", _seconds(s.ttft_p50_s), _seconds(s.ttft_p99_s),
-                    f"{s.gpu_hours:.1f}", ratio, f"{s.cost_usd:,.0f}", str(s.cold_starts),
-                    f"{s.scaling_actions_per_hour:.1f}", str(s.max_replicas)))
-    return out
+    met = oracle is not None and oracle.slo_attainment >= ATTAINMENT_GOAL and oracle.gpu_hours > 0
+    oracle_hours = oracle.gpu_hours if met else None
+    bound = comparison.bound
+    return oracle_hours, (bound.gpu_hours if bound.feasible and bound.gpu_hours > 0 else None)
+
+
+def rows(comparison: Comparison) -> list[tuple[str, ...]]:
+    oracle_hours, bound_hours = yardsticks(comparison)
+    return [(s.policy, f"{s.slo_attainment * 100:.2f}%", _seconds(s.ttft_p50_s), _seconds(s.ttft_p99_s),
+             f"{s.gpu_hours:.1f}", _ratio(s.gpu_hours, oracle_hours), _ratio(s.gpu_hours, bound_hours),
+             f"{s.cost_usd:,.0f}", str(s.cold_starts), f"{s.scaling_actions_per_hour:.1f}", str(s.max_replicas))
+            for s in comparison.summaries]
+
+
+def bound_line(comparison: Comparison) -> str:
+    """What the lower bound says: the least GPU-hours of any schedule meeting the goal, or why none does."""
+    bound = comparison.bound
+    if not bound.feasible:
+        return f"lower bound: {bound.reason}; no ratio is given against it or a schedule missing it"
+    return (f"lower bound: no schedule meeting {bound.goal:.0%} spends under {bound.gpu_hours:.1f} GPU-h "
+            f"(${bound.cost_usd:,.0f})")
 
 
 def table(comparison: Comparison) -> str:
@@ -47,7 +67,7 @@ def table(comparison: Comparison) -> str:
     first = comparison.summaries[0] if comparison.summaries else None
     head = (f"trace {comparison.trace}, model {comparison.model}, {first.num_requests if first else 0} requests, "
             f"cold start {comparison.cold_start_s:g}s; oracle: {comparison.oracle_rule}")
-    return "\n".join([head, "", line(COLUMNS), rule, *(line(r) for r in body[1:])])
+    return "\n".join([head, bound_line(comparison), "", line(COLUMNS), rule, *(line(r) for r in body[1:])])
 
 
 def _finite(value: float) -> float | None:
@@ -64,6 +84,9 @@ def to_json(comparison: Comparison) -> dict[str, Any]:
     return {
         "trace": comparison.trace, "model": comparison.model, "cold_start_s": comparison.cold_start_s,
         "oracle_rule": comparison.oracle_rule,
+        "lower_bound": {"goal": comparison.bound.goal, "feasible": comparison.bound.feasible,
+                        "gpu_hours": _finite(comparison.bound.gpu_hours), "cost_usd": _finite(comparison.bound.cost_usd),
+                        "reason": comparison.bound.reason},
         "policies": [summary(s) for s in comparison.summaries],
         "timelines": {r.policy: [[p.t, round(p.arrivals_per_s, 3), p.ongoing, p.ready, p.active, p.desired]
                                  for p in r.timeline] for r in comparison.results},

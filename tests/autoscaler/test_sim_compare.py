@@ -80,6 +80,20 @@ def test_scale_to_zero_model_goes_to_zero_in_idle_gaps_and_serves_the_next_spike
     assert len(served) == len(kvgate.ttft_s)  # every request got its first token (held, never dropped)
 
 
+def test_a_fleet_too_small_for_the_slo_is_said_and_compared_with_nothing(tmp_path: Path) -> None:
+    # chat-70b held to 2 replicas: at 10x the Azure trace no schedule meets 99%, the oracle included.
+    for name in ("models.yaml", "pools.yaml"):
+        (tmp_path / name).write_text((EXAMPLES / name).read_text().replace("max_replicas: 40", "max_replicas: 2"))
+    trace = scale_rate(load_trace(AZURE).slice(0, 300), 10.0)
+    comparison = run_comparison(trace, load_registry(tmp_path), "chat-70b", policies=("kvgate", "oracle"),
+                                warmup_s=60)
+    assert not comparison.bound.feasible and "max_replicas" in comparison.bound.reason
+    text = table(comparison)
+    assert "lower bound: no schedule meets 99.00%: no schedule of at most 2 replicas (max_replicas)" in text
+    ratios = [[cell.strip() for cell in row.split("|")[6:8]] for row in text.splitlines() if row.startswith("| ")]
+    assert ratios[0] == ["vs oracle", "vs bound"] and ratios[1:] == [["-", "-"], ["-", "-"]]
+
+
 def _sim(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvgate.autoscaler.sim", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
@@ -92,7 +106,9 @@ def test_cli_prints_the_table_and_writes_json_and_png(tmp_path: Path) -> None:
                   "--policy", "kvgate", "--policy", "oracle", "--json", str(out_json), "--plot", str(out_png))
     assert result.returncode == 0, result.stderr
     assert "| kvgate" in result.stdout and "| oracle" in result.stdout
+    assert "lower bound: no schedule meeting 99% spends under" in result.stdout
     data = json.loads(out_json.read_text())
+    assert data["lower_bound"]["feasible"] and data["lower_bound"]["gpu_hours"] > 0
     assert [p["policy"] for p in data["policies"]] == ["kvgate", "oracle"]
     assert len(data["timelines"]["kvgate"]) >= 200  # one point per 1 s tick over 240 s
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
