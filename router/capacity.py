@@ -1,11 +1,16 @@
 """What a model's replicas run at once, as the gateway's fair queuing needs it (`router.flow_control`): the
 registry's `routing.max_in_flight_per_replica` when set, else learned from each replica's load reports.
 
-A replica has shown its batch once it reports requests waiting: it was given more than it runs. From then on
-its capacity is the most it has reported running, plus one. The one more lets it show a larger batch if it has
-one (a gateway that held it to exactly what it had seen would never see more), and keeps at most one request
-waiting inside it, where the order is first come, first served. A replica that has never had requests waiting
-has no known capacity, and nor has its model: its requests go straight on, as without fair queuing.
+A replica has shown its batch when it reports requests waiting while it runs the most it has been seen running:
+it was given more than it runs, and runs no more. Its capacity is then that many. Until it shows that (it has
+queued only below its most, as when its KV cache was short, or it just ran more than ever before), and again for
+one report every PROBE_EVERY_S, its capacity is one more: a gateway that held it to what it had seen would never
+see a larger batch (a KV cache that frees up, a restart with a larger max_num_seqs), and one more keeps at most
+one request waiting inside it. Why not always one more, as this once did: that one waits behind a full batch,
+first come first served, and it was as often a light tenant's request as a heavy one's (in
+`loadtests/bench_fair_share.py` the learned capacity's quiet-tenant p99 was 1.7x the configured one's on the long
+shape). A replica that has never had requests waiting has no known capacity, and nor has its model: its requests
+go straight on, as without fair queuing.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from dataclasses import dataclass
 
 from kvgate.router.load_readers import LoadReport
 
+PROBE_EVERY_S = 30.0  # how often a replica held to its batch is offered one more, to show a larger one
+
 
 @dataclass(frozen=True)
 class RunCeiling:
@@ -23,16 +30,26 @@ class RunCeiling:
 
     most_running: int = 0
     has_queued: bool = False  # it has reported requests waiting
+    full_at: float | None = None  # when it last queued while running most_running: its batch, shown
+    probing: bool = True  # offered one more than most_running (until it shows its batch, and every PROBE_EVERY_S)
 
-    def seen(self, report: LoadReport) -> RunCeiling:
-        """This ceiling after `report`: running 12 of a ceiling of 10 -> 12; waiting 3 -> it has queued."""
+    def seen(self, report: LoadReport, now: float) -> RunCeiling:
+        """This ceiling after `report` at `now`: running 12 of a ceiling of 10 -> 12 (probing 13); waiting 3
+        while running 12, its most -> its batch is 12."""
         most = max(self.most_running, report.num_running)
-        queued = self.has_queued or report.num_waiting > 0
-        return self if (most, queued) == (self.most_running, self.has_queued) else RunCeiling(most, queued)
+        full_at = self.full_at if most == self.most_running else None  # it ran more: that is not its batch yet
+        if report.num_waiting > 0 and report.num_running >= most:
+            full_at = now
+        probing = full_at is None or now - full_at >= PROBE_EVERY_S
+        ceiling = RunCeiling(most, self.has_queued or report.num_waiting > 0, full_at, probing)
+        return self if ceiling == self else ceiling
 
     def capacity(self) -> float:
-        """Requests to keep in flight there: the most it ran + 1 once it has queued; math.inf until then."""
-        return self.most_running + 1 if self.has_queued and self.most_running else math.inf
+        """Requests to keep in flight there: its batch once shown (one more while probing); math.inf until it has
+        queued."""
+        if not self.has_queued or not self.most_running:
+            return math.inf
+        return self.most_running + 1 if self.probing else self.most_running
 
 
 def model_capacity(ceilings: Iterable[RunCeiling], per_replica: int | None) -> float:

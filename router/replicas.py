@@ -513,7 +513,7 @@ class ReplicaTracker:
             return
         was_routable, capacity = tracked.accepts_requests, tracked.ceiling.capacity()
         tracked.load = report
-        tracked.ceiling = tracked.ceiling.seen(report)
+        tracked.ceiling = tracked.ceiling.seen(report, self._clock.now())
         tracked.num_ended_since_report = 0
         self._ensure_index(tracked)
         if tracked.accepts_requests != was_routable or tracked.ceiling.capacity() != capacity:

@@ -502,7 +502,7 @@ async def test_a_request_the_gateway_ended_stops_counting_before_the_next_report
 
 
 @pytest.mark.parametrize("routing, places", [
-    ("", [math.inf, 9.0]),  # learned: unknown until it queues, then the most it ran + 1
+    ("", [math.inf, 8.0]),  # learned: unknown until it queues, then its batch (it queued while running its most)
     ("max_in_flight_per_replica: 4, ", [4.0, 4.0]),  # configured
     ("fair_queueing: false, ", [math.inf, math.inf]),  # not held: every replica a candidate, as before
 ])
