@@ -20,16 +20,21 @@ from kvgate.autoscaler.sim.compare import POLICIES, run_comparison
 from kvgate.autoscaler.sim.engine import Scenario, Stockout
 from kvgate.autoscaler.sim.report import table, write_json, write_plot
 from kvgate.autoscaler.sim.service import SimConfigError
+from kvgate.autoscaler.sim.shapes import SHAPES, ShapeSpec, shaped_trace
 from kvgate.autoscaler.sim.traces import BurstySpec, TraceError, bursty_trace, compress_time, load_trace, scale_rate
 from kvgate.registry import RegistryInvalid, UnknownName, load_registry
 
 EPILOG = """\
 Traces: an Azure LLM inference CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or a Mooncake JSONL
-(timestamp ms, input_length, output_length), or --bursty for a synthetic trace of idle gaps and 10x spikes.
+(timestamp ms, input_length, output_length), or --bursty for a synthetic trace of idle gaps and 10x spikes,
+or --shape for one of the synthetic shapes (mmpp, diurnal, prefill-heavy, decode-heavy, ramp, flash-crowd).
 The service model (prefill/decode tokens per second, batch per GPU kind) and cold starts (pool
 node_boot_s + model performance.model_load_s) come from the registry; see examples/sim.
 Policies: kvgate (autoscaler.scaler.decide_replicas), kpa (Knative defaults), ray-serve (Ray Serve
-defaults), static-peak, oracle (perfect foresight, searched for the cheapest schedule meeting 99%).
+defaults), static-peak, oracle (perfect foresight, searched for the cheapest schedule meeting 99%). Every
+policy's replicas are placed on nodes by the live planner and charged per node. "vs bound": GPU-hours over
+the lower bound (an LP over the whole trace) that no schedule meeting 99% goes under; "-" where no schedule
+within the fleet's limits meets 99% (the line above the table says why).
 """
 
 
@@ -58,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", metavar="FILE", help="an Azure .csv or Mooncake .jsonl trace")
     source.add_argument("--bursty", action="store_true", help="a synthetic trace: idle gaps and 10x spikes")
+    source.add_argument("--shape", choices=SHAPES, metavar="NAME",
+                        help=f"a synthetic trace of one shape: {', '.join(SHAPES)} (autoscaler/sim/shapes.py)")
     parser.add_argument("--registry", required=True, metavar="DIR", help="registry with the model and its pools")
     parser.add_argument("--model", help="the Model to simulate (default: the only one, else required)")
     parser.add_argument("--policy", action="append", choices=POLICIES, metavar="NAME",
@@ -69,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration-s", type=positive_float, help="replay only the first this-many seconds")
     parser.add_argument("--bursty-base-rps", type=positive_float, default=BurstySpec.base_rps,
                         help="--bursty: quiet-phase rate (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for rate scaling, --bursty and spot (default: 0)")
+    parser.add_argument("--shape-mean-rps", type=positive_float, default=ShapeSpec.mean_rps,
+                        help="--shape: the mean arrival rate over the trace, before --rate-scale (default: "
+                             "%(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for rate scaling, --bursty, --shape and spot (default: 0)")
     parser.add_argument("--warmup-s", type=float, default=600.0,
                         help="seconds of mirrored trace played unscored first (default: %(default)s)")
     parser.add_argument("--spot-interruptions-per-hour", type=float, default=0.0,
@@ -103,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SimConfigError(f"{out}: no such directory {str(Path(out).parent)!r} to write into")
         if args.bursty:
             trace = bursty_trace(BurstySpec(base_rps=args.bursty_base_rps, seed=args.seed))
+        elif args.shape:
+            trace = shaped_trace(args.shape, ShapeSpec(mean_rps=args.shape_mean_rps, seed=args.seed))
         else:
             trace = load_trace(args.trace)
         if args.duration_s:

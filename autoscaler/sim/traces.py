@@ -203,14 +203,14 @@ def bursty_trace(spec: BurstySpec = BurstySpec()) -> Trace:
         if rate > 0:
             arrival = t + rng.expovariate(rate)
             while arrival < end:
-                requests.append(Request(arrival, _lognormal_tokens(rng, spec.median_input_tokens),
-                                        _lognormal_tokens(rng, spec.median_output_tokens)))
+                requests.append(Request(arrival, lognormal_tokens(rng, spec.median_input_tokens),
+                                        lognormal_tokens(rng, spec.median_output_tokens)))
                 arrival += rng.expovariate(rate)
         t, spiking = end, not spiking
     # Keep absolute times (no shift to 0): a trace that opens idle is part of the scenario.
     return Trace(f"bursty-seed{spec.seed}", tuple(requests))
 
 
-def _lognormal_tokens(rng: random.Random, median: int) -> int:
+def lognormal_tokens(rng: random.Random, median: int) -> int:
     # sigma 0.9 gives a p99/p50 of about 8, close to the Azure conversation trace (4,142 / 1,020 input).
     return max(1, int(rng.lognormvariate(math.log(median), 0.9)))
