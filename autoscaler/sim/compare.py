@@ -27,7 +27,7 @@ from kvgate.autoscaler.scaler import ScalerSpec
 from kvgate.autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
                                       oracle_need)
 from kvgate.autoscaler.sim.engine import FleetSetup, Policy, RunResult, Scenario, simulate
-from kvgate.autoscaler.sim.nodes import node_planning
+from kvgate.autoscaler.sim.nodes import NodePlanning, node_planning
 from kvgate.autoscaler.sim.service import SimConfigError, placements
 from kvgate.autoscaler.sim.traces import Trace, with_warmup
 from kvgate.registry.schema import Scaling
@@ -129,21 +129,13 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     base = build_fleet(snapshot, model_name)
     _check_stockouts(scenario, base, model_name)
     kvgate_knobs = _with_overrides(model.spec.scaling, kvgate_scaling or {})  # checked before the long part
-    bench = _Bench(warm_trace, base, model.spec.scaling, scenario, warmup_s)
+    # One cost rule for every policy, the oracle's search included: the live node planner places the replicas on
+    # simulated nodes, and whole nodes are charged from purchase to release (`nodes.py`).
+    bench = _Bench(warm_trace, base, model.spec.scaling, scenario, warmup_s, node_planning(snapshot, model_name))
     oracle_result, need, oracle_rule = _search_oracle(bench)
     fleet = bench.fleet_for(need)
     runners = _runners(bench, kvgate_knobs, need)
-    results = []
-    for name in policies:
-        if name == "oracle":
-            results.append(oracle_result)
-        elif name == "kvgate":
-            # kvgate runs the live loop's decisions end to end: the scaler, then the node planner on
-            # simulated nodes (charged per node); the baselines keep the per-replica placement model.
-            planned = FleetSetup(**{**fleet.__dict__, "nodes": node_planning(snapshot, model_name)})
-            results.append(bench.run(planned, runners[name]))
-        else:
-            results.append(bench.run(fleet, runners[name]))
+    results = [oracle_result if name == "oracle" else bench.run(fleet, runners[name]) for name in policies]
     return Comparison(warm_trace.name, model_name, tuple(results),
                       tuple(summarize(r, base.ttft_slo_s) for r in results), oracle_rule, bench.cold_start_s,
                       lower_bound(trace, snapshot, base))
@@ -192,6 +184,7 @@ class _Bench:
     scaling: Scaling
     scenario: Scenario
     warmup_s: float
+    nodes: NodePlanning | None = None  # set: every run places its replicas on nodes the planner buys
 
     @property
     def cold_start_s(self) -> float:
@@ -204,7 +197,7 @@ class _Bench:
         """The base fleet starting warm with the replicas `need` asks for within the first cold start."""
         first = max(need[:int(self.cold_start_s) + 1], default=0)
         initial = min(self.scaling.max_replicas, max(self.scaling.min_replicas, first))
-        return FleetSetup(**{**self.base.__dict__, "initial_replicas": initial})
+        return FleetSetup(**{**self.base.__dict__, "initial_replicas": initial, "nodes": self.nodes})
 
     def try_oracle(self, window_s: int, utilization: float) -> _OracleTry:
         """One oracle run on the need curve of (window, utilization)."""
