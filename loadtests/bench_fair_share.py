@@ -9,13 +9,15 @@ process, vLLM-style `/metrics` that the gateway scrapes; their capacity is learn
   fifo    both tenants, `fair_queueing: false` (the gateway as it was): every request goes straight on and
           the replicas queue them first come, first served
 
-Each tenant's requests arrive open loop (Poisson) and stream; TTFT is the time to the first content. The model's
+Each tenant's requests arrive open loop (Poisson) and stream, their answers from half to one and a half times the
+shape's mean length (`--lockstep`: all the same length); TTFT is the time to the first content. The model's
 `slo.ttft_ms` is the shed budget. The table gives the quiet tenant's p50/p99 TTFT per run and its p99 over its p99
 alone (issue 27's bar: <= 1.25 with fair sharing, never shed), and the noisy tenant's good answers a second (its
 first token within the SLO).
 
     .venv/bin/python loadtests/bench_fair_share.py                  # both shapes, 60 s a run
     .venv/bin/python loadtests/bench_fair_share.py --duration-s 30 --shapes chat
+    .venv/bin/python loadtests/bench_fair_share.py --shapes chat --lockstep   # the worst case for the quiet tenant
 
 Writes JSON to loadtests/.work/bench_fair_share.json. The sims, the gateway and the load generator share this
 machine's cores; ratios are what carry over, not the milliseconds.
@@ -47,13 +49,14 @@ from loadtests.common import free_port, percentile, stop_process_group  # noqa: 
 WORK = ROOT / "loadtests" / ".work"
 MODEL = "m"
 NOISY_X, QUIET_X = 5.0, 0.2  # each tenant's offered load, in multiples of the fleet's capacity
-WARMUP_S = 8.0  # not counted: the gateway learns what the replicas run at once
+LEARN_S = 8.0  # the gateway learns what the replicas run at once within this (they report every 1 s)
 MODE_ROUTING = {"learned": "", "configured": "max_in_flight_per_replica: {batch},", "fifo": "fair_queueing: false,"}
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A fleet and its requests. Capacity (requests/s) = replicas x batch / a request's time on a replica."""
+    """A fleet and its requests; `max_tokens` is the mean output (each request draws from half to one and a half
+    times it, unless the run is in lockstep)."""
 
     name: str
     replicas: int
@@ -65,12 +68,21 @@ class Shape:
     slo_ttft_ms: float
 
     @property
-    def service_s(self) -> float:
-        return self.prompt_chars / 4 / self.prefill_tokens_per_s + self.max_tokens / self.decode_tokens_per_s
+    def capacity_per_s(self) -> float:
+        """Requests a second the replicas serve with every place taken. A sim replica's step decodes its whole
+        batch in 1 / decode_tokens_per_s and adds the prefill of the prompts it starts, which emits their first
+        token; a second of it serves X requests when X x prefill_s + X x (max_tokens - 1) / batch x decode_s = 1.
+        (The prefill is charged to the whole batch: leaving it out overstated chat's capacity by 21% and long's
+        by 40%, so the "quiet" tenant offered more than its 20%.)"""
+        prefill_s = self.prompt_chars / 4 / self.prefill_tokens_per_s
+        per_replica = 1 / (prefill_s + (self.max_tokens - 1) / self.max_batch / self.decode_tokens_per_s)
+        return self.replicas * per_replica
 
     @property
-    def capacity_per_s(self) -> float:
-        return self.replicas * self.max_batch / self.service_s
+    def warmup_s(self) -> float:
+        """Not counted: LEARN_S, then two requests' time in a full batch, for what the replicas queued before the
+        gateway knew their capacity to drain (a request sent then waits behind it inside the replica)."""
+        return LEARN_S + 2 * self.replicas * self.max_batch / self.capacity_per_s
 
 
 # Few output tokens at a slow decode: a request holds its place as long as a real one does, while this 2-core box
@@ -146,11 +158,19 @@ class Answer:
     ttft_s: float | None  # None: no content came
 
 
+def output_tokens(shape: Shape, rng: random.Random, lockstep: bool) -> int:
+    """A request's length: uniform from half to one and a half times the shape's mean, as answers vary. In
+    lockstep every request is as long, so those that start together end together, and a tenant waiting for places
+    gets them all in one step and prefills them at once in the replica (what the quiet tenant then waits behind is
+    the replica's, not the gateway's: docs/benchmarks.md, Fair sharing)."""
+    return shape.max_tokens if lockstep else rng.randint(shape.max_tokens // 2, shape.max_tokens * 3 // 2)
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, key: str, shape: Shape, tenant: str,
-                      rng: random.Random, started: float) -> Answer:
+                      rng: random.Random, started: float, lockstep: bool) -> Answer:
     prompt = f"{tenant} {rng.random():.12f} " + "tell me more about fair queues " * (shape.prompt_chars // 31)
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt[:shape.prompt_chars]}],
-            "max_tokens": shape.max_tokens, "stream": True}
+            "max_tokens": output_tokens(shape, rng, lockstep), "stream": True}
     sent = time.monotonic()
     try:
         async with session.post(url + "/v1/chat/completions", json=body,
@@ -168,7 +188,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, key: str, shape:
 
 
 async def offer(url: str, keys: dict[str, str], rates: dict[str, float], shape: Shape, duration_s: float,
-                seed: int) -> list[Answer]:
+                seed: int, lockstep: bool = False) -> list[Answer]:
     """Each tenant's Poisson arrivals at its rate for `duration_s`; every answer, read to its end."""
     started = time.monotonic()
     connector = aiohttp.TCPConnector(limit=0)
@@ -182,7 +202,7 @@ async def offer(url: str, keys: dict[str, str], rates: dict[str, float], shape: 
                     return tasks
                 await asyncio.sleep(max(0.0, started + at - time.monotonic()))
                 tasks.append(asyncio.create_task(one_request(session, url, keys[tenant], shape, tenant, rng,
-                                                             started)))
+                                                             started, lockstep)))
 
         groups = await asyncio.gather(*(tenant_load(t, r, random.Random(f"{seed}-{t}"))
                                         for t, r in rates.items() if r > 0))
@@ -192,18 +212,18 @@ async def offer(url: str, keys: dict[str, str], rates: dict[str, float], shape: 
 # ------------------------------------------------------------------------------------ runs
 
 
-def summarize(answers: list[Answer], tenant: str, duration_s: float, slo_ms: float) -> dict:
+def summarize(answers: list[Answer], tenant: str, duration_s: float, warmup_s: float, slo_ms: float) -> dict:
     """One tenant's answers to the requests it sent after the warm-up. `good_per_s`: answers whose first token
     came within the SLO, per second of the run (what it was served usefully; a backlog drained late is not)."""
-    mine = [a for a in answers if a.tenant == tenant and a.sent_at >= WARMUP_S]
+    mine = [a for a in answers if a.tenant == tenant and a.sent_at >= warmup_s]
     ttfts = sorted(a.ttft_s * 1000 for a in mine if a.status == 200 and a.ttft_s is not None)
     return {"sent": len(mine), "served": len(ttfts), "shed": sum(a.status in (429, 503) for a in mine),
             "failed": sum(a.status not in (200, 429, 503) or (a.status == 200 and a.ttft_s is None) for a in mine),
-            "good_per_s": sum(ttft <= slo_ms for ttft in ttfts) / max(duration_s - WARMUP_S, 1e-9),
+            "good_per_s": sum(ttft <= slo_ms for ttft in ttfts) / max(duration_s - warmup_s, 1e-9),
             "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p99_ms": percentile(ttfts, 0.99)}
 
 
-def run_shape(shape: Shape, duration_s: float, seed: int) -> dict:
+def run_shape(shape: Shape, duration_s: float, seed: int, lockstep: bool) -> dict:
     secret = secrets.token_urlsafe(32)
     keys = {"noisy": secrets.token_urlsafe(24), "quiet": secrets.token_urlsafe(24)}
     capacity = shape.capacity_per_s
@@ -217,12 +237,13 @@ def run_shape(shape: Shape, duration_s: float, seed: int) -> dict:
         write_registry(directory, shape, [url for _, url in sims], mode, secret, keys)
         gateway, url = start_gateway(directory, secret)
         try:
-            answers = asyncio.run(offer(url, keys, rates, shape, duration_s, seed))
+            answers = asyncio.run(offer(url, keys, rates, shape, duration_s, seed, lockstep))
         finally:
             stop_gateway(gateway)
             for process, _ in sims:
                 stop_process_group(process)
-        runs[name] = {tenant: summarize(answers, tenant, duration_s, shape.slo_ttft_ms) for tenant in rates}
+        runs[name] = {tenant: summarize(answers, tenant, duration_s, shape.warmup_s, shape.slo_ttft_ms)
+                      for tenant in rates}
         quiet = runs[name]["quiet"]
         print(f"  {shape.name:6s} {name:15s} quiet p99 {quiet['ttft_p99_ms'] or 0:8.1f} ms, "
               f"shed {quiet['shed']}", file=sys.stderr)
@@ -230,12 +251,13 @@ def run_shape(shape: Shape, duration_s: float, seed: int) -> dict:
     for name in ("fair", "fair-configured", "fifo"):
         p99 = runs[name]["quiet"]["ttft_p99_ms"]
         runs[name]["quiet_p99_over_alone"] = p99 / alone_p99 if p99 and alone_p99 else None
-    return {"shape": asdict(shape), "capacity_per_s": capacity, "runs": runs}
+    return {"shape": asdict(shape), "capacity_per_s": capacity, "warmup_s": shape.warmup_s, "runs": runs}
 
 
 def report(results: list[dict], args: argparse.Namespace) -> None:
     print(f"\nFair sharing: noisy tenant at {NOISY_X:g}x the fleet's capacity, quiet at {QUIET_X:g}x "
-          f"({args.duration_s:g} s a run, the first {WARMUP_S:g} s not counted)\n")
+          f"({args.duration_s:g} s a run, the first {LEARN_S:g} s + two requests' time not counted"
+          f"{'; every request as long' if args.lockstep else ''})\n")
     print(f"{'shape':6s} {'run':15s} {'quiet p50':>10s} {'quiet p99':>10s} {'p99/alone':>10s} {'quiet shed':>11s} "
           f"{'noisy good/s':>13s} {'noisy shed':>11s}")
     for result in results:
@@ -251,6 +273,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"noisy_x": NOISY_X, "quiet_x": QUIET_X, "duration_s": args.duration_s,
+                               "lockstep": args.lockstep,
                                "results": results}, indent=2))
     print(f"wrote {out}")
 
@@ -260,13 +283,15 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--duration-s", type=float, default=60.0, help="each run's length, warm-up included")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lockstep", action="store_true",
+                        help="every request the shape's mean length (by default each draws from 0.5x to 1.5x it)")
     parser.add_argument("--out", default=str(WORK / "bench_fair_share.json"))
     args = parser.parse_args()
     unknown = set(args.shapes.split(",")) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shape(s) {', '.join(sorted(unknown))}; choose from {', '.join(SHAPES)}")
     WORK.mkdir(parents=True, exist_ok=True)
-    results = [run_shape(SHAPES[name], args.duration_s, args.seed) for name in args.shapes.split(",")]
+    results = [run_shape(SHAPES[name], args.duration_s, args.seed, args.lockstep) for name in args.shapes.split(",")]
     report(results, args)
 
 
