@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import linprog
@@ -90,10 +90,31 @@ def _costs(trace: Trace, placements: Sequence[Placement], slo_s: float, slot_hor
     return _Costs(prefill, slot_window, slot_total, fastest_prefill_s <= slo_s)
 
 
+@dataclass
+class _Rows:
+    """Sparse rows of one kind (<= or ==): their coefficients as (row, column, value) triples, and right sides."""
+
+    rows: list[int] = field(default_factory=list)
+    cols: list[int] = field(default_factory=list)
+    vals: list[float] = field(default_factory=list)
+    rhs: list[float] = field(default_factory=list)
+
+    def add(self, terms: Sequence[tuple[int, float]], rhs: float) -> None:
+        row = len(self.rhs)
+        for col, val in terms:
+            self.rows.append(row)
+            self.cols.append(col)
+            self.vals.append(val)
+        self.rhs.append(rhs)
+
+    def matrix(self, num_cols: int):  # -> scipy.sparse.csr_matrix
+        return coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.rhs), num_cols)).tocsr()
+
+
 class _Programme:
-    """The LP's columns and rows, built row by row. Columns: G_k (GPUs held in bucket k), its rise from the
-    bucket before, then per bucket y_k (requests meeting the SLO) and one cost column per family (prefill, slot in window, slot in total),
-    then the running sums of G and of each cost column (windows read them as differences)."""
+    """The LP's columns and rows, built row by row. Columns, a block of one per bucket each: G_k (GPUs held in
+    bucket k), its rise from the bucket before, y_k (requests meeting the SLO), one cost per family (prefill, slot
+    in window, slot in total), then the running sums of G and of each cost (windows read them as differences)."""
 
     def __init__(self, num_buckets: int) -> None:
         self.k = num_buckets
@@ -104,14 +125,8 @@ class _Programme:
         self.cost = [self._block() for _ in range(3)]
         self.gpus_sum = self._block()
         self.cost_sum = [self._block() for _ in range(3)]
-        self.rows: list[int] = []
-        self.cols: list[int] = []
-        self.vals: list[float] = []
-        self.rhs: list[float] = []
-        self.eq_rows: list[int] = []
-        self.eq_cols: list[int] = []
-        self.eq_vals: list[float] = []
-        self.eq_rhs: list[float] = []
+        self.upper = _Rows()  # <= rows
+        self.equal_rows = _Rows()  # == rows
 
     def _block(self) -> int:
         start = self.num_cols
@@ -119,20 +134,10 @@ class _Programme:
         return start
 
     def at_most(self, terms: Sequence[tuple[int, float]], rhs: float) -> None:
-        row = len(self.rhs)
-        for col, val in terms:
-            self.rows.append(row)
-            self.cols.append(col)
-            self.vals.append(val)
-        self.rhs.append(rhs)
+        self.upper.add(terms, rhs)
 
     def equal(self, terms: Sequence[tuple[int, float]], rhs: float) -> None:
-        row = len(self.eq_rhs)
-        for col, val in terms:
-            self.eq_rows.append(row)
-            self.eq_cols.append(col)
-            self.eq_vals.append(val)
-        self.eq_rhs.append(rhs)
+        self.equal_rows.add(terms, rhs)
 
     def running_sum(self, sums: int, of: int) -> None:
         """sums_j = sums_{j-1} + of_j."""
@@ -211,9 +216,8 @@ def _solve(lp: _Programme, counts: np.ndarray, placements: Sequence[Placement], 
     for b in range(lp.k):
         bounds[lp.gpus + b] = (float(replicas[0] * gpus), float(replicas[1] * max(p.gpus for p in placements)))
         bounds[lp.met + b] = (0.0, float(counts[b]))
-    upper = coo_matrix((lp.vals, (lp.rows, lp.cols)), shape=(len(lp.rhs), lp.num_cols)).tocsr()
-    equal = coo_matrix((lp.eq_vals, (lp.eq_rows, lp.eq_cols)), shape=(len(lp.eq_rhs), lp.num_cols)).tocsr()
-    result = linprog(objective, A_ub=upper, b_ub=lp.rhs, A_eq=equal, b_eq=lp.eq_rhs, bounds=bounds, method="highs")
+    result = linprog(objective, A_ub=lp.upper.matrix(lp.num_cols), b_ub=lp.upper.rhs,
+                     A_eq=lp.equal_rows.matrix(lp.num_cols), b_eq=lp.equal_rows.rhs, bounds=bounds, method="highs")
     if result.status == 2:
         return _infeasible(goal, f"no schedule of at most {replicas[1]} replicas (max_replicas) meets it")
     if result.status != 0:
