@@ -237,8 +237,8 @@ class Routing(_Strict):
     max_in_flight_per_replica: int | None = Field(
         default=None, ge=1,
         description="fair_queueing: the requests one replica runs at once (its batch: vLLM's max_num_seqs, "
-                    "engine.max_running_requests); unset: learned, from the most a replica has reported running "
-                    "once it has also reported requests waiting.")
+                    "engine.max_running_requests); unset: learned, the most a replica has reported running while "
+                    "it also reported requests waiting (offered one more every 30 s to show a larger batch).")
     max_retries: int = Field(default=2, ge=0, le=10, description="Retries on other replicas before the first byte.")
     connect_timeout_s: float = Field(default=2.0, gt=0)
     first_byte_timeout_s: float = Field(default=120.0, gt=0)

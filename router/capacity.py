@@ -1,8 +1,11 @@
 """What a model's replicas run at once, as the gateway's fair queuing needs it (`router.flow_control`): the
 registry's `routing.max_in_flight_per_replica` when set, else learned from each replica's load reports.
 
-A replica has shown its batch when it reports requests waiting while it runs the most it has been seen running:
-it was given more than it runs, and runs no more. Its capacity is then that many. Until it shows that (it has
+A replica has shown its batch when it reports requests waiting while it runs the most it has been seen running,
+in reports at least QUEUED_FOR_S apart with requests waiting throughout: it was given more than it runs, and runs
+no more. Its capacity is then that many. One report is not enough: a request that arrived since the replica's
+last step shows as waiting until the next one admits it (~50 ms later), and a light tenant's burst caught so held
+a 16-request replica to 7 (`loadtests/bench_fair_share.py --lockstep`, quiet tenant alone: p99 1.0 s, not 0.2). Until it shows that (it has
 queued only below its most, as when its KV cache was short, or it just ran more than ever before), and again for
 one report every PROBE_EVERY_S, its capacity is one more: a gateway that held it to what it had seen would never
 see a larger batch (a KV cache that frees up, a restart with a larger max_num_seqs), and one more keeps at most
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from kvgate.router.load_readers import LoadReport
 
 PROBE_EVERY_S = 30.0  # how often a replica held to its batch is offered one more, to show a larger one
+QUEUED_FOR_S = 0.5  # requests waiting in reports this far apart, and in every one between: a queue, not a step's arrivals
 
 
 @dataclass(frozen=True)
@@ -29,19 +33,27 @@ class RunCeiling:
     """What one replica has shown it runs at once."""
 
     most_running: int = 0
-    has_queued: bool = False  # it has reported requests waiting
-    full_at: float | None = None  # when it last queued while running most_running: its batch, shown
+    has_queued: bool = False  # it has reported requests waiting for QUEUED_FOR_S
+    full_at: float | None = None  # when it last showed a queue while running most_running: its batch
     probing: bool = True  # offered one more than most_running (until it shows its batch, and every PROBE_EVERY_S)
+    waiting_since: float | None = None  # the first of the reports in a row with requests waiting
+    waiting_at_most: bool = False  # and each of those ran most_running
 
     def seen(self, report: LoadReport, now: float) -> RunCeiling:
-        """This ceiling after `report` at `now`: running 12 of a ceiling of 10 -> 12 (probing 13); waiting 3
-        while running 12, its most -> its batch is 12."""
+        """This ceiling after `report` at `now`: running 12 of a ceiling of 10 -> 12 (probing 13); waiting while
+        running 12, its most, in reports QUEUED_FOR_S apart -> its batch is 12."""
         most = max(self.most_running, report.num_running)
-        full_at = self.full_at if most == self.most_running else None  # it ran more: that is not its batch yet
-        if report.num_waiting > 0 and report.num_running >= most:
+        grew = most > self.most_running
+        full_at = None if grew else self.full_at  # it ran more: that is not its batch yet
+        since, at_most = None, False
+        if report.num_waiting > 0:
+            since = now if self.waiting_since is None else self.waiting_since
+            at_most = report.num_running >= most and (self.waiting_at_most or self.waiting_since is None)
+        queued = since is not None and now - since >= QUEUED_FOR_S
+        if queued and at_most:
             full_at = now
         probing = full_at is None or now - full_at >= PROBE_EVERY_S
-        ceiling = RunCeiling(most, self.has_queued or report.num_waiting > 0, full_at, probing)
+        ceiling = RunCeiling(most, self.has_queued or queued, full_at, probing, since, at_most)
         return self if ceiling == self else ceiling
 
     def capacity(self) -> float:

@@ -16,24 +16,38 @@ def test_a_replica_that_never_queued_has_no_known_capacity() -> None:
     assert ceiling.most_running == 12 and ceiling.capacity() == math.inf
 
 
+def queued(ceiling: RunCeiling, running: int, at: float) -> RunCeiling:
+    """Two reports 1 s apart with requests waiting: a queue."""
+    return ceiling.seen(LoadReport(num_running=running, num_waiting=2), at).seen(
+        LoadReport(num_running=running, num_waiting=1), at + 1.0)
+
+
+def test_requests_waiting_in_one_report_only_are_a_steps_arrivals_not_a_queue() -> None:
+    ceiling = RunCeiling().seen(LoadReport(num_running=7, num_waiting=1), 0.0).seen(LoadReport(num_running=8), 1.0)
+    assert not ceiling.has_queued and ceiling.capacity() == math.inf
+    # nor are two reports with a report without requests waiting between them
+    ceiling = ceiling.seen(LoadReport(num_running=8, num_waiting=1), 2.0).seen(LoadReport(num_running=8), 3.0)
+    assert ceiling.seen(LoadReport(num_running=8, num_waiting=1), 4.0).capacity() == math.inf
+
+
 def test_queued_below_its_most_it_is_offered_one_more() -> None:
     # waiting while running 8 of the 12 it once ran (a short KV cache, say): 12 is not shown to be its batch
-    ceiling = RunCeiling().seen(LoadReport(num_running=12), 0.0).seen(LoadReport(num_running=8, num_waiting=3), 1.0)
+    ceiling = queued(RunCeiling().seen(LoadReport(num_running=12), 0.0), 8, 1.0)
     assert ceiling.capacity() == 13
-    assert ceiling.seen(LoadReport(num_running=16), 2.0).capacity() == 17  # it showed a larger batch
+    assert ceiling.seen(LoadReport(num_running=16), 3.0).capacity() == 17  # it showed a larger batch
 
 
 def test_queued_at_its_most_its_batch_is_shown_and_held_but_probed_every_30_s() -> None:
-    ceiling = RunCeiling().seen(LoadReport(num_running=12, num_waiting=2), 0.0)
+    ceiling = queued(RunCeiling(), 12, -1.0)
     assert ceiling.capacity() == 12  # 12 run, more wait: its batch is 12, and nobody waits inside it
     held = ceiling.seen(LoadReport(num_running=12), 29.0)
     assert held.capacity() == 12
     probe = held.seen(LoadReport(num_running=12), 30.0)  # 30 s since it showed its batch: offered one more
     assert probe.capacity() == 13
-    assert probe.seen(LoadReport(num_running=12, num_waiting=1), 31.0).capacity() == 12  # the same batch
+    assert queued(probe, 12, 31.0).capacity() == 12  # the same batch
     grown = probe.seen(LoadReport(num_running=13), 31.0)  # it ran the one more: probe on until it queues
     assert grown.capacity() == 14
-    assert grown.seen(LoadReport(num_running=13, num_waiting=1), 32.0).capacity() == 13
+    assert queued(grown, 13, 32.0).capacity() == 13
 
 
 def test_a_model_capacity_is_the_sum_or_unknown_while_any_replica_is() -> None:

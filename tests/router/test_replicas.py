@@ -511,9 +511,12 @@ async def test_a_replicas_places_are_configured_or_learned_while_fair_queueing_h
     (tmp_path / "models.yaml").write_text(
         "apiVersion: kvgate/v1\nkind: Model\nmetadata: {name: m}\nspec:\n  source: builtin:tiny-llama\n"
         f"  routing: {{{routing}static_replicas: [{{url: 'http://127.0.0.1:9', backend: openai}}]}}\n")
-    async with tracking(load_registry(tmp_path)) as tracker:
+    clock = FakeClock()
+    async with tracking(load_registry(tmp_path), clock=clock) as tracker:
         seen = [only(tracker).places]
         tracker._apply_load(ID, LoadReport(num_waiting=2, num_running=8))
+        await clock.advance(1.0)  # still waiting a report later: a queue, not one step's arrivals
+        tracker._apply_load(ID, LoadReport(num_waiting=1, num_running=8, seq=1))
         assert [*seen, only(tracker).places] == places
 
 # ---------------------------------------------------------------------------------- a real engine
