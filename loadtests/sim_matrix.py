@@ -1,0 +1,86 @@
+"""Every autoscaling policy over every trace and synthetic shape, at several rate scales: issue 28's results table.
+
+For each (trace or shape, rate scale) it runs `kvgate sim`'s comparison (`autoscaler/sim/compare.py`: every policy
+placed and charged per node by the live planner, the oracle searched, the lower bound solved) with one set of
+defaults, the registry's, and prints one Markdown row per policy: TTFT-SLO attainment, GPU-hours, dollars, and the
+ratios to the oracle and to the lower bound ("-" where that yardstick misses 99%, with the reason in the JSON).
+
+    .venv/bin/python loadtests/sim_matrix.py                                  # everything: long (tens of minutes)
+    .venv/bin/python loadtests/sim_matrix.py --sources azure,mmpp --scales 1,5 --duration-s 1800
+
+Traces: `azure` (../shared/traces/azure_llm_2023_conv.csv, chat-70b), `mooncake` (the Mooncake conversation trace,
+chat-70b), and the shapes of `autoscaler/sim/shapes.py` (burst-8b; a mean of 4 requests/s at scale 1). Writes
+loadtests/.work/sim_matrix.json. Seeded and simulated: the same on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvgate.autoscaler.sim.compare import ATTAINMENT_GOAL, run_comparison  # noqa: E402
+from kvgate.autoscaler.sim.report import yardsticks  # noqa: E402
+from kvgate.autoscaler.sim.shapes import SHAPES, ShapeSpec, shaped_trace  # noqa: E402
+from kvgate.autoscaler.sim.traces import Trace, load_trace, scale_rate  # noqa: E402
+from kvgate.registry import load_registry  # noqa: E402
+
+TRACES = ROOT.parent / "shared" / "traces"
+FILES = {"azure": TRACES / "azure_llm_2023_conv.csv", "mooncake": TRACES / "mooncake_fast25_conversation_trace.jsonl"}
+SOURCES = (*FILES, *SHAPES)
+
+
+def source_trace(name: str, duration_s: float | None) -> tuple[Trace, str]:
+    """The trace of `name` and the example model it is judged on."""
+    if name in FILES:
+        trace = load_trace(FILES[name])
+        return (trace.slice(0, duration_s) if duration_s else trace), "chat-70b"
+    return shaped_trace(name, ShapeSpec(duration_s=duration_s or 3600.0)), "burst-8b"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, of {', '.join(SOURCES)}")
+    parser.add_argument("--scales", default="1,5,10,20", help="rate scales, comma-separated")
+    parser.add_argument("--duration-s", type=float, help="the first this-many seconds of each trace (shapes: length)")
+    parser.add_argument("--out", default=str(ROOT / "loadtests" / ".work" / "sim_matrix.json"))
+    args = parser.parse_args()
+    sources = args.sources.split(",")
+    unknown = set(sources) - set(SOURCES)
+    if unknown:
+        parser.error(f"unknown source(s) {', '.join(sorted(unknown))}; choose from {', '.join(SOURCES)}")
+    snapshot = load_registry(ROOT / "examples" / "sim")
+    rows = []
+    print("| trace | scale | policy | TTFT-SLO | GPU-h | USD | vs oracle | vs bound |\n|---|---:|---|---:|---:|---:|---:|---:|")
+    for name in sources:
+        base, model = source_trace(name, args.duration_s)
+        for scale in (float(x) for x in args.scales.split(",")):
+            started = time.perf_counter()
+            comparison = run_comparison(scale_rate(base, scale), snapshot, model)
+            oracle_hours, bound_hours = yardsticks(comparison)
+            for s in comparison.summaries:
+                row = {"trace": name, "model": model, "scale": scale, "policy": s.policy,
+                       "attainment": s.slo_attainment, "gpu_hours": s.gpu_hours, "cost_usd": s.cost_usd,
+                       "vs_oracle": s.gpu_hours / oracle_hours if oracle_hours else None,
+                       "vs_bound": s.gpu_hours / bound_hours if bound_hours else None,
+                       "bound": {"feasible": comparison.bound.feasible, "gpu_hours": bound_hours,
+                                 "reason": comparison.bound.reason},
+                       "oracle_rule": comparison.oracle_rule}
+                rows.append(row)
+                ratios = [f"{r:.2f}x" if r else "-" for r in (row["vs_oracle"], row["vs_bound"])]
+                print(f"| {name} | {scale:g} | {s.policy} | {s.slo_attainment:.2%} | {s.gpu_hours:.1f} | "
+                      f"{s.cost_usd:,.0f} | {ratios[0]} | {ratios[1]} |", flush=True)
+            print(f"  ({name} x{scale:g}: {time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"goal": ATTAINMENT_GOAL, "rows": rows}, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
