@@ -70,8 +70,9 @@ class FairShares:
         self.running -= 1
         self._note(record, now)
 
-    def may_start(self, tenant: str, capacity: float, now: float) -> bool:
-        """Whether a request of `tenant` (arrived) may start now within `capacity` (math.inf: always)."""
+    def may_start(self, tenant: str, capacity: float, now: float, past_reservation: bool = True) -> bool:
+        """Whether a request of `tenant` (arrived) may start now within `capacity` (math.inf: always); with
+        `past_reservation` False, only into a place reserved for it (the gate is pacing those past theirs)."""
         if self.running >= capacity:
             return False
         if not math.isfinite(capacity):
@@ -80,13 +81,11 @@ class FairShares:
         own = self._tenants[tenant]
         if own.running < reserved[tenant]:
             return True
+        if not past_reservation:
+            return False
         held_back = sum(max(0.0, reserved[name] - record.running) for name, record in self._tenants.items()
                         if name != tenant and record.priority >= own.priority)
         return self.running + held_back < capacity
-
-    def within_reservation(self, tenant: str, capacity: float, now: float) -> bool:
-        """Whether `tenant` (arrived) runs fewer than its reservation: its next request takes a place held for it."""
-        return self._tenants[tenant].running < self.reservations(capacity, now)[tenant]
 
     def reservations(self, capacity: float, now: float) -> dict[str, float]:
         """Each active tenant's reservation: min(its fair share, peak demand + 1), its fair share being

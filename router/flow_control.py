@@ -147,8 +147,8 @@ class FlowGate:
         capacity, now, changed = self._capacity(), self._clock.now(), False
         burst = self._start_burst(capacity)
         while len(self._queue):
-            ticket = self._queue.pop(lambda flow: self.shares.may_start(flow.tenant, capacity, now) and (
-                len(self._before_first_token) < burst or self.shares.within_reservation(flow.tenant, capacity, now)))
+            past = len(self._before_first_token) < burst  # may a tenant past its reservation start one now
+            ticket = self._queue.pop(lambda flow: self.shares.may_start(flow.tenant, capacity, now, past))
             if ticket is None:
                 break
             self.shares.started(ticket.flow.tenant, now)

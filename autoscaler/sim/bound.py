@@ -133,17 +133,11 @@ class _Programme:
         self.num_cols += self.k
         return start
 
-    def at_most(self, terms: Sequence[tuple[int, float]], rhs: float) -> None:
-        self.upper.add(terms, rhs)
-
-    def equal(self, terms: Sequence[tuple[int, float]], rhs: float) -> None:
-        self.equal_rows.add(terms, rhs)
-
     def running_sum(self, sums: int, of: int) -> None:
         """sums_j = sums_{j-1} + of_j."""
         for j in range(self.k):
             terms = [(sums + j, 1.0), (of + j, -1.0)] + ([(sums + j - 1, -1.0)] if j else [])
-            self.equal(terms, 0.0)
+            self.equal_rows.add(terms, 0.0)
 
     def window(self, sums: int, i: int, j: int) -> list[tuple[int, float]]:
         """sum over buckets i..j of the column summed in `sums` (clamped to the last bucket)."""
@@ -185,7 +179,7 @@ def gpu_hours_lower_bound(trace: Trace, placements: Sequence[Placement], *, slo_
                 continue
             for slope, at, there in _tangents(np.sort(per_request[members])):
                 # cost_b >= there + slope x (y_b - at)
-                lp.at_most([(lp.met + b, slope), (lp.cost[family] + b, -1.0)], slope * at - there)
+                lp.upper.add([(lp.met + b, slope), (lp.cost[family] + b, -1.0)], slope * at - there)
     lp.running_sum(lp.gpus_sum, lp.gpus)
     for family in range(3):
         lp.running_sum(lp.cost_sum[family], lp.cost[family])
@@ -196,13 +190,13 @@ def gpu_hours_lower_bound(trace: Trace, placements: Sequence[Placement], *, slo_
         for j in range(i, min(k, i + longest)):
             for family, lag in ((0, slo_lag), (1, slot_lag)):
                 # the work of bucket i..j's met requests fits in the GPU-seconds of i..j + lag
-                lp.at_most(lp.window(lp.cost_sum[family], i, j)
+                lp.upper.add(lp.window(lp.cost_sum[family], i, j)
                            + [(c, -bucket_s * v) for c, v in lp.window(lp.gpus_sum, i, j + lag)], 0.0)
-    lp.at_most(lp.window(lp.cost_sum[2], 0, k - 1)
+    lp.upper.add(lp.window(lp.cost_sum[2], 0, k - 1)
                + [(c, -bucket_s * v) for c, v in lp.window(lp.gpus_sum, 0, k - 1)], 0.0)
-    lp.at_most([(lp.met + b, -1.0) for b in range(k)], -float(needed))
+    lp.upper.add([(lp.met + b, -1.0) for b in range(k)], -float(needed))
     for b in range(1, k):  # rise_b >= G_b - G_(b-1)
-        lp.at_most([(lp.gpus + b, 1.0), (lp.gpus + b - 1, -1.0), (lp.rise + b, -1.0)], 0.0)
+        lp.upper.add([(lp.gpus + b, 1.0), (lp.gpus + b - 1, -1.0), (lp.rise + b, -1.0)], 0.0)
     return _solve(lp, counts, placements, goal, (min_replicas, max_replicas), bucket_s, start_cost_s)
 
 
