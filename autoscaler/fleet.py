@@ -52,6 +52,9 @@ def model_observation(model: str, totals: GatewayTotals | None, replicas: Iterab
         ttft_p99_s=totals.ttft_p99_s if totals else None,
         ready_replicas=ready,
         starting_replicas=starting + starting_claims,
+        prompt_tokens_per_s=totals.prompt_tokens_per_s if totals else 0.0,
+        prompt_tokens_sq_per_s=totals.prompt_tokens_sq_per_s if totals else 0.0,
+        arrivals_var=totals.arrivals_var if totals else None,
     )
 
 

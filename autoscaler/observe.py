@@ -37,6 +37,9 @@ class GatewayTotals:
     arrivals_per_s: float
     ttft_p99_s: float | None  # the worst gateway's p99: a max, since p99s do not add
     num_gateways: int
+    prompt_tokens_per_s: float = 0.0  # uncached prompt tokens routed per second (sums)
+    prompt_tokens_sq_per_s: float = 0.0  # their squares (sums)
+    arrivals_var: float | None = None  # variances add across gateways that split traffic independently; None: none said
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +59,8 @@ def totals_by_model(records: Iterable[StoredRecord], now_wall_s: float,
     A record counts when `now_wall_s - updated_at < max_age_s` (a record from slightly in the future,
     clock skew between hosts, counts). Worked example: gateways g1 {queued 2, in_flight 5, 3.0/s,
     p99 0.4} and g2 {queued 1, in_flight 4, 1.5/s, p99 0.9}, both fresh -> queued 3, in_flight 9,
-    4.5/s, p99 0.9, 2 gateways. A g3 record 12 s old is skipped and counted in `num_stale`.
+    4.5/s, p99 0.9, 2 gateways. A g3 record 12 s old is skipped and counted in `num_stale`. Prompt tokens,
+    their squares and the arrival variances add up the same way (a gateway that reports no variance adds none).
     """
     sums: dict[str, list[Any]] = {}
     num_stale = num_malformed = 0
@@ -73,7 +77,11 @@ def totals_by_model(records: Iterable[StoredRecord], now_wall_s: float,
         if now_wall_s - obs.updated_at >= max_age_s:
             num_stale += 1
             continue
-        entry = sums.setdefault(obs.model, [0, 0, 0.0, None, 0])
+        entry = sums.setdefault(obs.model, [0, 0, 0.0, None, 0, 0.0, 0.0, None])
+        entry[5] += obs.prompt_tokens_per_s
+        entry[6] += obs.prompt_tokens_sq_per_s
+        if obs.arrivals_var is not None:
+            entry[7] = obs.arrivals_var + (entry[7] or 0.0)
         entry[0] += obs.queued
         entry[1] += obs.in_flight
         entry[2] += obs.arrivals_per_s
@@ -81,8 +89,9 @@ def totals_by_model(records: Iterable[StoredRecord], now_wall_s: float,
             entry[3] = obs.ttft_p99_s if entry[3] is None else max(entry[3], obs.ttft_p99_s)
         entry[4] += 1
     totals = {
-        model: GatewayTotals(model, queued=q, in_flight=f, arrivals_per_s=a, ttft_p99_s=t, num_gateways=n)
-        for model, (q, f, a, t, n) in sorted(sums.items())
+        model: GatewayTotals(model, queued=q, in_flight=f, arrivals_per_s=a, ttft_p99_s=t, num_gateways=n,
+                             prompt_tokens_per_s=p, prompt_tokens_sq_per_s=p2, arrivals_var=v)
+        for model, (q, f, a, t, n, p, p2, v) in sorted(sums.items())
     }
     return ObservationRead(totals, num_stale, num_malformed, newer)
 

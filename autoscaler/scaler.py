@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kvgate.autoscaler.forecast import ForecastSettings, ForecastState, forecast_rate, observe_rate
+from kvgate.autoscaler.work import PrefillCapacity, PromptLoad, PromptSpread, prefill_replicas
 from kvgate.registry.schema import ModelDoc, Scaling
 
 # ceil(16.000000001 / 8) must be 2, not 3: float sums over a window drift in the last bits.
@@ -53,6 +54,9 @@ class ModelObservation:
     ttft_p99_s: float | None  # shown with the decision; not a scaling input (concurrency already is)
     ready_replicas: int  # serving now
     starting_replicas: int  # asked for, not ready yet (node boot, model load)
+    prompt_tokens_per_s: float = 0.0  # prompt tokens arriving per second, less those predicted cached (same window)
+    prompt_tokens_sq_per_s: float = 0.0  # the sum of each prompt's tokens squared, per second: their spread
+    arrivals_var: float | None = None  # variance of the arrivals counted in each second of the window; None: unknown
 
     @property
     def ongoing(self) -> int:
@@ -71,10 +75,11 @@ class ScalerSpec:
     scaling: Scaling
     cold_start_s: float = 0.0
     forecast: ForecastSettings = ForecastSettings()
+    prefill: PrefillCapacity | None = None  # None: no SLO or no performance figures, concurrency alone
 
     @classmethod
     def of(cls, model: ModelDoc, cold_start_s: float = 0.0) -> ScalerSpec:
-        return cls(scaling=model.spec.scaling, cold_start_s=cold_start_s)
+        return cls(scaling=model.spec.scaling, cold_start_s=cold_start_s, prefill=PrefillCapacity.of(model))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +87,9 @@ class Sample:
     t: float
     ongoing: float
     arrivals_per_s: float
+    prompt_tokens_per_s: float = 0.0
+    arrivals_var: float | None = None
+    queued: float = 0.0  # the part of `ongoing` not yet running: held at gateways or waiting at replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +108,7 @@ class ScalerState:
     down_max: int = 0  # the highest count wanted since down_since
     last_busy_at: float | None = None  # last tick with a request queued, running or arriving
     forecast: ForecastState = field(default_factory=ForecastState)
+    prompts: PromptSpread = field(default_factory=PromptSpread)  # prompt sizes' spread over minutes (work model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +122,7 @@ class ReplicaDecision:
     stable_desired: int = 0  # ceil(stable-window concurrency / target), after the rate bounds
     panic_desired: int = 0  # the same over the panic window
     forecast_desired: int = 0  # the same for the forecast concurrency (0 when not forecasting)
+    work_desired: int = 0  # replicas whose prefill keeps the SLO for the prompt load (0 without figures)
 
 
 def _ceil_div(value: float, target: float) -> int:
@@ -156,30 +166,90 @@ class Demand:
     panic_desired: int
     forecast_rps: float | None = None  # arrivals/s expected one cold start ahead; None when not forecasting
     forecast_desired: int = 0  # replicas for the forecast concurrency; 0 unless the trend is rising
+    work_desired: int = 0  # replicas whose prefill meets the TTFT SLO for the prompt load (`autoscaler.work`)
+    work_why: str = ""  # the numbers behind work_desired, for the reason line
 
 
 def window_samples(samples: tuple[Sample, ...], obs: ModelObservation, now: float,
                    stable_window_s: float) -> tuple[Sample, ...]:
     """The samples still inside the stable window (older than `now`), plus this tick's."""
     kept = tuple(x for x in samples if x.t > now - stable_window_s and x.t < now)
-    return kept + (Sample(now, float(obs.ongoing), max(0.0, obs.arrivals_per_s)),)
+    return kept + (Sample(now, float(obs.ongoing), max(0.0, obs.arrivals_per_s), max(0.0, obs.prompt_tokens_per_s),
+                          obs.arrivals_var,
+                          float(obs.queued_at_gateways + obs.waiting)),)
 
 
 def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: ForecastState, bounds: RateBounds,
-                   now: float) -> Demand:
+                   now: float, prompts: PromptSpread = PromptSpread()) -> Demand:
     """Average the windows and turn them (and the forecast, when on) into replica counts."""
     s = spec.scaling
-    stable_conc = _mean([x.ongoing for x in samples])
-    panic_conc = _mean([x.ongoing for x in samples if x.t > now - s.panic_window_s])
+    weight = backlog_weight(spec, samples)
+    stable_conc = _mean([x.ongoing - (1.0 - weight) * x.queued for x in samples])
+    panic_conc = _mean([x.ongoing - (1.0 - weight) * x.queued for x in samples if x.t > now - s.panic_window_s])
     demand = Demand(stable_conc=stable_conc, panic_conc=panic_conc,
                     stable_desired=bounds.bound(_ceil_div(stable_conc, s.target_ongoing_requests)),
                     panic_desired=bounds.bound(_ceil_div(panic_conc, s.target_ongoing_requests)))
-    if not (s.forecast_enabled and spec.cold_start_s > 0):
-        return demand
-    forecast_rps = forecast_rate(fstate, spec.cold_start_s, spec.forecast)
-    conc = forecast_concurrency(forecast_rps, fstate.level_rps, samples, stable_conc)
-    forecast_desired = 0 if conc is None else bounds.bound(_ceil_div(conc, s.target_ongoing_requests))
-    return replace(demand, forecast_rps=forecast_rps, forecast_desired=forecast_desired)
+    if s.forecast_enabled and spec.cold_start_s > 0:
+        forecast_rps = forecast_rate(fstate, spec.cold_start_s, spec.forecast)
+        conc = forecast_concurrency(forecast_rps, fstate.level_rps, samples, stable_conc)
+        forecast_desired = 0 if conc is None else bounds.bound(_ceil_div(conc, s.target_ongoing_requests))
+        demand = replace(demand, forecast_rps=forecast_rps, forecast_desired=forecast_desired)
+    if spec.prefill is not None:
+        work_desired, work_why = prefill_demand(spec.prefill, samples, prompts.c_s2, demand.forecast_rps, s,
+                                                spec.cold_start_s, now)
+        demand = replace(demand, work_desired=bounds.bound(work_desired), work_why=work_why)
+    return demand
+
+
+def backlog_weight(spec: ScalerSpec, samples: tuple[Sample, ...]) -> float:
+    """How much of a queued request counts as concurrency: 1 (KPA's rule) without the work model.
+
+    With it, a backlog is work to finish within one cold start, not load that stays: a queued request holds
+    a slot for its time in service h (the window's running requests over its arrivals, Little's law), and
+    Q of them served over the cold start L need Q x h / L slots, so each counts h / L. The prefill term
+    counts the same backlog as Q / L more requests a second. Counting each queued request as a whole
+    slot, as KPA does, turned a 50 s wait from zero at 12 requests/s (569 queued, about 5 s each in
+    service) into 30 replicas where 4 served it, then held for the scale-down delay. Worked: 60
+    running at 12 rps -> h 5 s; L 50 s -> 0.1.
+    """
+    if spec.prefill is None or spec.cold_start_s <= 0:
+        return 1.0
+    rps = _mean([x.arrivals_per_s for x in samples])
+    running = _mean([x.ongoing - x.queued for x in samples])
+    if rps <= 0:
+        return 1.0
+    return min(1.0, running / rps / spec.cold_start_s)
+
+
+def prefill_demand(capacity: PrefillCapacity, samples: tuple[Sample, ...], c_s2: float, forecast_rps: float | None,
+                   scaling: Scaling, cold_start_s: float, now: float) -> tuple[int, str]:
+    """The replicas the prompt load needs (`autoscaler.work`), and why, in one phrase.
+
+    The rate is the highest of the stable window's, the panic window's (a burst counts as soon as it
+    shows) and the forecast's, plus the panic window's backlog spread over one cold start
+    (`backlog_weight`); the prompts' mean is the stable window's, their spread `c_s2` longer's. Worked: 8 rps over 60 s,
+    12 over the last 6 s, 24,000 prompt tokens/s over 60 s, 100 queued, cold start 50 s -> 14 rps of 3,000.
+    """
+    stable_rps = _mean([x.arrivals_per_s for x in samples])
+    recent = [x for x in samples if x.t > now - scaling.panic_window_s]
+    panic_rps = _mean([x.arrivals_per_s for x in recent])
+    backlog_rps = _mean([x.queued for x in recent]) / max(cold_start_s, scaling.panic_window_s)
+    c_a2 = arrival_dispersion(samples, stable_rps)
+    # The panic window's rate counts when it is above the stable one by more than its own noise (two standard
+    # deviations of a count over the panic window at the stable rate): otherwise the scale-down delay, which
+    # keeps the most wanted over its length, would keep the noise's peaks.
+    noise_rps = 2.0 * math.sqrt(c_a2 * stable_rps / scaling.panic_window_s)
+    burst_rps = panic_rps if panic_rps > stable_rps + noise_rps else stable_rps
+    rate = max(burst_rps, forecast_rps or 0.0) + backlog_rps
+    if stable_rps <= 0:
+        return 0, ""
+    load = PromptLoad(rate, _mean([x.prompt_tokens_per_s for x in samples]) / stable_rps, c_s2)
+    replicas = prefill_replicas(capacity, load, c_a2=c_a2, limit=scaling.max_replicas + 1)
+    if replicas == 0:
+        return 0, ""
+    return replicas, (f"prefill {rate:.1f} rps (c_a² {c_a2:.1f}) x {load.mean_tokens:.0f} tokens (c_s² {load.c_s2:.1f}) at "
+                      f"{capacity.prefill_tokens_per_s:g}/s, {capacity.attainment:.0%} within "
+                      f"{capacity.ttft_slo_s:g}s -> {replicas}")
 
 
 def forecast_concurrency(forecast_rps: float | None, level_rps: float | None, samples: tuple[Sample, ...],
@@ -238,10 +308,21 @@ def follow_panic(scaling: Scaling, state: ScalerState, demand: Demand, current: 
     """In panic: the panic-window count at once (no up delay), never lower than the most wanted during
     this panic nor than `current`. The delay timers restart."""
     held = state.panic_max if state.panic_over_at is not None else current
-    panic_max = max(held, demand.panic_desired, current)
+    panic_max = max(held, demand.panic_desired, demand.work_desired, current)
     return Step(panic_max, f"panic: {demand.panic_conc:.1f} ongoing over {scaling.panic_window_s:g}s / target "
                            f"{scaling.target_ongoing_requests:g} -> {demand.panic_desired}, ready {ready_replicas}; "
                            "never down in panic", panic_max=panic_max)
+
+
+def arrival_dispersion(samples: tuple[Sample, ...], stable_rps: float) -> float:
+    """How bursty arrivals are, as the queueing model's c_a^2: the variance of per-second arrival counts over
+    their mean, the index of dispersion (1 for Poisson arrivals; k when they come in batches of k, as a client
+    fanning out k requests at once), from the samples that carry it; 1 when none does. Held to [0.5, 50]:
+    one odd window must not ask for a fleet of hundreds. Worked: 8 rps with a variance of 24 -> 3."""
+    known = [x.arrivals_var for x in samples if x.arrivals_var is not None]
+    if not known or stable_rps <= 0:
+        return 1.0
+    return min(50.0, max(0.5, _mean(known) / stable_rps))
 
 
 def follow_stable(spec: ScalerSpec, state: ScalerState, demand: Demand, current: int, now: float) -> Step:
@@ -251,7 +332,10 @@ def follow_stable(spec: ScalerSpec, state: ScalerState, demand: Demand, current:
            f" -> {demand.stable_desired}")
     if demand.forecast_desired > demand.stable_desired:
         why += f"; forecast {demand.forecast_rps:.2f} rps in {spec.cold_start_s:g}s -> {demand.forecast_desired}"
-    return apply_delays(s, state, max(demand.stable_desired, demand.forecast_desired), current, now, why)
+    if demand.work_desired > max(demand.stable_desired, demand.forecast_desired):
+        why += f"; {demand.work_why}"
+    proposal = max(demand.stable_desired, demand.forecast_desired, demand.work_desired)
+    return apply_delays(s, state, proposal, current, now, why)
 
 
 def apply_delays(scaling: Scaling, state: ScalerState, proposal: int, current: int, now: float, why: str) -> Step:
@@ -294,7 +378,7 @@ def wake_from_zero(step: Step, ongoing: int, demand: Demand) -> Step:
     """0 -> 1 (or more) at once when a request waits: no window, no delay (the gateway is holding it)."""
     if step.desired != 0 or ongoing <= 0:
         return step
-    return replace(step, desired=max(1, demand.stable_desired, demand.panic_desired), up_since=None,
+    return replace(step, desired=max(1, demand.stable_desired, demand.panic_desired, demand.work_desired), up_since=None,
                    down_since=None, reason=f"scale from zero: {ongoing} request(s) waiting")
 
 
@@ -314,10 +398,11 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     s = spec.scaling
     samples = window_samples(state.samples, obs, now, s.stable_window_s)
     fstate = observe_rate(state.forecast, obs.arrivals_per_s, now, spec.forecast)
+    prompts = state.prompts.add(obs.arrivals_per_s, obs.prompt_tokens_per_s, obs.prompt_tokens_sq_per_s, now)
     last_busy_at = now if obs.ongoing > 0 or obs.arrivals_per_s > 0 else state.last_busy_at
     current = state.desired if state.desired is not None else within_limits(
         s, obs.ready_replicas + obs.starting_replicas)
-    demand = measure_demand(spec, samples, fstate, RateBounds.of(s, obs.ready_replicas), now)
+    demand = measure_demand(spec, samples, fstate, RateBounds.of(s, obs.ready_replicas), now, prompts)
 
     history_s = now - samples[0].t
     warming = history_s < s.panic_window_s
@@ -336,8 +421,9 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
         reason += f"; clamped to [{s.min_replicas}, {s.max_replicas}]"
     new_state = replace(state, desired=clamped, samples=samples, panic_over_at=panic_over_at,
                         panic_max=step.panic_max, up_since=step.up_since, down_since=step.down_since,
-                        down_max=step.down_max, last_busy_at=last_busy_at, forecast=fstate)
+                        down_max=step.down_max, last_busy_at=last_busy_at, forecast=fstate,
+                        prompts=prompts)
     return new_state, ReplicaDecision(desired=clamped, panic=panic_over_at is not None,
                                       forecast_rps=demand.forecast_rps, reason=reason,
                                       stable_desired=demand.stable_desired, panic_desired=demand.panic_desired,
-                                      forecast_desired=demand.forecast_desired)
+                                      forecast_desired=demand.forecast_desired, work_desired=demand.work_desired)

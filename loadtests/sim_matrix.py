@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvgate.autoscaler.sim.compare import ATTAINMENT_GOAL, run_comparison  # noqa: E402
+from kvgate.autoscaler.sim.compare import ATTAINMENT_GOAL, POLICIES, run_comparison  # noqa: E402
 from kvgate.autoscaler.sim.report import yardsticks  # noqa: E402
 from kvgate.autoscaler.sim.shapes import SHAPES, ShapeSpec, shaped_trace  # noqa: E402
 from kvgate.autoscaler.sim.traces import Trace, load_trace, scale_rate  # noqa: E402
@@ -35,12 +35,16 @@ FILES = {"azure": TRACES / "azure_llm_2023_conv.csv", "mooncake": TRACES / "moon
 SOURCES = (*FILES, *SHAPES)
 
 
-def source_trace(name: str, duration_s: float | None) -> tuple[Trace, str]:
-    """The trace of `name` and the example model it is judged on."""
+def source_trace(name: str, scale: float, duration_s: float | None) -> tuple[Trace, str]:
+    """The trace of `name` at `scale` and the example model it is judged on.
+
+    A recorded trace is scaled by copying each request (`traces.scale_rate`: copies within 50 ms, so the same
+    bursts, each `scale` times over); a shape is drawn at `scale` times its mean rate, every request independent.
+    """
     if name in FILES:
         trace = load_trace(FILES[name])
-        return (trace.slice(0, duration_s) if duration_s else trace), "chat-70b"
-    return shaped_trace(name, ShapeSpec(duration_s=duration_s or 3600.0)), "burst-8b"
+        return scale_rate(trace.slice(0, duration_s) if duration_s else trace, scale), "chat-70b"
+    return shaped_trace(name, ShapeSpec(duration_s=duration_s or 3600.0, mean_rps=4.0 * scale)), "burst-8b"
 
 
 def main() -> None:
@@ -48,6 +52,7 @@ def main() -> None:
     parser.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, of {', '.join(SOURCES)}")
     parser.add_argument("--scales", default="1,5,10,20", help="rate scales, comma-separated")
     parser.add_argument("--duration-s", type=float, help="the first this-many seconds of each trace (shapes: length)")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of " + ", ".join(POLICIES))
     parser.add_argument("--out", default=str(ROOT / "loadtests" / ".work" / "sim_matrix.json"))
     args = parser.parse_args()
     sources = args.sources.split(",")
@@ -58,10 +63,10 @@ def main() -> None:
     rows = []
     print("| trace | scale | policy | TTFT-SLO | GPU-h | USD | vs oracle | vs bound |\n|---|---:|---|---:|---:|---:|---:|---:|")
     for name in sources:
-        base, model = source_trace(name, args.duration_s)
         for scale in (float(x) for x in args.scales.split(",")):
             started = time.perf_counter()
-            comparison = run_comparison(scale_rate(base, scale), snapshot, model)
+            trace, model = source_trace(name, scale, args.duration_s)
+            comparison = run_comparison(trace, snapshot, model, policies=args.policies.split(","))
             oracle_hours, bound_hours = yardsticks(comparison)
             for s in comparison.summaries:
                 row = {"trace": name, "model": model, "scale": scale, "policy": s.policy,

@@ -320,6 +320,9 @@ class Placement(_Strict):
 
 class Slo(_Strict):
     ttft_ms: float | None = Field(default=None, gt=0, description="Target time to first token.")
+    ttft_attainment: float = Field(default=0.99, gt=0, lt=1,
+                                   description="Share of requests that must meet ttft_ms; the autoscaler sizes the "
+                                               "prefill queue for it (with performance figures).")
     time_per_output_token_ms: float | None = Field(default=None, gt=0, description="Target time per output token.")
 
 

@@ -27,11 +27,12 @@ from kvgate.registry.snapshot import Snapshot
 from kvgate.router.dashboard import Dashboard, gauge_values
 from kvgate.router.flow_control import FlowGate, FlowGates
 from kvgate.router.handlers import error_middleware, install_routes
-from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
+from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_KEY, METRICS_KEY, OPENINGS_KEY, PROMPT_WORK_KEY, PROXY_KEY,
+                         QUEUES_KEY,
                          LIMITER_KEY, METER_KEY, REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY, TRACKER_KEY,
                          Drain, GatewaySettings)
 from kvgate.router.metrics import RouterMetrics
-from kvgate.router.observations import ObservationPublisher
+from kvgate.router.observations import ObservationPublisher, PromptWork
 from kvgate.router.operator_access import operator_auth
 from kvgate.router.common_openings import CommonOpenings
 from kvgate.router.proxy import Proxy
@@ -87,6 +88,7 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
     app[REGISTRY_KEY] = registry
     app[CLOCK_KEY] = clock
     app[METRICS_KEY] = metrics
+    app[PROMPT_WORK_KEY] = PromptWork()
     app[QUEUES_KEY] = WaitQueues(tracker.wait_for_replica,
                                  lambda model, depth: metrics.queue_depth.labels(model).set(depth))
     app[GATES_KEY] = FlowGates(clock, tracker.capacity, on_change=_fair_queue_gauges(metrics))
@@ -113,7 +115,8 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
             model_names=lambda: registry.current.models, arrivals=app[SEQUENCE_KEY],
             queued=lambda model: app[QUEUES_KEY].depth(model) + app[GATES_KEY].depth(model),
             in_flight=lambda: gauge_values(metrics.in_flight),
-            ttft_p99_s=lambda: _ttft_p99_s(dashboard), interval_s=settings.observation_interval_s)
+            ttft_p99_s=lambda: _ttft_p99_s(dashboard), prompt_work=app[PROMPT_WORK_KEY],
+            interval_s=settings.observation_interval_s)
         app.cleanup_ctx.append(lambda app: _publishing(publisher))
     install_routes(app)
     return app
@@ -136,7 +139,7 @@ def _fair_queue_gauges(metrics: RouterMetrics) -> Callable[[FlowGate], None]:
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     tracker, registry = app[TRACKER_KEY], app[REGISTRY_KEY]
     upstream = UpstreamPool()
-    app[PROXY_KEY] = Proxy(tracker, upstream, app[METRICS_KEY], app[CLOCK_KEY], app[QUEUES_KEY])
+    app[PROXY_KEY] = Proxy(tracker, upstream, app[METRICS_KEY], app[CLOCK_KEY], app[QUEUES_KEY], app[PROMPT_WORK_KEY])
     await tracker.start(registry.current)
     tenants = app[TENANTS_KEY]
     tenants.note_registry(registry.current)

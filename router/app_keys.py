@@ -11,6 +11,7 @@ from kvgate.clock import Clock
 from kvgate.router.dashboard import Dashboard
 from kvgate.router.flow_control import FlowGates
 from kvgate.router.metrics import RouterMetrics
+from kvgate.router.observations import PromptWork
 from kvgate.router.common_openings import CommonOpenings
 from kvgate.router.proxy import Proxy
 from kvgate.router.replicas import ReplicaTracker
@@ -64,6 +65,7 @@ METRICS_KEY = web.AppKey("kvgate_metrics", RouterMetrics)
 QUEUES_KEY = web.AppKey("kvgate_queues", WaitQueues)
 GATES_KEY = web.AppKey("kvgate_flow_gates", FlowGates)  # per model: fair queuing while saturated
 PROXY_KEY = web.AppKey("kvgate_proxy", Proxy)
+PROMPT_WORK_KEY = web.AppKey("kvgate_prompt_work", PromptWork)  # what the proxy routed, for observations
 SEQUENCE_KEY = web.AppKey("kvgate_request_seq", collections.Counter)  # per model: round robin's counter
 DASHBOARD_KEY = web.AppKey("kvgate_dashboard", Dashboard)
 DRAIN_KEY = web.AppKey("kvgate_drain", Drain)

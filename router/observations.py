@@ -1,9 +1,12 @@
-"""What a gateway tells the autoscaler: per model, the requests it holds and how fast they arrive.
+"""What a gateway tells the autoscaler: per model, the requests it holds, how fast they arrive, and their work.
 
 Each gateway writes one `ObservationRecord` (kvgate/state/records.py: its fields and versioning) per
 model to the state store, collection `observations`, id `<model>@<gateway_id>`, about once a second:
 requests waiting for a replica (none ready: scaling from zero), requests in flight, arrivals over the
-last `window_s` and the time to first token over the same window. Readers (the autoscaler) sum over
+last `window_s` and how bursty they were (the variance of each interval's count), the prompt tokens the
+routed requests must still prefill (after the prefix their replica is predicted to hold) and their
+squares (the autoscaler's queueing model needs their spread), and the time to first token over the same
+window. Readers (the autoscaler) sum over
 gateways and ignore records older than a few intervals, so a gateway that dies simply stops counting.
 The gateway deletes its records when it stops.
 """
@@ -45,6 +48,49 @@ class ArrivalRate:
         return max(count - first_count, 0) / (now - first_t)
 
 
+class ArrivalSpread:
+    """The variance of arrivals counted in each publishing interval, over a window, per second of interval:
+    Var(N_tau) / tau, which is the rate itself for Poisson arrivals and k times it for batches of k.
+
+    Worked: counts 2, 0, 4, 2 in four 1 s intervals -> mean 2, variance 2.0 (population) -> 2.0 per second."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._last: tuple[float, int] | None = None
+        self._counts: collections.deque[tuple[float, float, int]] = collections.deque()  # (end, length, count)
+
+    def add(self, now: float, count: int) -> float | None:
+        """Record the cumulative count at `now`; the variance per second, None until two intervals."""
+        if self._last is not None and now > self._last[0]:
+            self._counts.append((now, now - self._last[0], max(0, count - self._last[1])))
+        self._last = (now, count)
+        while self._counts and now - self._counts[0][0] >= self._window_s:
+            self._counts.popleft()
+        if len(self._counts) < 2:
+            return None
+        tau = sum(length for _, length, _ in self._counts) / len(self._counts)
+        mean = sum(n for _, _, n in self._counts) / len(self._counts)
+        return sum((n - mean) ** 2 for _, _, n in self._counts) / len(self._counts) / tau
+
+
+class PromptWork:
+    """Per model, the prompt tokens routed requests must still prefill, summed, and their squares: counted
+    once a request, at its first attempt (a retry is the same work moved), by the proxy."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+
+    def note(self, model: str, uncached_tokens: int) -> None:
+        entry = self._sums[model]
+        entry[0] += uncached_tokens
+        entry[1] += uncached_tokens * uncached_tokens
+
+    def totals(self, model: str) -> tuple[int, int]:
+        """(tokens, squares) so far for `model`; (0, 0) before its first request."""
+        entry = self._sums.get(model)
+        return (entry[0], entry[1]) if entry else (0, 0)
+
+
 class ObservationPublisher:
     """Writes this gateway's observations every `interval_s`; owned by the app when it has a store.
 
@@ -54,7 +100,8 @@ class ObservationPublisher:
     def __init__(self, *, store: StateStore, gateway_id: str, clock: Clock,
                  model_names: Callable[[], Iterable[str]], arrivals: Mapping[str, int],
                  queued: Callable[[str], int], in_flight: Callable[[], Mapping[str, float]],
-                 ttft_p99_s: Callable[[], Mapping[str, float | None]], interval_s: float = 1.0, window_s: float = 10.0) -> None:
+                 ttft_p99_s: Callable[[], Mapping[str, float | None]], prompt_work: PromptWork | None = None,
+                 interval_s: float = 1.0, window_s: float = 10.0) -> None:
         self._store = store
         self.gateway_id = gateway_id
         self._clock = clock
@@ -65,7 +112,8 @@ class ObservationPublisher:
         self._ttft_p99_s = ttft_p99_s
         self._interval_s = interval_s
         self._window_s = window_s
-        self._rates: dict[str, ArrivalRate] = {}
+        self._prompt_work = prompt_work or PromptWork()
+        self._rates: dict[str, tuple[ArrivalRate, ArrivalSpread, ArrivalRate, ArrivalRate]] = {}
         self._written: set[str] = set()
 
     def observe(self) -> list[ObservationRecord]:
@@ -75,10 +123,19 @@ class ObservationPublisher:
         ttft_p99_s = self._ttft_p99_s()  # every model's, from one reading of the window
         out = []
         for model in self._model_names():
-            rate = self._rates.setdefault(model, ArrivalRate(self._window_s))
+            if model not in self._rates:
+                w = self._window_s
+                self._rates[model] = (ArrivalRate(w), ArrivalSpread(w), ArrivalRate(w), ArrivalRate(w))
+            rate, spread, tokens, squares = self._rates[model]
+            arrived = self._arrivals[model]
+            prompt_tokens, prompt_squares = self._prompt_work.totals(model)
+            var = spread.add(now, arrived)
             out.append(ObservationRecord(
                 model=model, gateway_id=self.gateway_id, queued=self._queued(model),
-                in_flight=int(in_flight.get(model, 0)), arrivals_per_s=round(rate.add(now, self._arrivals[model]), 4),
+                in_flight=int(in_flight.get(model, 0)), arrivals_per_s=round(rate.add(now, arrived), 4),
+                arrivals_var=None if var is None else round(var, 4),
+                prompt_tokens_per_s=round(tokens.add(now, prompt_tokens), 2),
+                prompt_tokens_sq_per_s=round(squares.add(now, prompt_squares), 1),
                 ttft_p99_s=ttft_p99_s.get(model), updated_at=wall))
         return out
 

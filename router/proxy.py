@@ -40,6 +40,7 @@ from kvgate.openai_wire import ApiError
 from kvgate.router.errors import bad_gateway, no_capacity, sse_error_event, upstream_timeout
 from kvgate.router.features import RouteRequest
 from kvgate.router.metrics import RouterMetrics
+from kvgate.router.observations import PromptWork
 from kvgate.router.outcomes import (Answer, DecisionRecord, DecisionRing, Learnt, caching_judgement_log,
                                     TokenUsage, cached_tokens_of, prompt_tokens_of, stream_end, token_usage_of,
                                     tokens_used_of)
@@ -123,7 +124,7 @@ class Proxy:
     """Routes and forwards requests; owns the recent-decision ring and per-replica outcome counts."""
 
     def __init__(self, tracker: Tracker, upstream: UpstreamPool, metrics: RouterMetrics,
-                 clock: Clock, queues: WaitQueues) -> None:
+                 clock: Clock, queues: WaitQueues, prompt_work: PromptWork | None = None) -> None:
         self.tracker = tracker
         self.upstream = upstream
         self.metrics = metrics
@@ -131,6 +132,7 @@ class Proxy:
         self.queues = queues
         self.recent_decisions = DecisionRing()
         self.outcomes_by_replica: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.prompt_work = prompt_work or PromptWork()  # what the autoscaler's work model reads (router.observations)
 
     async def forward(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
         """Serve `preq`; raises ApiError (503 no capacity, 502/504) when no replica could answer."""
@@ -153,9 +155,11 @@ class Proxy:
             num_attempts += 1
             replica_id = decision.replica_id
             self.tracker.record_sent(replica_id, preq.route)
+            uncached = preq.route.uncached_tokens(decision.predicted_match_chunks)
+            if num_attempts == 1:
+                self.prompt_work.note(model, uncached)
             # On KV blocks the chain is held as predicted until the replica's events say.
-            lease = self.tracker.start_attempt(replica_id, preq.route.prefix_hashes,
-                                               preq.route.uncached_tokens(decision.predicted_match_chunks),
+            lease = self.tracker.start_attempt(replica_id, preq.route.prefix_hashes, uncached,
                                                predict_blocks=preq.route.hash_tokens > 0)
             try:
                 return await self._attempt(request, preq, replica_id, decision, lease)

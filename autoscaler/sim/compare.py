@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from kvgate.autoscaler.scaler import ScalerSpec
+from kvgate.autoscaler.work import PrefillCapacity
 from kvgate.autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
                                       oracle_need)
 from kvgate.autoscaler.sim.engine import FleetSetup, Policy, RunResult, Scenario, simulate
@@ -134,7 +135,7 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     bench = _Bench(warm_trace, base, model.spec.scaling, scenario, warmup_s, node_planning(snapshot, model_name))
     oracle_result, need, oracle_rule = _search_oracle(bench)
     fleet = bench.fleet_for(need)
-    runners = _runners(bench, kvgate_knobs, need)
+    runners = _runners(bench, ScalerSpec(kvgate_knobs, bench.cold_start_s, prefill=PrefillCapacity.of(model)), need)
     results = [oracle_result if name == "oracle" else bench.run(fleet, runners[name]) for name in policies]
     return Comparison(warm_trace.name, model_name, tuple(results),
                       tuple(summarize(r, base.ttft_slo_s) for r in results), oracle_rule, bench.cold_start_s,
@@ -163,11 +164,11 @@ def _check_stockouts(scenario: Scenario, base: FleetSetup, model_name: str) -> N
                                  f"{', '.join(keys)}")
 
 
-def _runners(bench: _Bench, kvgate_knobs: Scaling, need: tuple[int, ...]) -> dict[str, Policy]:
+def _runners(bench: _Bench, kvgate: ScalerSpec, need: tuple[int, ...]) -> dict[str, Policy]:
     """The policies that run here (the oracle's run is its search's); static at peak holds the need's peak."""
     target, scaling = bench.scaling.target_ongoing_requests, bench.scaling
     return {
-        "kvgate": KvgatePolicy(ScalerSpec(kvgate_knobs, bench.cold_start_s)),
+        "kvgate": KvgatePolicy(kvgate),
         "kpa": KpaPolicy(target, scaling.min_replicas, scaling.max_replicas),
         "ray-serve": RayServePolicy(target, scaling.min_replicas, scaling.max_replicas),
         "static-peak": StaticPolicy(max(need, default=1)),

@@ -166,6 +166,8 @@ class _Run:
         self.first_token_at = [math.inf] * n
         self.holder = [-1] * n  # replica id holding each request
         self.arrivals_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
+        self.prompt_tokens_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
+        self.prompt_squares_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
         self.gpu_seconds = self.cost_usd = 0.0
         self.cold_starts = self.actions = self.preemptions = self.peak = 0
         self.timeline: list[TimelinePoint] = []
@@ -202,6 +204,8 @@ class _Run:
             if next_arrival <= next_event:
                 self.queue.append(i)
                 self.arrivals_per_second[int(now)] += 1
+                self.prompt_tokens_per_second[int(now)] += requests[i].input_tokens
+                self.prompt_squares_per_second[int(now)] += requests[i].input_tokens ** 2
                 i += 1
                 self.dispatch(now)
                 continue
@@ -505,10 +509,15 @@ class _Run:
         # Over the last 10 s, or over the time elapsed when less (a gateway that just started does the same).
         span = max(1, min(_RATE_WINDOW_S, second))
         window = self.arrivals_per_second[second - span:second] if second else []
+        prompts = self.prompt_tokens_per_second[second - span:second] if second else []
+        squares = self.prompt_squares_per_second[second - span:second] if second else []
         running = sum(len(r.in_flight) for r in self.replicas.values())
+        mean = sum(window) / span
         return ModelObservation(
             model=self.fleet.model, queued_at_gateways=len(self.queue), waiting=0, running=running,
-            arrivals_per_s=sum(window) / span, ttft_p99_s=None,
+            arrivals_var=sum((n - mean) ** 2 for n in window) / span if window else None,
+            arrivals_per_s=sum(window) / span, prompt_tokens_per_s=sum(prompts) / span,
+            prompt_tokens_sq_per_s=sum(squares) / span, ttft_p99_s=None,
             ready_replicas=sum(1 for r in self.replicas.values() if r.state == "ready"),
             starting_replicas=sum(1 for r in self.replicas.values() if r.state == "starting") + self.booking())
 

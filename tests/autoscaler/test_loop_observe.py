@@ -34,6 +34,12 @@ def rec(model: str, gateway: str, age_s: float = 1.0, **fields) -> StoredRecord:
     # models are kept apart
     ([rec("a", "g1", queued=1), rec("b", "g1", queued=2)],
      {"a": GatewayTotals("a", 1, 0, 0.0, None, 1), "b": GatewayTotals("b", 2, 0, 0.0, None, 1)}),
+    # prompt work and arrival variances add across gateways; one that says no variance adds none
+    ([rec("m", "g1", arrivals_per_s=2.0, prompt_tokens_per_s=2000.0, prompt_tokens_sq_per_s=4e6, arrivals_var=2.5),
+      rec("m", "g2", arrivals_per_s=1.0, prompt_tokens_per_s=500.0, prompt_tokens_sq_per_s=3e5),
+      rec("m", "g3", arrivals_per_s=1.0, arrivals_var=1.0)],
+     {"m": GatewayTotals("m", 0, 0, 4.0, None, 3, prompt_tokens_per_s=2500.0, prompt_tokens_sq_per_s=4.3e6,
+                         arrivals_var=3.5)}),
     # a record from slightly in the future (another host's clock runs ahead) counts
     ([rec("m", "g1", age_s=-2.0, in_flight=1)], {"m": GatewayTotals("m", 0, 1, 0.0, None, 1)}),
 ])

@@ -489,3 +489,23 @@ async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_t
         finally:
             role_read.set()  # before the replica shuts down, which waits for its handler
             release.set()
+
+
+async def test_routed_prompts_are_published_as_work_for_the_autoscaler(tmp_path: Path) -> None:
+    """Two requests routed through a real gateway: the prompt tokens they must prefill reach the observation
+    record, for the autoscaler's work model (`autoscaler.work`)."""
+    clock = FakeClock()
+    store = MemoryStateStore(RealClock())
+    settings = GatewaySettings(gateway_id="gw-a", observation_interval_s=0.05)
+    async with gateway(tmp_path, num_replicas=1, settings=settings, store=store, clock=clock) as gw:
+        for text in ("a prompt of some length " * 20, "another one"):
+            status, _, _ = await gw.post("/v1/chat/completions", json.dumps(chat(text)).encode())
+            assert status == 200
+
+        async def published_work() -> dict | None:
+            await clock.advance(0.05)
+            record = await store.get_record(OBSERVATIONS_COLLECTION, "m@gw-a")
+            return record.data if record is not None and record.data["prompt_tokens_per_s"] > 0 else None
+        observation = await eventually(published_work, "an observation of m with prompt work")
+        tokens, squares = observation["prompt_tokens_per_s"], observation["prompt_tokens_sq_per_s"]
+        assert squares > tokens * tokens / observation["arrivals_per_s"] > 0  # two unequal prompts: E[P^2] > E[P]^2

@@ -8,7 +8,7 @@ import pytest
 
 from kvgate.clock import FakeClock
 from kvgate.state.memory import MemoryStateStore
-from kvgate.router.observations import OBSERVATIONS_COLLECTION, ArrivalRate, ObservationPublisher
+from kvgate.router.observations import OBSERVATIONS_COLLECTION, ArrivalRate, ArrivalSpread, ObservationPublisher, PromptWork
 
 
 @pytest.mark.parametrize("samples,rate", [
@@ -45,3 +45,32 @@ async def test_the_publisher_writes_one_record_per_model_and_withdraws_them() ->
     assert records["tiny@gw-1"]["arrivals_per_s"] == 0.0 and records["tiny@gw-1"]["ttft_p99_s"] is None
     await publisher.withdraw()
     assert await store.list_records(OBSERVATIONS_COLLECTION) == []
+
+
+def test_arrival_spread_is_the_variance_of_each_interval_count_per_second() -> None:
+    spread = ArrivalSpread(window_s=10.0)
+    # Cumulative counts 0, 2, 2, 6, 8 at 1 s apart: intervals of 2, 0, 4, 2 -> mean 2, variance 2 -> 2.0/s.
+    got = [spread.add(float(t), count) for t, count in enumerate([0, 2, 2, 6, 8])]
+    assert got[:2] == [None, None] and got[-1] == pytest.approx(2.0)
+    # Intervals of 2 s: the same counts are half the variance per second.
+    spread = ArrivalSpread(window_s=20.0)
+    assert [spread.add(2.0 * t, count) for t, count in enumerate([0, 2, 2, 6, 8])][-1] == pytest.approx(1.0)
+
+
+async def test_the_publisher_reports_the_prompt_work_the_proxy_counted() -> None:
+    clock = FakeClock(start=100.0)
+    store = MemoryStateStore(clock)
+    work = PromptWork()
+    arrivals: collections.Counter[str] = collections.Counter()
+    publisher = ObservationPublisher(store=store, gateway_id="gw-1", clock=clock, model_names=lambda: ["chat"],
+                                     arrivals=arrivals, queued=lambda model: 0, in_flight=dict, ttft_p99_s=dict,
+                                     prompt_work=work, window_s=10.0)
+    await publisher.publish_once()
+    for tokens in (1000, 3000):  # two requests over the next 10 s
+        work.note("chat", tokens)
+        arrivals["chat"] += 1
+    await clock.advance(10.0)
+    await publisher.publish_once()
+    chat = (await store.list_records(OBSERVATIONS_COLLECTION))[0].data
+    assert (chat["prompt_tokens_per_s"], chat["prompt_tokens_sq_per_s"]) == (400.0, 1e6)
+    assert chat["arrivals_var"] is None  # one interval so far: no variance yet
