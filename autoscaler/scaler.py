@@ -35,11 +35,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kvgate.autoscaler.forecast import ForecastSettings, ForecastState, forecast_rate, observe_rate
-from kvgate.autoscaler.work import PrefillCapacity, PromptLoad, PromptSpread, prefill_replicas
+from kvgate.autoscaler.work import PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, prefill_replicas, slot_replicas
 from kvgate.registry.schema import ModelDoc, Scaling
 
 # ceil(16.000000001 / 8) must be 2, not 3: float sums over a window drift in the last bits.
 _EPS = 1e-9
+DRIFT_Z = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +76,11 @@ class ScalerSpec:
     scaling: Scaling
     cold_start_s: float = 0.0
     forecast: ForecastSettings = ForecastSettings()
-    prefill: PrefillCapacity | None = None  # None: no SLO or no performance figures, concurrency alone
+    prefill: ReplicaCapacity | None = None  # None: no SLO or no performance figures, concurrency alone
 
     @classmethod
     def of(cls, model: ModelDoc, cold_start_s: float = 0.0) -> ScalerSpec:
-        return cls(scaling=model.spec.scaling, cold_start_s=cold_start_s, prefill=PrefillCapacity.of(model))
+        return cls(scaling=model.spec.scaling, cold_start_s=cold_start_s, prefill=ReplicaCapacity.of(model))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,8 @@ class ScalerState:
     last_busy_at: float | None = None  # last tick with a request queued, running or arriving
     forecast: ForecastState = field(default_factory=ForecastState)
     prompts: PromptSpread = field(default_factory=PromptSpread)  # prompt sizes' spread over minutes (work model)
+    hold_s: float | None = None  # a request's time in service, learned while nothing queues (`learn_hold`)
+    drift: RateDrift = field(default_factory=RateDrift)  # how far the rate moves over a cold start (work model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +171,7 @@ class Demand:
     forecast_desired: int = 0  # replicas for the forecast concurrency; 0 unless the trend is rising
     work_desired: int = 0  # replicas whose prefill meets the TTFT SLO for the prompt load (`autoscaler.work`)
     work_why: str = ""  # the numbers behind work_desired, for the reason line
+    work_sizes_slots: bool = False  # work_desired covers the batch slots too: it replaces the concurrency target
 
 
 def window_samples(samples: tuple[Sample, ...], obs: ModelObservation, now: float,
@@ -180,12 +184,13 @@ def window_samples(samples: tuple[Sample, ...], obs: ModelObservation, now: floa
 
 
 def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: ForecastState, bounds: RateBounds,
-                   now: float, prompts: PromptSpread = PromptSpread()) -> Demand:
+                   now: float, prompts: PromptSpread = PromptSpread(), hold_s: float | None = None,
+                   drift_rps: float = 0.0) -> Demand:
     """Average the windows and turn them (and the forecast, when on) into replica counts."""
     s = spec.scaling
-    weight = backlog_weight(spec, samples)
-    stable_conc = _mean([x.ongoing - (1.0 - weight) * x.queued for x in samples])
-    panic_conc = _mean([x.ongoing - (1.0 - weight) * x.queued for x in samples if x.t > now - s.panic_window_s])
+    recent = [x for x in samples if x.t > now - s.panic_window_s]
+    stable_conc = _mean([x.ongoing - x.queued for x in samples]) + backlog_concurrency(spec, list(samples), hold_s)
+    panic_conc = _mean([x.ongoing - x.queued for x in recent]) + backlog_concurrency(spec, recent, hold_s)
     demand = Demand(stable_conc=stable_conc, panic_conc=panic_conc,
                     stable_desired=bounds.bound(_ceil_div(stable_conc, s.target_ongoing_requests)),
                     panic_desired=bounds.bound(_ceil_div(panic_conc, s.target_ongoing_requests)))
@@ -195,61 +200,97 @@ def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: Foreca
         forecast_desired = 0 if conc is None else bounds.bound(_ceil_div(conc, s.target_ongoing_requests))
         demand = replace(demand, forecast_rps=forecast_rps, forecast_desired=forecast_desired)
     if spec.prefill is not None:
-        work_desired, work_why = prefill_demand(spec.prefill, samples, prompts.c_s2, demand.forecast_rps, s,
-                                                spec.cold_start_s, now)
-        demand = replace(demand, work_desired=bounds.bound(work_desired), work_why=work_why)
+        work_desired, work_why = work_demand(spec.prefill, samples, prompts.c_s2, hold_s, demand.forecast_rps, s,
+                                             spec.cold_start_s, now, drift_rps)
+        demand = replace(demand, work_desired=bounds.bound(work_desired), work_why=work_why,
+                         work_sizes_slots=hold_s is not None and spec.prefill.max_batch > 0)
     return demand
 
 
-def backlog_weight(spec: ScalerSpec, samples: tuple[Sample, ...]) -> float:
-    """How much of a queued request counts as concurrency: 1 (KPA's rule) without the work model.
+def learn_hold(hold_s: float | None, obs: ModelObservation, last_t: float | None, now: float,
+               time_constant_s: float = 300.0) -> float | None:
+    """The time a request spends in service (running), smoothed over minutes: running / arrivals (Little's law),
+    learned only at ticks with nothing queued, when arrivals and completions balance. Under a backlog running is
+    the batch's cap and arrivals outrun completions, so the ratio there says nothing about a request.
+    Worked: 60 running at 12 rps with nothing queued -> 5 s (the first sample is taken as is)."""
+    if obs.queued_at_gateways + obs.waiting > 0 or obs.arrivals_per_s <= 0 or obs.running <= 0:
+        return hold_s
+    sample = obs.running / obs.arrivals_per_s
+    if hold_s is None or last_t is None or now <= last_t:
+        return sample if hold_s is None else hold_s
+    keep = math.exp(-(now - last_t) / time_constant_s)
+    return keep * hold_s + (1.0 - keep) * sample
 
-    With it, a backlog is work to finish within one cold start, not load that stays: a queued request holds
-    a slot for its time in service h (the window's running requests over its arrivals, Little's law), and
-    Q of them served over the cold start L need Q x h / L slots, so each counts h / L. The prefill term
-    counts the same backlog as Q / L more requests a second. Counting each queued request as a whole
-    slot, as KPA does, turned a 50 s wait from zero at 12 requests/s (569 queued, about 5 s each in
-    service) into 30 replicas where 4 served it, then held for the scale-down delay. Worked: 60
-    running at 12 rps -> h 5 s; L 50 s -> 0.1.
+
+def backlog_concurrency(spec: ScalerSpec, samples: list[Sample], hold_s: float | None) -> float:
+    """The concurrency a backlog stands for, over `samples`: each queued request as one (KPA's rule) without the
+    work model or a learned hold time.
+
+    With them, a backlog is work to finish within one cold start, not load that stays: drained at
+    `backlog_drain_rps` more requests a second, each holding a slot for its time in service h, it needs that
+    rate x h slots. Until h is learned (a first start, from zero) the prefill term alone counts the backlog:
+    under a backlog, running over arrivals overstates h (a fleet just filled from the queue read 15 s for
+    5). Counting each queued request as a whole slot, as KPA does, turned a 50 s wait from zero
+    at 12 requests/s (569 queued, about 5 s each in service) into 30 replicas where 4 served it, then held
+    for the scale-down delay. Worked: 500 queued and steady, h 5 s, L 50 s -> 10 rps x 5 s = 50.
     """
     if spec.prefill is None or spec.cold_start_s <= 0:
-        return 1.0
-    rps = _mean([x.arrivals_per_s for x in samples])
-    running = _mean([x.ongoing - x.queued for x in samples])
-    if rps <= 0:
-        return 1.0
-    return min(1.0, running / rps / spec.cold_start_s)
+        return _mean([x.queued for x in samples])
+    if hold_s is None:  # nothing learned yet (a first start, from zero): the prefill term alone counts the backlog
+        return 0.0
+    return backlog_drain_rps(samples, spec.cold_start_s) * hold_s
 
 
-def prefill_demand(capacity: PrefillCapacity, samples: tuple[Sample, ...], c_s2: float, forecast_rps: float | None,
-                   scaling: Scaling, cold_start_s: float, now: float) -> tuple[int, str]:
-    """The replicas the prompt load needs (`autoscaler.work`), and why, in one phrase.
+def backlog_drain_rps(recent: list[Sample], cold_start_s: float) -> float:
+    """The extra requests a second that drain the backlog the fleet will hold when replicas ordered now arrive.
+
+    The queue keeps growing at its recent slope g until new capacity lands one cold start L later, so it will
+    hold Q + g x L by then; served over one more L that is Q / L + g more a second. Counting only Q / L missed
+    the growth at a spike's onset (the --bursty trace: 12 replicas ordered where 20 were needed, 85.6% instead
+    of 89.6%). Worked: 100 queued, growing 30 a second over the panic window, L 50 s -> 2 + 30 = 32 rps.
+    """
+    if not recent:
+        return 0.0
+    growth = 0.0
+    if len(recent) > 1 and recent[-1].t > recent[0].t:
+        growth = max(0.0, (recent[-1].queued - recent[0].queued) / (recent[-1].t - recent[0].t))
+    return _mean([x.queued for x in recent]) / cold_start_s + growth
+
+
+def work_demand(capacity: ReplicaCapacity, samples: tuple[Sample, ...], c_s2: float, hold_s: float | None,
+                forecast_rps: float | None, scaling: Scaling, cold_start_s: float, now: float,
+                drift_rps: float = 0.0) -> tuple[int, str]:
+    """The replicas the work needs (`autoscaler.work`): the most of what prefill needs and, once a request's time
+    in service `hold_s` is learned, what the batch slots need; and why, in one phrase.
 
     The rate is the highest of the stable window's, the panic window's (a burst counts as soon as it
     shows) and the forecast's, plus the panic window's backlog spread over one cold start
-    (`backlog_weight`); the prompts' mean is the stable window's, their spread `c_s2` longer's. Worked: 8 rps over 60 s,
+    (`backlog_drain_rps`); the prompts' mean is the stable window's, their spread `c_s2` longer's. Worked: 8 rps over 60 s,
     12 over the last 6 s, 24,000 prompt tokens/s over 60 s, 100 queued, cold start 50 s -> 14 rps of 3,000.
     """
     stable_rps = _mean([x.arrivals_per_s for x in samples])
     recent = [x for x in samples if x.t > now - scaling.panic_window_s]
     panic_rps = _mean([x.arrivals_per_s for x in recent])
-    backlog_rps = _mean([x.queued for x in recent]) / max(cold_start_s, scaling.panic_window_s)
+    backlog_rps = backlog_drain_rps(recent, max(cold_start_s, scaling.panic_window_s))
     c_a2 = arrival_dispersion(samples, stable_rps)
     # The panic window's rate counts when it is above the stable one by more than its own noise (two standard
     # deviations of a count over the panic window at the stable rate): otherwise the scale-down delay, which
     # keeps the most wanted over its length, would keep the noise's peaks.
     noise_rps = 2.0 * math.sqrt(c_a2 * stable_rps / scaling.panic_window_s)
     burst_rps = panic_rps if panic_rps > stable_rps + noise_rps else stable_rps
-    rate = max(burst_rps, forecast_rps or 0.0) + backlog_rps
+    rate = max(burst_rps, forecast_rps or 0.0) + DRIFT_Z * drift_rps + backlog_rps
     if stable_rps <= 0:
         return 0, ""
     load = PromptLoad(rate, _mean([x.prompt_tokens_per_s for x in samples]) / stable_rps, c_s2)
-    replicas = prefill_replicas(capacity, load, c_a2=c_a2, limit=scaling.max_replicas + 1)
-    if replicas == 0:
+    prefill = prefill_replicas(capacity, load, c_a2=c_a2, limit=scaling.max_replicas + 1)
+    slots = 0 if hold_s is None else slot_replicas(capacity, rate, hold_s, limit=scaling.max_replicas + 1)
+    if max(prefill, slots) == 0:
         return 0, ""
-    return replicas, (f"prefill {rate:.1f} rps (c_a² {c_a2:.1f}) x {load.mean_tokens:.0f} tokens (c_s² {load.c_s2:.1f}) at "
-                      f"{capacity.prefill_tokens_per_s:g}/s, {capacity.attainment:.0%} within "
-                      f"{capacity.ttft_slo_s:g}s -> {replicas}")
+    why = (f"work {rate:.1f} rps (c_a² {c_a2:.1f}): prefill {load.mean_tokens:.0f} tokens (c_s² {load.c_s2:.1f}) at "
+           f"{capacity.prefill_tokens_per_s:g}/s, {capacity.attainment:.0%} within {capacity.ttft_slo_s:g}s -> {prefill}")
+    if hold_s is not None:
+        why += f"; slots {rate * hold_s:.0f} busy ({hold_s:.1f}s each) of {capacity.max_batch} a replica -> {slots}"
+    return max(prefill, slots), why
 
 
 def forecast_concurrency(forecast_rps: float | None, level_rps: float | None, samples: tuple[Sample, ...],
@@ -326,8 +367,12 @@ def arrival_dispersion(samples: tuple[Sample, ...], stable_rps: float) -> float:
 
 
 def follow_stable(spec: ScalerSpec, state: ScalerState, demand: Demand, current: int, now: float) -> Step:
-    """Out of panic: the stable-window count, raised by the forecast, after the up or down delay."""
+    """Out of panic: the stable-window count, raised by the forecast, after the up or down delay. Once the work
+    model sizes the slots too (`Demand.work_sizes_slots`) its count replaces the concurrency target's (the
+    forecast rate is already in it); the target stays the panic's yardstick."""
     s = spec.scaling
+    if demand.work_sizes_slots:
+        return apply_delays(s, state, demand.work_desired, current, now, demand.work_why)
     why = (f"{demand.stable_conc:.1f} ongoing over {s.stable_window_s:g}s / target {s.target_ongoing_requests:g}"
            f" -> {demand.stable_desired}")
     if demand.forecast_desired > demand.stable_desired:
@@ -399,10 +444,13 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     samples = window_samples(state.samples, obs, now, s.stable_window_s)
     fstate = observe_rate(state.forecast, obs.arrivals_per_s, now, spec.forecast)
     prompts = state.prompts.add(obs.arrivals_per_s, obs.prompt_tokens_per_s, obs.prompt_tokens_sq_per_s, now)
+    hold_s = learn_hold(state.hold_s, obs, state.samples[-1].t if state.samples else None, now)
+    drift = state.drift.add(obs.arrivals_per_s, now, spec.cold_start_s) if spec.prefill is not None else state.drift
     last_busy_at = now if obs.ongoing > 0 or obs.arrivals_per_s > 0 else state.last_busy_at
     current = state.desired if state.desired is not None else within_limits(
         s, obs.ready_replicas + obs.starting_replicas)
-    demand = measure_demand(spec, samples, fstate, RateBounds.of(s, obs.ready_replicas), now, prompts)
+    demand = measure_demand(spec, samples, fstate, RateBounds.of(s, obs.ready_replicas), now, prompts, hold_s,
+                            drift.sigma())
 
     history_s = now - samples[0].t
     warming = history_s < s.panic_window_s
@@ -422,7 +470,7 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     new_state = replace(state, desired=clamped, samples=samples, panic_over_at=panic_over_at,
                         panic_max=step.panic_max, up_since=step.up_since, down_since=step.down_since,
                         down_max=step.down_max, last_busy_at=last_busy_at, forecast=fstate,
-                        prompts=prompts)
+                        prompts=prompts, hold_s=hold_s, drift=drift)
     return new_state, ReplicaDecision(desired=clamped, panic=panic_over_at is not None,
                                       forecast_rps=demand.forecast_rps, reason=reason,
                                       stable_desired=demand.stable_desired, panic_desired=demand.panic_desired,

@@ -51,25 +51,29 @@ _Z = tuple(_UNIT.inv_cdf((i + 0.5) / _POINTS) for i in range(_POINTS))
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillCapacity:
-    """What one replica of the model prefills, and the SLO its fleet is sized for.
+class ReplicaCapacity:
+    """What one replica of the model prefills and how many requests it runs at once, and the SLO its fleet is
+    sized for.
 
-    `prefill_tokens_per_s`: the slowest GPU kind the model may run on (a replica may land on any of them).
+    `prefill_tokens_per_s` and `max_batch`: the least over the GPU kinds the model may run on (a replica may land
+    on any of them).
     """
 
     prefill_tokens_per_s: float
     ttft_slo_s: float
     attainment: float = 0.99
+    max_batch: int = 0  # 0: unknown, slots are not sized
 
     @classmethod
-    def of(cls, model: ModelDoc) -> PrefillCapacity | None:
+    def of(cls, model: ModelDoc) -> ReplicaCapacity | None:
         """From the registry: None unless the model has a TTFT SLO and prefill figures for a kind it uses."""
         spec = model.spec
         kinds = [e for e in spec.performance.gpu_kinds if e.gpu_kind in spec.resources.gpu_kinds]
         if spec.slo.ttft_ms is None or not kinds:
             return None
         return cls(prefill_tokens_per_s=min(e.prefill_tokens_per_s for e in kinds),
-                   ttft_slo_s=spec.slo.ttft_ms / 1000.0, attainment=spec.slo.ttft_attainment)
+                   ttft_slo_s=spec.slo.ttft_ms / 1000.0, attainment=spec.slo.ttft_attainment,
+                   max_batch=min(e.max_batch or spec.engine.max_running_requests for e in kinds))
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +135,7 @@ def erlang_c(servers: int, offered: float) -> float:
     return servers * b / (servers - offered * (1.0 - b))
 
 
-def ttft_miss(servers: int, load: PromptLoad, capacity: PrefillCapacity, c_a2: float = 1.0) -> float:
+def ttft_miss(servers: int, load: PromptLoad, capacity: ReplicaCapacity, c_a2: float = 1.0) -> float:
     """P(W + S > SLO) on `servers` replicas (module docstring); 1.0 when they cannot keep up.
 
     Worked (every prompt alike, c_s^2 0: S = 0.5 s; SLO 1 s; c=2, λ=2/s, c_a^2 1): a = 1, C = 1/3,
@@ -155,7 +159,7 @@ def ttft_miss(servers: int, load: PromptLoad, capacity: PrefillCapacity, c_a2: f
     return slow + wait_odds * waits / _POINTS
 
 
-def prefill_replicas(capacity: PrefillCapacity, load: PromptLoad, *, c_a2: float = 1.0, limit: int = 10_000) -> int:
+def prefill_replicas(capacity: ReplicaCapacity, load: PromptLoad, *, c_a2: float = 1.0, limit: int = 10_000) -> int:
     """The fewest replicas whose prefill keeps `load` within the SLO for the attainment goal (module
     docstring); 0 with no load, `limit` when no count below it is enough.
 
@@ -174,3 +178,58 @@ def prefill_replicas(capacity: PrefillCapacity, load: PromptLoad, *, c_a2: float
     while servers < limit and ttft_miss(servers, load, capacity, c_a2) > budget:
         servers += 1
     return servers
+
+
+# A request that finds every slot taken waits for a whole answer to end elsewhere, seconds past any TTFT SLO:
+# nearly every such wait is a miss, so slots get this small share of the goal's misses.
+_SLOT_SHARE = 0.1
+
+
+def slot_replicas(capacity: ReplicaCapacity, rate: float, hold_s: float, *, limit: int = 10_000) -> int:
+    """The fewest replicas whose batch slots (`max_batch` each) leave a request waiting for one at most a tenth
+    of the goal's misses: Erlang's C over all slots, each held `hold_s` (Little's law: rate x hold_s busy on
+    average). 0 with no load or no batch size. This is the concurrency target made from the SLO instead of a
+    fraction of the batch: 32 requests/s held 4.5 s each is 144 busy slots on average; 5 replicas of 32 (160)
+    leave 13% waiting, 6 (192) 0.008%: 6, where a target of 16 a replica asks for 9.
+    """
+    busy = rate * hold_s
+    if busy <= 0 or capacity.max_batch <= 0:
+        return 0
+    allowed = _SLOT_SHARE * (1.0 - capacity.attainment)
+    replicas = max(1, math.floor(busy / capacity.max_batch) + 1)
+    while replicas < limit and erlang_c(replicas * capacity.max_batch, busy) > allowed:
+        replicas += 1
+    return replicas
+
+
+@dataclass(frozen=True, slots=True)
+class RateDrift:
+    """How far the arrival rate moves over one cold start, learned from the rates seen: the fleet ordered now
+    serves the load of a cold start from now, so the headroom for it is the spread of that move, measured on
+    this model's own traffic rather than chosen for a trace.
+
+    Keeps the rate every `spacing_s` back to the horizon, and a decayed mean of the squared change across it.
+    """
+
+    points: tuple[tuple[float, float], ...] = ()  # (t, rate), oldest first, `spacing_s` apart
+    sq_change: float = 0.0  # decayed mean of (rate(t) - rate(t - horizon))^2
+    weight: float = 0.0  # the decayed count behind sq_change
+
+    def add(self, rate: float, now: float, horizon_s: float, *, spacing_s: float = 10.0,
+            time_constant_s: float = 3600.0) -> RateDrift:
+        """Fold in this tick's rate; the change is measured against the rate one horizon ago, when known."""
+        if self.points and now - self.points[-1][0] < spacing_s:
+            return self
+        sq, weight = self.sq_change, self.weight
+        past = [r for t, r in self.points if t <= now - horizon_s]
+        if past:
+            dt = now - self.points[-1][0]
+            keep = math.exp(-dt / time_constant_s)
+            weight = keep * weight + 1.0
+            sq = sq + ((rate - past[-1]) ** 2 - sq) / weight
+        kept = tuple((t, r) for t, r in self.points if t > now - horizon_s - spacing_s)
+        return RateDrift(kept + ((now, rate),), sq, weight)
+
+    def sigma(self) -> float:
+        """The standard deviation of the rate's move over the horizon; 0 until one was measured."""
+        return math.sqrt(self.sq_change) if self.weight > 0 else 0.0

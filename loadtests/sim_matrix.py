@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--scales", default="1,5,10,20", help="rate scales, comma-separated")
     parser.add_argument("--duration-s", type=float, help="the first this-many seconds of each trace (shapes: length)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of " + ", ".join(POLICIES))
+    parser.add_argument("--kvgate-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of the model's spec.scaling for kvgate alone (as kvgate sim's); repeatable")
     parser.add_argument("--out", default=str(ROOT / "loadtests" / ".work" / "sim_matrix.json"))
     args = parser.parse_args()
     sources = args.sources.split(",")
@@ -60,13 +62,21 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown source(s) {', '.join(sorted(unknown))}; choose from {', '.join(SOURCES)}")
     snapshot = load_registry(ROOT / "examples" / "sim")
+    overrides = {}
+    for item in args.kvgate_set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--kvgate-set {item!r}: expected KEY=VALUE")
+        overrides[key] = json.loads(value) if value not in ("true", "false") else value == "true"
+
     rows = []
     print("| trace | scale | policy | TTFT-SLO | GPU-h | USD | vs oracle | vs bound |\n|---|---:|---|---:|---:|---:|---:|---:|")
     for name in sources:
         for scale in (float(x) for x in args.scales.split(",")):
             started = time.perf_counter()
             trace, model = source_trace(name, scale, args.duration_s)
-            comparison = run_comparison(trace, snapshot, model, policies=args.policies.split(","))
+            comparison = run_comparison(trace, snapshot, model, policies=args.policies.split(","),
+                                        kvgate_scaling=overrides)
             oracle_hours, bound_hours = yardsticks(comparison)
             for s in comparison.summaries:
                 row = {"trace": name, "model": model, "scale": scale, "policy": s.policy,

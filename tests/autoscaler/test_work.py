@@ -11,18 +11,19 @@ import pytest
 
 from kvgate.autoscaler.forecast import ForecastState
 from kvgate.autoscaler.scaler import (ModelObservation, RateBounds, Sample, ScalerSpec, ScalerState, arrival_dispersion,
-                                      backlog_weight, decide_replicas, measure_demand)
+                                      backlog_concurrency, backlog_drain_rps, decide_replicas, learn_hold,
+                                      measure_demand)
 from kvgate.autoscaler.sim.baselines import StaticPolicy
 from kvgate.autoscaler.sim.compare import build_fleet
 from kvgate.autoscaler.sim.engine import simulate
 from kvgate.autoscaler.sim.shapes import ShapeSpec, shaped_trace
-from kvgate.autoscaler.work import (PrefillCapacity, PromptLoad, PromptSpread, erlang_c, prefill_replicas,
-                                    ttft_miss)
+from kvgate.autoscaler.work import (PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, erlang_c, prefill_replicas,
+                                    slot_replicas, ttft_miss)
 from kvgate.registry import load_registry
 from kvgate.registry.schema import Scaling
 from tests.autoscaler.test_sim_compare import EXAMPLES
 
-L40S = PrefillCapacity(prefill_tokens_per_s=9000.0, ttft_slo_s=2.0, attainment=0.99)  # burst-8b's figures
+L40S = ReplicaCapacity(prefill_tokens_per_s=9000.0, ttft_slo_s=2.0, attainment=0.99)  # burst-8b's figures
 
 
 def test_erlang_c_and_the_ttft_miss_have_their_worked_numbers() -> None:
@@ -94,18 +95,50 @@ def test_a_prefill_heavy_load_is_sized_on_work_not_concurrency() -> None:
         results[name] = decision
     assert results["requests"].desired == 2
     assert results["work"].work_desired >= 8 and results["work"].desired == results["work"].work_desired
-    assert "prefill 20.0 rps" in results["work"].reason
+    assert "work 20.0 rps" in results["work"].reason and "slots 30 busy (1.5s each)" in results["work"].reason
 
 
 def test_a_backlog_counts_as_work_to_finish_within_a_cold_start() -> None:
-    # 60 running at 12 rps: h = 5 s in service; cold start 50 s -> a queued request counts 0.1 of a slot.
     spec = ScalerSpec(Scaling(max_replicas=40, target_ongoing_requests=16.0), cold_start_s=50.0, prefill=L40S)
-    samples = tuple(Sample(float(t), 60.0 + 500.0, 12.0, 12.0 * 2000.0, 12.0, 500.0) for t in range(60))
-    assert backlog_weight(spec, samples) == pytest.approx(0.1)
-    assert backlog_weight(replace(spec, prefill=None), samples) == 1.0  # KPA's rule without the work model
-    demand = measure_demand(spec, samples, ForecastState(), RateBounds(0, 100), now=59.0)
+    # 500 queued and steady: drained over the 50 s cold start, 10 more requests a second ...
+    steady = [Sample(float(t), 60.0 + 500.0, 12.0, 12.0 * 2000.0, 12.0, 500.0) for t in range(60)]
+    assert backlog_drain_rps(steady, 50.0) == pytest.approx(10.0)
+    # ... which at 5 s in service each hold 50 slots, not 500 (KPA's rule, kept without the work model).
+    assert backlog_concurrency(spec, steady, hold_s=5.0) == pytest.approx(50.0)
+    assert backlog_concurrency(replace(spec, prefill=None), steady, hold_s=5.0) == pytest.approx(500.0)
+    assert backlog_concurrency(spec, steady, hold_s=None) == 0.0  # nothing learned: the prefill term counts it
+    # A queue growing 30 a second will hold 30 x 50 more when replicas ordered now arrive: 2 + 30 = 32 rps.
+    growing = [Sample(float(t), 0.0, 40.0, queued=100.0 + 30.0 * (t - 3)) for t in range(7)]
+    assert backlog_drain_rps(growing, 50.0) == pytest.approx(2.0 + 30.0)
+    demand = measure_demand(spec, tuple(steady), ForecastState(), RateBounds(0, 100), now=59.0, hold_s=5.0)
     assert demand.stable_conc == pytest.approx(60.0 + 50.0)  # not 560: 35 replicas at 16 each
-    assert "22.0 rps" in demand.work_why  # 12 arriving + 500 queued over 50 s
+    assert "work 22.0 rps" in demand.work_why  # 12 arriving + 500 queued over 50 s
+
+
+def test_the_hold_time_is_learned_only_while_nothing_queues() -> None:
+    obs = _obs(12.0, 2000.0, running=60)
+    assert learn_hold(None, obs, None, 0.0) == pytest.approx(5.0)  # Little: 60 running / 12 rps
+    assert learn_hold(5.0, replace(obs, queued_at_gateways=3, running=64), 0.0, 1.0) == 5.0  # a backlog teaches nothing
+    moved = learn_hold(5.0, replace(obs, running=120), 0.0, 300.0)  # 10 s now; one time constant later
+    assert moved == pytest.approx(5.0 * math.exp(-1) + 10.0 * (1 - math.exp(-1)))
+
+
+def test_slots_are_sized_by_erlang_c_not_a_fraction_of_the_batch() -> None:
+    capacity = replace(L40S, max_batch=32)
+    # 32 rps held 4.5 s each: 144 busy slots; 5 replicas (160 slots) leave 13% waiting, 6 (192) 0.008%.
+    assert erlang_c(160, 144.0) == pytest.approx(0.129, abs=1e-3)
+    assert slot_replicas(capacity, 32.0, 4.5) == 6
+    assert slot_replicas(replace(capacity, max_batch=0), 32.0, 4.5) == 0
+
+
+def test_rate_drift_is_the_spread_of_the_rate_move_over_a_cold_start() -> None:
+    drift = RateDrift()
+    # The rate alternates 10 and 14 every 50 s; across a 50 s horizon it always moves by 4: sigma 4.
+    for t in range(0, 1000, 10):
+        drift = drift.add(10.0 if (t // 50) % 2 == 0 else 14.0, float(t), horizon_s=50.0)
+    assert drift.sigma() == pytest.approx(4.0)
+    assert RateDrift().sigma() == 0.0
+    assert drift.add(99.0, 995.0, horizon_s=50.0) is drift  # within the spacing: ignored
 
 
 def test_arrival_dispersion_is_the_index_of_dispersion() -> None:
