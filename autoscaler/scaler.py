@@ -1,4 +1,4 @@
-"""The replica scaler: how many replicas each model should have, decided from queue depth.
+"""The replica scaler: how many replicas each model should have, decided from its work and queue depth.
 
 Level 1 of the autoscaler (seconds). One pure function, `decide_replicas(spec, state, obs, now)`,
 called once per tick per model by the live loop and by the simulator alike. It runs the steps below
@@ -8,7 +8,13 @@ the mode (`hold_while_warming`, `follow_panic`, `follow_stable` with `apply_dela
 zero (`guard_scale_to_zero`, `wake_from_zero`) and the min/max clamp (`within_limits`).
 
 The rules, and where they come from:
-- Demand is concurrency: requests queued at gateways + waiting at replicas + running. Desired replicas
+- Work (a model with a TTFT SLO and performance figures; `autoscaler.work` has the queueing model): the
+  fewest replicas whose prefill and batch slots keep the SLO's attainment for the rate planned for, the
+  current rate plus its drift over a cold start plus the backlog to drain (`work_demand`). Once a request's
+  time in service is learned (`learn_hold`) this count replaces the concurrency target below out of panic,
+  and a backlog counts as work to finish within a cold start rather than as load that stays
+  (`backlog_concurrency`).
+- Otherwise demand is concurrency: requests queued at gateways + waiting at replicas + running. Desired replicas
   = ceil(average concurrency / target_ongoing_requests) (Knative KPA, Ray Serve's target ongoing
   requests). Two averages: the stable window (60 s) for normal decisions, the panic window (6 s) for
   bursts.
