@@ -97,7 +97,7 @@ spec:
     scale_to_zero_grace_s: 30
     forecast_enabled: false
   placement: {{pools: [gpu], allow_spot: {allow_spot}}}
-  performance: {{model_load_s: 5}}
+  performance: {{model_load_s: 5{gpu_performance}}}{slo}
 ---
 apiVersion: kvgate/v1
 kind: Pool
@@ -113,11 +113,19 @@ spec:
 """
 
 
-def write_registry(directory, *, min_replicas: int = 0, node_boot_s: float = 0, allow_spot: bool = False):
+# `work=True`: the model declares a TTFT SLO and L4 figures, so the scaler sizes it on work (autoscaler/work.py).
+WORK = (", gpu_kinds: [{gpu_kind: L4, prefill_tokens_per_s: 4000, decode_tokens_per_s: 400, max_batch: 8}]",
+        "\n  slo: {ttft_ms: 2000}")
+
+
+def write_registry(directory, *, min_replicas: int = 0, node_boot_s: float = 0, allow_spot: bool = False,
+                   work: bool = False):
     """A registry with one GPU model `m` (target 4 ongoing per replica, 0..4 replicas, stable window
     20 s) on pool `gpu`."""
+    gpu_performance, slo = WORK if work else ("", "")
     (directory / "registry.yaml").write_text(MODEL_YAML.format(
-        min_replicas=min_replicas, node_boot_s=node_boot_s, allow_spot=str(allow_spot).lower()))
+        min_replicas=min_replicas, node_boot_s=node_boot_s, allow_spot=str(allow_spot).lower(),
+        gpu_performance=gpu_performance, slo=slo))
     return directory
 
 
@@ -128,11 +136,12 @@ def load_test_registry(directory, **options):
 
 
 async def observe(store: StateStore, clock: FakeClock, *, queued: int = 0, in_flight: int = 0,
-                  arrivals_per_s: float = 0.0, model: str = "m", gateway: str = "g1") -> None:
-    """Write one gateway's observation record, as a router gateway does every second."""
+                  arrivals_per_s: float = 0.0, model: str = "m", gateway: str = "g1", **work: float) -> None:
+    """Write one gateway's observation record, as a router gateway does every second (`work`: its
+    prompt_tokens_per_s, prompt_tokens_sq_per_s and arrivals_var)."""
     await store.put_record("observations", f"{model}@{gateway}", {
         "model": model, "gateway_id": gateway, "queued": queued, "in_flight": in_flight,
-        "arrivals_per_s": arrivals_per_s, "ttft_p99_s": None, "updated_at": clock.wall()})
+        "arrivals_per_s": arrivals_per_s, "ttft_p99_s": None, "updated_at": clock.wall(), **work})
 
 
 def make_autoscaler(snapshot, store: StateStore, clock: FakeClock, provider: FakeProvider, *,

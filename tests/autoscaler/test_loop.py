@@ -85,6 +85,29 @@ async def test_a_waiting_request_brings_a_model_from_zero_to_a_ready_member(snap
     assert kinds[:4] == ["lease_acquired", "scale_up", "node_create", "replica_start"]
 
 
+@pytest.mark.parametrize("work", [False, True])
+async def test_a_model_with_an_slo_and_figures_is_sized_on_its_prompt_work(tmp_path: Path, store, clock,
+                                                                         work: bool) -> None:
+    """The gateways report 4 requests/s of 1,000-token prompts with 2 in flight: on concurrency that is one
+    replica (2 / 4). With a 2 s SLO and 4,000 prompt tokens/s an L4, each prefill takes 0.25 s: one replica's
+    whole prefill, which one replica cannot keep up with and two keep within the SLO for all but 0.2%: the loop
+    reads the prompt work from the records and asks for 2 (`autoscaler.work`)."""
+    snapshot = load_test_registry(tmp_path, min_replicas=1, work=work)
+    provider = FakeProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock, replica_start_latency_s=3)
+    autoscaler = make_autoscaler(snapshot, store, clock, provider)
+
+    async def gateway_reports() -> None:
+        await observe(store, clock, in_flight=2, arrivals_per_s=4.0, prompt_tokens_per_s=4000.0,
+                      prompt_tokens_sq_per_s=4000.0 * 1000.0 * 2.0, arrivals_var=4.0)
+
+    reports = await run_ticks(autoscaler, clock, 12, gateway_reports)
+    decision = reports[-1].decisions["m"]
+    if work:
+        assert decision.desired == decision.work_desired == 2 and "prefill 1000 tokens" in decision.reason
+    else:
+        assert decision.desired == 1 and decision.work_desired == 0
+
+
 async def test_an_idle_model_is_drained_before_it_is_stopped_then_its_node_released(
         snapshot, store, clock, provider) -> None:
     autoscaler = make_autoscaler(snapshot, store, clock, provider)
