@@ -451,15 +451,18 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     fstate = observe_rate(state.forecast, obs.arrivals_per_s, now, spec.forecast)
     prompts = state.prompts.add(obs.arrivals_per_s, obs.prompt_tokens_per_s, obs.prompt_tokens_sq_per_s, now)
     hold_s = learn_hold(state.hold_s, obs, state.samples[-1].t if state.samples else None, now)
-    drift = state.drift.add(obs.arrivals_per_s, now, spec.cold_start_s) if spec.prefill is not None else state.drift
+    history_s = now - samples[0].t
+    warming = history_s < s.panic_window_s
+    # A gateway's first rates cover less than its window (0 before its second sample): a fresh scaler's first
+    # seconds would pass for a rise of the whole load, and the scale-down delay would keep that for minutes.
+    drift = (state.drift.add(obs.arrivals_per_s, now, spec.cold_start_s)
+             if spec.prefill is not None and not warming else state.drift)
     last_busy_at = now if obs.ongoing > 0 or obs.arrivals_per_s > 0 else state.last_busy_at
     current = state.desired if state.desired is not None else within_limits(
         s, obs.ready_replicas + obs.starting_replicas)
     demand = measure_demand(spec, samples, fstate, RateBounds.of(s, obs.ready_replicas), now, prompts, hold_s,
                             drift.sigma())
 
-    history_s = now - samples[0].t
-    warming = history_s < s.panic_window_s
     panic_over_at = next_panic_over_at(s, state.panic_over_at, demand.panic_desired, obs.ready_replicas,
                                        warming, now)
     if warming:
