@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvgate.state import StateStore, StoredRecord
 from kvgate.state.records import MALFORMED, OBSERVATIONS_COLLECTION, ObservationRecord
@@ -62,7 +61,7 @@ def totals_by_model(records: Iterable[StoredRecord], now_wall_s: float,
     4.5/s, p99 0.9, 2 gateways. A g3 record 12 s old is skipped and counted in `num_stale`. Prompt tokens,
     their squares and the arrival variances add up the same way (a gateway that reports no variance adds none).
     """
-    sums: dict[str, list[Any]] = {}
+    totals: dict[str, GatewayTotals] = {}
     num_stale = num_malformed = 0
     newer: dict[str, NewerSchema] = {}
     for record in records:
@@ -77,23 +76,23 @@ def totals_by_model(records: Iterable[StoredRecord], now_wall_s: float,
         if now_wall_s - obs.updated_at >= max_age_s:
             num_stale += 1
             continue
-        entry = sums.setdefault(obs.model, [0, 0, 0.0, None, 0, 0.0, 0.0, None])
-        entry[5] += obs.prompt_tokens_per_s
-        entry[6] += obs.prompt_tokens_sq_per_s
-        if obs.arrivals_var is not None:
-            entry[7] = obs.arrivals_var + (entry[7] or 0.0)
-        entry[0] += obs.queued
-        entry[1] += obs.in_flight
-        entry[2] += obs.arrivals_per_s
-        if obs.ttft_p99_s is not None:
-            entry[3] = obs.ttft_p99_s if entry[3] is None else max(entry[3], obs.ttft_p99_s)
-        entry[4] += 1
-    totals = {
-        model: GatewayTotals(model, queued=q, in_flight=f, arrivals_per_s=a, ttft_p99_s=t, num_gateways=n,
-                             prompt_tokens_per_s=p, prompt_tokens_sq_per_s=p2, arrivals_var=v)
-        for model, (q, f, a, t, n, p, p2, v) in sorted(sums.items())
-    }
+        totals[obs.model] = _add(totals.get(obs.model), obs)
+    totals = dict(sorted(totals.items()))
     return ObservationRead(totals, num_stale, num_malformed, newer)
+
+
+def _add(totals: GatewayTotals | None, obs: ObservationRecord) -> GatewayTotals:
+    """`totals` with one more gateway's record in it: counts, rates and variances add, the p99 is the worst."""
+    if totals is None:
+        return GatewayTotals(obs.model, obs.queued, obs.in_flight, obs.arrivals_per_s, obs.ttft_p99_s, 1,
+                             obs.prompt_tokens_per_s, obs.prompt_tokens_sq_per_s, obs.arrivals_var)
+    p99s = [t for t in (totals.ttft_p99_s, obs.ttft_p99_s) if t is not None]
+    variances = [v for v in (totals.arrivals_var, obs.arrivals_var) if v is not None]
+    return GatewayTotals(totals.model, totals.queued + obs.queued, totals.in_flight + obs.in_flight,
+                         totals.arrivals_per_s + obs.arrivals_per_s, max(p99s) if p99s else None,
+                         totals.num_gateways + 1, totals.prompt_tokens_per_s + obs.prompt_tokens_per_s,
+                         totals.prompt_tokens_sq_per_s + obs.prompt_tokens_sq_per_s,
+                         sum(variances) if variances else None)
 
 
 async def read_gateway_totals(store: StateStore, now_wall_s: float, max_age_s: float = DEFAULT_MAX_AGE_S,

@@ -38,15 +38,16 @@ Pure: no clock reads, no I/O, no randomness; the state is a small frozen value t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kvgate.autoscaler.forecast import ForecastSettings, ForecastState, forecast_rate, observe_rate
-from kvgate.autoscaler.work import PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, prefill_replicas, slot_replicas
+from kvgate.autoscaler.work import (DRIFT_SIGMAS, PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, prefill_replicas,
+                                    slot_replicas)
 from kvgate.registry.schema import ModelDoc, Scaling
 
 # ceil(16.000000001 / 8) must be 2, not 3: float sums over a window drift in the last bits.
 _EPS = 1e-9
-DRIFT_Z = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +83,11 @@ class ScalerSpec:
     scaling: Scaling
     cold_start_s: float = 0.0
     forecast: ForecastSettings = ForecastSettings()
-    prefill: ReplicaCapacity | None = None  # None: no SLO or no performance figures, concurrency alone
+    capacity: ReplicaCapacity | None = None  # None: no SLO or no performance figures, concurrency alone
 
     @classmethod
     def of(cls, model: ModelDoc, cold_start_s: float = 0.0) -> ScalerSpec:
-        return cls(scaling=model.spec.scaling, cold_start_s=cold_start_s, prefill=ReplicaCapacity.of(model))
+        return cls(scaling=model.spec.scaling, cold_start_s=cold_start_s, capacity=ReplicaCapacity.of(model))
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,7 @@ class ReplicaDecision:
     stable_desired: int = 0  # ceil(stable-window concurrency / target), after the rate bounds
     panic_desired: int = 0  # the same over the panic window
     forecast_desired: int = 0  # the same for the forecast concurrency (0 when not forecasting)
-    work_desired: int = 0  # replicas whose prefill keeps the SLO for the prompt load (0 without figures)
+    work_desired: int = 0  # replicas whose prefill and slots keep the SLO for the work (0 without figures)
 
 
 def _ceil_div(value: float, target: float) -> int:
@@ -195,7 +196,7 @@ def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: Foreca
     """Average the windows and turn them (and the forecast, when on) into replica counts."""
     s = spec.scaling
     recent = [x for x in samples if x.t > now - s.panic_window_s]
-    stable_conc = _mean([x.ongoing - x.queued for x in samples]) + backlog_concurrency(spec, list(samples), hold_s)
+    stable_conc = _mean([x.ongoing - x.queued for x in samples]) + backlog_concurrency(spec, samples, hold_s)
     panic_conc = _mean([x.ongoing - x.queued for x in recent]) + backlog_concurrency(spec, recent, hold_s)
     demand = Demand(stable_conc=stable_conc, panic_conc=panic_conc,
                     stable_desired=bounds.bound(_ceil_div(stable_conc, s.target_ongoing_requests)),
@@ -205,11 +206,11 @@ def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: Foreca
         conc = forecast_concurrency(forecast_rps, fstate.level_rps, samples, stable_conc)
         forecast_desired = 0 if conc is None else bounds.bound(_ceil_div(conc, s.target_ongoing_requests))
         demand = replace(demand, forecast_rps=forecast_rps, forecast_desired=forecast_desired)
-    if spec.prefill is not None:
-        work_desired, work_why = work_demand(spec.prefill, samples, prompts.c_s2, hold_s, demand.forecast_rps, s,
+    if spec.capacity is not None:
+        work_desired, work_why = work_demand(spec.capacity, samples, prompts.c_s2, hold_s, demand.forecast_rps, s,
                                              spec.cold_start_s, now, drift_rps)
         demand = replace(demand, work_desired=bounds.bound(work_desired), work_why=work_why,
-                         work_sizes_slots=hold_s is not None and spec.prefill.max_batch > 0)
+                         work_sizes_slots=hold_s is not None and spec.capacity.max_batch > 0)
     return demand
 
 
@@ -228,7 +229,7 @@ def learn_hold(hold_s: float | None, obs: ModelObservation, last_t: float | None
     return keep * hold_s + (1.0 - keep) * sample
 
 
-def backlog_concurrency(spec: ScalerSpec, samples: list[Sample], hold_s: float | None) -> float:
+def backlog_concurrency(spec: ScalerSpec, samples: Sequence[Sample], hold_s: float | None) -> float:
     """The concurrency a backlog stands for, over `samples`: each queued request as one (KPA's rule) without the
     work model or a learned hold time.
 
@@ -240,14 +241,14 @@ def backlog_concurrency(spec: ScalerSpec, samples: list[Sample], hold_s: float |
     at 12 requests/s (569 queued, about 5 s each in service) into 30 replicas where 4 served it, then held
     for the scale-down delay. Worked: 500 queued and steady, h 5 s, L 50 s -> 10 rps x 5 s = 50.
     """
-    if spec.prefill is None or spec.cold_start_s <= 0:
+    if spec.capacity is None or spec.cold_start_s <= 0:
         return _mean([x.queued for x in samples])
     if hold_s is None:  # nothing learned yet (a first start, from zero): the prefill term alone counts the backlog
         return 0.0
     return backlog_drain_rps(samples, spec.cold_start_s) * hold_s
 
 
-def backlog_drain_rps(recent: list[Sample], cold_start_s: float) -> float:
+def backlog_drain_rps(recent: Sequence[Sample], cold_start_s: float) -> float:
     """The extra requests a second that drain the backlog the fleet will hold when replicas ordered now arrive.
 
     The queue keeps growing at its recent slope g until new capacity lands one cold start L later, so it will
@@ -263,18 +264,32 @@ def backlog_drain_rps(recent: list[Sample], cold_start_s: float) -> float:
     return _mean([x.queued for x in recent]) / cold_start_s + growth
 
 
+def arrival_dispersion(samples: tuple[Sample, ...], stable_rps: float) -> float:
+    """How bursty arrivals are, as the queueing model's c_a^2: the variance of per-second arrival counts over
+    their mean, the index of dispersion (1 for Poisson arrivals; k when they come in batches of k, as a client
+    fanning out k requests at once), from the samples that carry it; 1 when none does. Held to [0.5, 50]:
+    one odd window must not ask for a fleet of hundreds. Worked: 8 rps with a variance of 24 -> 3."""
+    known = [x.arrivals_var for x in samples if x.arrivals_var is not None]
+    if not known or stable_rps <= 0:
+        return 1.0
+    return min(50.0, max(0.5, _mean(known) / stable_rps))
+
+
 def work_demand(capacity: ReplicaCapacity, samples: tuple[Sample, ...], c_s2: float, hold_s: float | None,
                 forecast_rps: float | None, scaling: Scaling, cold_start_s: float, now: float,
                 drift_rps: float = 0.0) -> tuple[int, str]:
     """The replicas the work needs (`autoscaler.work`): the most of what prefill needs and, once a request's time
     in service `hold_s` is learned, what the batch slots need; and why, in one phrase.
 
-    The rate is the highest of the stable window's, the panic window's (a burst counts as soon as it
-    shows) and the forecast's, plus the panic window's backlog spread over one cold start
-    (`backlog_drain_rps`); the prompts' mean is the stable window's, their spread `c_s2` longer's. Worked: 8 rps over 60 s,
-    12 over the last 6 s, 24,000 prompt tokens/s over 60 s, 100 queued, cold start 50 s -> 14 rps of 3,000.
+    The rate planned for is the higher of the forecast's and the stable window's (the panic window's once it
+    stands out of its noise: a burst counts as soon as it shows), plus `drift_rps` (`DRIFT_SIGMAS` deviations
+    of the rate's move over a cold start) and the backlog to drain (`backlog_drain_rps`); the prompts' mean is
+    the stable window's, their spread `c_s2` longer's. Worked: 8 rps over 60 s, 12 over the last 6 s (noise
+    2.3), 24,000 prompt tokens/s over 60 s, 100 queued and steady, cold start 50 s, no drift -> 14 rps of 3,000.
     """
     stable_rps = _mean([x.arrivals_per_s for x in samples])
+    if stable_rps <= 0:
+        return 0, ""
     recent = [x for x in samples if x.t > now - scaling.panic_window_s]
     panic_rps = _mean([x.arrivals_per_s for x in recent])
     backlog_rps = backlog_drain_rps(recent, max(cold_start_s, scaling.panic_window_s))
@@ -284,9 +299,7 @@ def work_demand(capacity: ReplicaCapacity, samples: tuple[Sample, ...], c_s2: fl
     # keeps the most wanted over its length, would keep the noise's peaks.
     noise_rps = 2.0 * math.sqrt(c_a2 * stable_rps / scaling.panic_window_s)
     burst_rps = panic_rps if panic_rps > stable_rps + noise_rps else stable_rps
-    rate = max(burst_rps, forecast_rps or 0.0) + DRIFT_Z * drift_rps + backlog_rps
-    if stable_rps <= 0:
-        return 0, ""
+    rate = max(burst_rps, forecast_rps or 0.0) + DRIFT_SIGMAS * drift_rps + backlog_rps
     load = PromptLoad(rate, _mean([x.prompt_tokens_per_s for x in samples]) / stable_rps, c_s2)
     prefill = prefill_replicas(capacity, load, c_a2=c_a2, limit=scaling.max_replicas + 1)
     slots = 0 if hold_s is None else slot_replicas(capacity, rate, hold_s, limit=scaling.max_replicas + 1)
@@ -359,17 +372,6 @@ def follow_panic(scaling: Scaling, state: ScalerState, demand: Demand, current: 
     return Step(panic_max, f"panic: {demand.panic_conc:.1f} ongoing over {scaling.panic_window_s:g}s / target "
                            f"{scaling.target_ongoing_requests:g} -> {demand.panic_desired}, ready {ready_replicas}; "
                            "never down in panic", panic_max=panic_max)
-
-
-def arrival_dispersion(samples: tuple[Sample, ...], stable_rps: float) -> float:
-    """How bursty arrivals are, as the queueing model's c_a^2: the variance of per-second arrival counts over
-    their mean, the index of dispersion (1 for Poisson arrivals; k when they come in batches of k, as a client
-    fanning out k requests at once), from the samples that carry it; 1 when none does. Held to [0.5, 50]:
-    one odd window must not ask for a fleet of hundreds. Worked: 8 rps with a variance of 24 -> 3."""
-    known = [x.arrivals_var for x in samples if x.arrivals_var is not None]
-    if not known or stable_rps <= 0:
-        return 1.0
-    return min(50.0, max(0.5, _mean(known) / stable_rps))
 
 
 def follow_stable(spec: ScalerSpec, state: ScalerState, demand: Demand, current: int, now: float) -> Step:
@@ -456,7 +458,7 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     # A gateway's first rates cover less than its window (0 before its second sample): a fresh scaler's first
     # seconds would pass for a rise of the whole load, and the scale-down delay would keep that for minutes.
     drift = (state.drift.add(obs.arrivals_per_s, now, spec.cold_start_s)
-             if spec.prefill is not None and not warming else state.drift)
+             if spec.capacity is not None and not warming else state.drift)
     last_busy_at = now if obs.ongoing > 0 or obs.arrivals_per_s > 0 else state.last_busy_at
     current = state.desired if state.desired is not None else within_limits(
         s, obs.ready_replicas + obs.starting_replicas)

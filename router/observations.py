@@ -17,6 +17,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from kvgate.clock import Clock
 from kvgate.state.base import StateStore, StateStoreError
@@ -91,6 +92,20 @@ class PromptWork:
         return (entry[0], entry[1]) if entry else (0, 0)
 
 
+@dataclass
+class _ModelWindows:
+    """One model's sliding windows at this gateway: arrivals, their spread, prompt tokens and their squares."""
+
+    arrivals: ArrivalRate
+    spread: ArrivalSpread
+    tokens: ArrivalRate
+    squares: ArrivalRate
+
+    @classmethod
+    def of(cls, window_s: float) -> _ModelWindows:
+        return cls(ArrivalRate(window_s), ArrivalSpread(window_s), ArrivalRate(window_s), ArrivalRate(window_s))
+
+
 class ObservationPublisher:
     """Writes this gateway's observations every `interval_s`; owned by the app when it has a store.
 
@@ -113,7 +128,7 @@ class ObservationPublisher:
         self._interval_s = interval_s
         self._window_s = window_s
         self._prompt_work = prompt_work or PromptWork()
-        self._rates: dict[str, tuple[ArrivalRate, ArrivalSpread, ArrivalRate, ArrivalRate]] = {}
+        self._windows: dict[str, _ModelWindows] = {}
         self._written: set[str] = set()
 
     def observe(self) -> list[ObservationRecord]:
@@ -123,19 +138,16 @@ class ObservationPublisher:
         ttft_p99_s = self._ttft_p99_s()  # every model's, from one reading of the window
         out = []
         for model in self._model_names():
-            if model not in self._rates:
-                w = self._window_s
-                self._rates[model] = (ArrivalRate(w), ArrivalSpread(w), ArrivalRate(w), ArrivalRate(w))
-            rate, spread, tokens, squares = self._rates[model]
+            windows = self._windows.get(model) or self._windows.setdefault(model, _ModelWindows.of(self._window_s))
             arrived = self._arrivals[model]
             prompt_tokens, prompt_squares = self._prompt_work.totals(model)
-            var = spread.add(now, arrived)
+            var = windows.spread.add(now, arrived)
             out.append(ObservationRecord(
                 model=model, gateway_id=self.gateway_id, queued=self._queued(model),
-                in_flight=int(in_flight.get(model, 0)), arrivals_per_s=round(rate.add(now, arrived), 4),
+                in_flight=int(in_flight.get(model, 0)), arrivals_per_s=round(windows.arrivals.add(now, arrived), 4),
                 arrivals_var=None if var is None else round(var, 4),
-                prompt_tokens_per_s=round(tokens.add(now, prompt_tokens), 2),
-                prompt_tokens_sq_per_s=round(squares.add(now, prompt_squares), 1),
+                prompt_tokens_per_s=round(windows.tokens.add(now, prompt_tokens), 2),
+                prompt_tokens_sq_per_s=round(windows.squares.add(now, prompt_squares), 1),
                 ttft_p99_s=ttft_p99_s.get(model), updated_at=wall))
         return out
 

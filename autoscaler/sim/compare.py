@@ -135,7 +135,7 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     bench = _Bench(warm_trace, base, model.spec.scaling, scenario, warmup_s, node_planning(snapshot, model_name))
     oracle_result, need, oracle_rule = _search_oracle(bench)
     fleet = bench.fleet_for(need)
-    runners = _runners(bench, ScalerSpec(kvgate_knobs, bench.cold_start_s, prefill=ReplicaCapacity.of(model)), need)
+    runners = _runners(bench, ScalerSpec(kvgate_knobs, bench.cold_start_s, capacity=ReplicaCapacity.of(model)), need)
     results = [oracle_result if name == "oracle" else bench.run(fleet, runners[name]) for name in policies]
     return Comparison(warm_trace.name, model_name, tuple(results),
                       tuple(summarize(r, base.ttft_slo_s) for r in results), oracle_rule, bench.cold_start_s,

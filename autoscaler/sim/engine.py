@@ -516,7 +516,7 @@ class _Run:
         return ModelObservation(
             model=self.fleet.model, queued_at_gateways=len(self.queue), waiting=0, running=running,
             arrivals_var=sum((n - mean) ** 2 for n in window) / span if window else None,
-            arrivals_per_s=sum(window) / span, prompt_tokens_per_s=sum(prompts) / span,
+            arrivals_per_s=mean, prompt_tokens_per_s=sum(prompts) / span,
             prompt_tokens_sq_per_s=sum(squares) / span, ttft_p99_s=None,
             ready_replicas=sum(1 for r in self.replicas.values() if r.state == "ready"),
             starting_replicas=sum(1 for r in self.replicas.values() if r.state == "starting") + self.booking())

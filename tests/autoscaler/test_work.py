@@ -85,7 +85,7 @@ def test_a_prefill_heavy_load_is_sized_on_work_not_concurrency() -> None:
     16, but 6.7 replicas of prefill; the work model asks for more than that, concurrency alone for 2."""
     scaling = Scaling(min_replicas=1, max_replicas=40, target_ongoing_requests=16.0, forecast_enabled=False,
                       scale_up_delay_s=0.0)
-    on_work = ScalerSpec(scaling, cold_start_s=50.0, prefill=L40S)
+    on_work = ScalerSpec(scaling, cold_start_s=50.0, capacity=L40S)
     on_requests = ScalerSpec(scaling, cold_start_s=50.0)
     results = {}
     for name, spec in (("work", on_work), ("requests", on_requests)):
@@ -99,13 +99,13 @@ def test_a_prefill_heavy_load_is_sized_on_work_not_concurrency() -> None:
 
 
 def test_a_backlog_counts_as_work_to_finish_within_a_cold_start() -> None:
-    spec = ScalerSpec(Scaling(max_replicas=40, target_ongoing_requests=16.0), cold_start_s=50.0, prefill=L40S)
+    spec = ScalerSpec(Scaling(max_replicas=40, target_ongoing_requests=16.0), cold_start_s=50.0, capacity=L40S)
     # 500 queued and steady: drained over the 50 s cold start, 10 more requests a second ...
     steady = [Sample(float(t), 60.0 + 500.0, 12.0, 12.0 * 2000.0, 12.0, 500.0) for t in range(60)]
     assert backlog_drain_rps(steady, 50.0) == pytest.approx(10.0)
     # ... which at 5 s in service each hold 50 slots, not 500 (KPA's rule, kept without the work model).
     assert backlog_concurrency(spec, steady, hold_s=5.0) == pytest.approx(50.0)
-    assert backlog_concurrency(replace(spec, prefill=None), steady, hold_s=5.0) == pytest.approx(500.0)
+    assert backlog_concurrency(replace(spec, capacity=None), steady, hold_s=5.0) == pytest.approx(500.0)
     assert backlog_concurrency(spec, steady, hold_s=None) == 0.0  # nothing learned: the prefill term counts it
     # A queue growing 30 a second will hold 30 x 50 more when replicas ordered now arrive: 2 + 30 = 32 rps.
     growing = [Sample(float(t), 0.0, 40.0, queued=100.0 + 30.0 * (t - 3)) for t in range(7)]
