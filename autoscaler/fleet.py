@@ -5,7 +5,7 @@ routers read. No I/O and no clock reads; `now` is an argument.
 - `cold_start_s`: node boot plus model load, for the scaler's forecast horizon.
 - `member_record`: a provider's `ReplicaHandle` -> the `MemberRecord` routers watch.
 - `node_statuses`: nodes + replicas -> the dashboard's node rows.
-- `pending_claims_by_model`: claims with no listed node yet, per model (replicas on their way).
+- `booting_by_model`: replicas of claims and nodes still booting, per model (on their way, not listed).
 - `Backoff`: exponential back-off of replica starts for a model whose replicas keep failing.
 """
 
@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 from kvgate.autoscaler.claims import ClaimRecord
 from kvgate.autoscaler.observe import GatewayTotals
+from kvgate.autoscaler.planner import planned_replicas
 from kvgate.autoscaler.scaler import ModelObservation
 from kvgate.autoscaler.status import NodeStatus
 from kvgate.state import MemberRecord
 from kvgate.state import ReplicaState as MemberState
-from kvgate.providers.base import Node, ReplicaHandle, ReplicaState
+from kvgate.providers.base import Node, NodeState, ReplicaHandle, ReplicaState
 from kvgate.registry.schema import ModelDoc
 from kvgate.registry.snapshot import Snapshot
 
@@ -133,12 +134,23 @@ def pools_of(nodes: Iterable[Node]) -> Mapping[str, str]:
     return {node.id: node.pool for node in nodes}
 
 
-def pending_claims_by_model(nodes: Iterable[Node], claims: Iterable[ClaimRecord]) -> dict[str, int]:
-    """Claims whose node is not among `nodes` (bought or being bought, not listed yet), counted per model:
-    each will boot a replica, so the scaler counts them as starting."""
+def booting_by_model(nodes: Iterable[Node], claims: Iterable[ClaimRecord],
+                     replicas: Iterable[ReplicaHandle]) -> dict[str, int]:
+    """Replicas on their way that no provider lists yet, per model: the planned replicas of each claim whose
+    node is not listed (bought or being bought), and of each listed PENDING node less those already on it.
+    The scaler counts them as starting, so it does not ask again while a node boots. Worked: a claim for 2
+    replicas of m, unlisted, and a pending node planned for 3 of m with 1 listed on it -> {"m": 4}."""
     listed = {node.id for node in nodes}
-    pending: dict[str, int] = {}
+    on_node: dict[str, int] = {}
+    for replica in replicas:
+        on_node[replica.node_id] = on_node.get(replica.node_id, 0) + 1
+    booting: dict[str, int] = {}
     for record in claims:
         if record.node_id not in listed and record.claim.model:
-            pending[record.claim.model] = pending.get(record.claim.model, 0) + 1
-    return pending
+            model = record.claim.model
+            booting[model] = booting.get(model, 0) + planned_replicas(record.claim.labels)
+    for node in nodes:
+        if node.state is NodeState.PENDING and node.model:
+            missing = max(0, planned_replicas(node.tags) - on_node.get(node.id, 0))
+            booting[node.model] = booting.get(node.model, 0) + missing
+    return {model: n for model, n in booting.items() if n}

@@ -7,23 +7,24 @@
     ...
     await autoscaler.stop()         # releases the lease; leaves nodes and replicas running
 
-One tick:
+One tick; the loop only gathers and performs, the decision is `autoscaler.decide.decide`, pure, the
+same function the simulator replays:
 1. **Lease.** `acquire_lease("autoscaler", holder, ttl)` takes or renews the lease; a standby that
    does not get it does nothing else (it retries next tick and takes over once the holder's lease
    expires: ttl after its last renewal).
-2. **Reconcile** (`autoscaler.reconciler`): list nodes, repair claims (adopt, release orphans,
-   re-drive pending), list replicas. Failed replicas are reported, stopped and their model's starts
-   backed off exponentially; replicas past their drain notice are stopped.
-3. **Observe**: gateway observations from the state store (`autoscaler.observe`).
-4. **Decide**: `decide_replicas` per autoscaled model, then `plan_nodes` over the whole fleet. If a
-   pool could not be listed this tick, nothing is planned: deciding on a partial view would buy
-   twice what is already running there.
-5. **Actuate**: create/delete nodes through the reconciler (claims first), start replicas, drain
-   replicas (DRAINING in the membership record, then `stop_replica` after `drain_notice_s`).
-6. **Publish**: membership records (TTL'd heartbeats) for routers, and the status record for the
-   dashboard. A replica taken out for good without a drain (it failed, its node was preempted or is
-   being deleted, the provider no longer lists it) gets one last record, DRAINING, that then lapses:
-   gateways keep a READY member whose record merely vanished, as long as its health checks pass.
+2. **Gather** `TickInputs`: reconcile (`autoscaler.reconciler`: list nodes, repair claims, list
+   replicas), gateway totals from the state store (`autoscaler.observe`), offerings, and the outcomes of
+   the last tick's actions (refusals, stops that ended).
+3. **Decide**: failures, drains, replica counts per autoscaled model and the node plan (`decide`'s
+   docstring). If a pool could not be listed this tick, nothing is planned.
+4. **Act**, in the decision's order: retire failed replicas from routing and clean them up, begin the
+   stops whose drain notice is over (in tasks beside the loop: a 30 s drain must not freeze scaling),
+   create/delete nodes through the reconciler (claims first), start replicas.
+5. **Publish**: membership records (TTL'd heartbeats) for routers, DRAINING for replicas draining, and
+   the status record for the dashboard. A replica taken out for good without a drain (it failed, its
+   node was preempted or is being deleted, the provider no longer lists it) gets one last record,
+   DRAINING, that then lapses: gateways keep a READY member whose record merely vanished, as long as
+   its health checks pass.
 
 Stopping (SIGTERM) releases the lease and leaves every node and replica running: the next
 autoscaler adopts them through their claims. Nothing is deleted on the way out, because a restart
@@ -43,22 +44,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvgate.autoscaler.claims import ClaimConflict, ClaimStore
-from kvgate.autoscaler.fleet import (Backoff, autoscaled_models, cold_start_s, member_record, model_observation,
-                                    node_statuses, pending_claims_by_model, pools_of, retired_record)
+from kvgate.autoscaler.decide import (Action, BeginStop, CleanUp, CreateRefused, DecideSpec, LoopState, Outcome,
+                                      Retire, StartRefused, StopEnded, Tick, TickInputs, Unpublish, decide)
+from kvgate.autoscaler.fleet import member_record, node_statuses, pools_of, retired_record
 from kvgate.autoscaler.members import MemberPublisher
-from kvgate.autoscaler.observe import GatewayTotals, read_gateway_totals
-from kvgate.autoscaler.planner import (
-    CreateNode,
-    DeleteNode,
-    NodeAction,
-    PlannerInputs,
-    PlannerState,
-    StartReplica,
-    StopReplica,
-    Unschedulable,
-    note_insufficient_capacity,
-    plan_nodes,
-)
+from kvgate.autoscaler.observe import read_gateway_totals
+from kvgate.autoscaler.planner import CreateNode, DeleteNode, StartReplica
 from kvgate.autoscaler.reconciler import FaultHook, Fleet, Reconciler
 from kvgate.autoscaler.settings import (  # re-exported: the loop's public surface
     AutoscalerSettings,
@@ -68,7 +59,7 @@ from kvgate.autoscaler.settings import (  # re-exported: the loop's public surfa
     default_holder,
     provider_factory_for,
 )
-from kvgate.autoscaler.scaler import ModelObservation, ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
+from kvgate.autoscaler.scaler import ReplicaDecision
 from kvgate.autoscaler.status import (
     STATUS_COLLECTION,
     STATUS_ID,
@@ -85,7 +76,7 @@ from kvgate.state import StateStore, StateStoreError
 from kvgate.state.outage import Outage
 from kvgate.state.records import MALFORMED, read_status
 from kvgate.state.schema import SkippedRecords
-from kvgate.providers.base import NodeState, Offering, Provider, ProviderError, ReplicaHandle, ReplicaState, replica_spec_for
+from kvgate.providers.base import Offering, Provider, ProviderError, ReplicaHandle, replica_spec_for
 from kvgate.registry.snapshot import Snapshot
 
 __all__ = ["LEASE_NAME", "Autoscaler", "AutoscalerSettings", "FixedSnapshot", "ProviderFactory", "SnapshotSource",
@@ -101,33 +92,10 @@ class TickReport:
     """What one tick did (for tests and logs)."""
 
     leader: bool
-    actions: tuple[NodeAction, ...] = ()
+    actions: tuple[Action, ...] = ()
     decisions: Mapping[str, ReplicaDecision] = field(default_factory=dict)
     events: tuple[Event, ...] = ()
     error: str | None = None
-
-
-@dataclass(slots=True)
-class _Draining:
-    replica: ReplicaHandle
-    pool: str
-    stop_at: float  # monotonic seconds: routers have seen DRAINING by then
-    # stop_replica waits up to drain_timeout_s for in-flight requests, so it runs beside the loop
-    # (a 30 s drain must not freeze scaling for every other model); None until started.
-    task: asyncio.Task[None] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Tick:
-    """What one tick took stock of before deciding; the later steps of the tick read it."""
-
-    snapshot: Snapshot
-    fleet: Fleet
-    pool_of: Mapping[str, str]  # node id -> pool, of the nodes listed this tick
-    stopped: set[str]  # replicas whose drain ended this tick: they may still be in this tick's listing
-    now: float  # monotonic seconds
-    wall: float  # wall-clock seconds (claims and the planner's stockout memory use it)
-    events: list[Event]  # this tick's events so far; the steps append to it
 
 
 class Autoscaler:
@@ -153,6 +121,9 @@ class Autoscaler:
         self._failed_pools: dict[str, str] = {}  # pool -> why its provider could not be built
         self._reconciler = Reconciler(self._providers, ClaimStore(store, self.holder), clock, fault_hook=fault_hook)
         self.id_prefix = f"kvg-{uuid.uuid4().hex[:6]}"  # claim/replica ids unique per incarnation
+        s = self.settings
+        self._spec = DecideSpec(drain_notice_s=s.drain_notice_s, backoff_base_s=s.backoff_base_s,
+                                backoff_max_s=s.backoff_max_s, planner=s.planner, id_prefix=self.id_prefix)
         self._task: asyncio.Task[None] | None = None
         self._store_outage = Outage()  # ticks in a row that could not reach the store
         self.is_leader = False
@@ -160,19 +131,14 @@ class Autoscaler:
 
     def _reset_leadership(self) -> None:
         # Everything a leader learns; a new term starts from the store and the providers again.
-        for entry in getattr(self, "_draining", {}).values():
-            if entry.task is not None:
-                entry.task.cancel()
-        self._scaler: dict[str, ScalerState] = {}
-        self._planner = PlannerState()
-        self._backoff: dict[str, Backoff] = {}
-        self._failed_seen: set[str] = set()  # failed replicas already reported (and backed off)
-        self._preempted_seen: set[str] = set()  # interrupted nodes already reported
-        self._draining: dict[str, _Draining] = {}
+        for task in getattr(self, "_stops", {}).values():
+            task.cancel()
+        self._state = LoopState()
+        self._outcomes: list[Outcome] = []  # refusals seen while acting, for the next decision
+        self._stops: dict[str, asyncio.Task[None]] = {}  # replica id -> its stop_replica under way
         self._members = MemberPublisher(self._store, self.settings.member_ttl_s)
         self._offerings: dict[str, tuple[float, list[Offering]]] = {}
         self._events: tuple[Event, ...] = ()
-        self._unschedulable: dict[str, str] = {}
         self._cost_total = 0.0
         self._cost_rate = 0.0
         self._last_tick: float | None = None
@@ -198,7 +164,7 @@ class Autoscaler:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        stopping = [e.task for e in self._draining.values() if e.task is not None and not e.task.done()]
+        stopping = [task for task in self._stops.values() if not task.done()]
         if stopping:  # replicas already told to stop: give them a moment, the rest finish on their own
             _, pending = await asyncio.wait(stopping, timeout=self.settings.stop_wait_s)
             for task in pending:
@@ -280,24 +246,25 @@ class Autoscaler:
 
     async def _lead(self, events: list[Event]) -> TickReport:
         self._members.new_tick()
-        tick = await self._take_stock(events)
-        read = await read_gateway_totals(self._store, tick.wall, self.settings.observation_max_age_s, self._skipped)
-        decisions, observations = self._decide_models(tick, read.totals)
-        actions: list[NodeAction] = []
-        just_started: set[str] = set()
-        if tick.fleet.unreachable_pools:
-            log.warning("not planning: pools %s could not be listed", ", ".join(tick.fleet.unreachable_pools))
-        else:
-            actions = await self._plan(tick, decisions)
-            just_started = await self._act(tick, actions)
-        await self._members.publish(tick.fleet, tick.pool_of, just_started=just_started, stopped=tick.stopped,
-                                    draining=self._draining)
+        inputs = await self._gather(events)
+        tick = decide(self._spec, self._state, inputs)
+        self._state = tick.state
+        self._cancel_forgotten_stops()
+        for event in tick.events:
+            self._log_event(event)
+        events.extend(tick.events)
+        if not tick.planned:
+            log.warning("not planning: pools %s could not be listed", ", ".join(inputs.fleet.unreachable_pools))
+        just_started = await self._act(tick, inputs, events)
+        await self._members.publish(inputs.fleet, pools_of(inputs.fleet.nodes), just_started=just_started,
+                                    stopped=tick.stopped, draining=self._state.draining)
         self._events = append_events(self._events, events)
-        await self._write_status(tick.fleet, decisions, observations, tick.now, tick.wall)
-        return TickReport(leader=True, actions=tuple(actions), decisions=decisions, events=tuple(events))
+        await self._write_status(inputs.fleet, tick, inputs.now, inputs.wall)
+        return TickReport(leader=True, actions=tick.actions, decisions=tick.decisions, events=tuple(events))
 
-    async def _take_stock(self, events: list[Event]) -> _Tick:
-        """Reconcile: what runs now, after repairing claims, retiring failed replicas and ending drains."""
+    async def _gather(self, events: list[Event]) -> TickInputs:
+        """Everything the decision looks at: the reconciled fleet (claims repaired), gateway totals, offerings
+        (only when every pool was listed: nothing is planned otherwise) and what became of the last actions."""
         now, wall = self._clock.now(), self._clock.wall()
         snapshot = self._snapshots.current
         self._ensure_providers(snapshot, events)
@@ -305,144 +272,93 @@ class Autoscaler:
             await self._resume_status()
         fleet = await self._reconciler.reconcile()
         events.extend(fleet.events)
-        for exc in fleet.insufficient:
-            self._planner = note_insufficient_capacity(self._planner, exc.offering, wall,
-                                                       self.settings.planner.ice_ttl_s)
-        pool_of = pools_of(fleet.nodes)
-        await self._handle_failed(fleet, pool_of, now, events)
-        stopped = await self._finish_drains(now, events)  # may still be in this tick's listing: skip them
         if self._fresh_term:
             await self._members.drop_stale(fleet, self._providers)
             self._fresh_term = False
-        return _Tick(snapshot, fleet, pool_of, stopped, now, wall, events)
+        read = await read_gateway_totals(self._store, wall, self.settings.observation_max_age_s, self._skipped)
+        offerings = () if fleet.unreachable_pools else tuple(await self._all_offerings(now, events))
+        return TickInputs(snapshot, fleet, read.totals, offerings, now, wall, self._take_outcomes())
 
-    def _decide_models(self, tick: _Tick, totals: Mapping[str, GatewayTotals],
-                         ) -> tuple[dict[str, ReplicaDecision], dict[str, ModelObservation]]:
-        """`decide_replicas` for every autoscaled model; an event for each count that changed."""
-        pending_by_model = pending_claims_by_model(tick.fleet.nodes, tick.fleet.claims.values())
-        draining = frozenset(self._draining)
-        decisions: dict[str, ReplicaDecision] = {}
-        observations: dict[str, ModelObservation] = {}
-        for name in autoscaled_models(tick.snapshot):
-            doc = tick.snapshot.models[name]
-            obs = model_observation(name, totals.get(name), tick.fleet.replicas, draining,
-                                    pending_by_model.get(name, 0))
-            spec = ScalerSpec.of(doc, cold_start_s(tick.snapshot, doc))
-            previous = self._scaler.get(name)
-            self._scaler[name], decision = decide_replicas(spec, previous or ScalerState(), obs, tick.now)
-            decisions[name], observations[name] = decision, obs
-            before = (previous.desired if previous is not None and previous.desired is not None
-                      else obs.ready_replicas + obs.starting_replicas)
-            if decision.desired != before:
-                kind = EventKind.SCALE_UP if decision.desired > before else EventKind.SCALE_DOWN
-                tick.events.append(self._event(name, kind, f"{before} -> {decision.desired}: {decision.reason}"))
-        return decisions, observations
+    def _take_outcomes(self) -> tuple[Outcome, ...]:
+        """What the last tick's actions came to: refusals seen while acting, and stops that ended since."""
+        outcomes, self._outcomes = self._outcomes, []
+        for replica_id, task in sorted(self._stops.items()):
+            if not task.done():
+                continue
+            del self._stops[replica_id]
+            error = "cancelled" if task.cancelled() else task.exception()
+            outcomes.append(StopEnded(replica_id, None if error is None else str(error)))
+        return tuple(outcomes)
 
-    async def _plan(self, tick: _Tick, decisions: Mapping[str, ReplicaDecision]) -> list[NodeAction]:
-        """`plan_nodes` over the whole fleet; draining and just-stopped replicas are left out of its view."""
-        fleet = tick.fleet
-        inputs = PlannerInputs(
-            snapshot=tick.snapshot, desired={name: d.desired for name, d in decisions.items()},
-            nodes=fleet.nodes,
-            replicas=tuple(r for r in fleet.replicas
-                           if r.id not in self._draining and r.id not in tick.stopped
-                           and r.state in (ReplicaState.STARTING, ReplicaState.READY)),
-            offerings=tuple(await self._all_offerings(tick.now, tick.events)),
-            claims=tuple(r.claim for r in fleet.claims.values() if r.node_id not in tick.pool_of),
-            settings=self.settings.planner, id_prefix=self.id_prefix)
-        self._planner, actions = plan_nodes(inputs, self._planner, tick.wall)
-        unschedulable = {a.model for a in actions if isinstance(a, Unschedulable)}
-        self._unschedulable = {m: r for m, r in self._unschedulable.items() if m in unschedulable}
-        return actions
+    def _cancel_forgotten_stops(self) -> None:
+        """A stop under way for a replica whose drain the decision dropped (it failed, its node is going)."""
+        for replica_id in [r for r in self._stops if r not in self._state.draining]:
+            self._stops.pop(replica_id).cancel()
 
-    async def _act(self, tick: _Tick, actions: list[NodeAction]) -> set[str]:
-        """Perform the planner's actions in order; returns the ids of the replicas started."""
+    async def _act(self, tick: Tick, inputs: TickInputs, events: list[Event]) -> set[str]:
+        """Perform the decision's actions in order; returns the ids of the replicas started."""
         just_started: set[str] = set()
-        renewed_at = tick.now
-        for action in actions:
+        renewed_at = inputs.now
+        for index, action in enumerate(tick.actions):
             if self._clock.now() - renewed_at >= self.settings.lease_ttl_s / 3:
                 # Slow provider calls: renew before acting further, and stop acting if another
                 # autoscaler took over meanwhile (two leaders must never buy at once).
                 if not await self._store.acquire_lease(LEASE_NAME, self.holder, self.settings.lease_ttl_s):
                     log.warning("lease lost during a tick; %d action(s) left to the new leader",
-                                len(actions) - actions.index(action))
+                                len(tick.actions) - index)
                     break
                 renewed_at = self._clock.now()
-            started = await self._perform(action, tick.snapshot, tick.fleet, tick.now, tick.wall, tick.events,
-                                          tick.stopped)
+            started = await self._perform(action, inputs, events)
             if started is not None:
                 just_started.add(started)
         return just_started
 
     # -- actions ---------------------------------------------------------------------------------
 
-    async def _perform(self, action: NodeAction, snapshot: Snapshot, fleet: Fleet, now: float, wall: float,
-                       events: list[Event], stopped: set[str]) -> str | None:
-        """Perform one planner action; returns the id of a replica it started, if any."""
-        if isinstance(action, CreateNode):
-            model = action.claim.model or ""
-            backoff = self._backoff.get(model, Backoff())
-            if action.boots_replica and not backoff.may_start(now):
-                return None  # buying it starts a replica, and this model's starts are backed off
+    async def _perform(self, action: Action, inputs: TickInputs, events: list[Event]) -> str | None:
+        """Perform one action; returns the id of a replica it started, if any. Refusals become outcomes."""
+        fleet = inputs.fleet
+        if isinstance(action, Retire):
+            await self._members.retire(retired_record(action.replica, action.pool))
+        elif isinstance(action, Unpublish):
+            await self._members.unpublish(action.replica_id)
+        elif isinstance(action, BeginStop):
+            self._stops[action.replica_id] = asyncio.create_task(
+                self._providers[action.pool].stop_replica(action.replica_id, self.settings.drain_timeout_s),
+                name=f"kvgate-stop-{action.replica_id}")  # beside the loop: a 30 s drain must not freeze scaling
+        elif isinstance(action, CleanUp):
+            try:
+                await self._providers[action.pool].stop_replica(action.replica_id, 0.0)
+            except ProviderError as exc:
+                events.append(self._event(action.model, EventKind.PROVIDER_ERROR,
+                                          f"clean up failed replica {action.replica_id}: {exc}"))
+        elif isinstance(action, CreateNode):
             result = await self._reconciler.create_node(action.claim)
             events.extend(result.events)
-            if result.insufficient is not None:
-                self._planner = note_insufficient_capacity(self._planner, result.insufficient.offering, wall,
-                                                           self.settings.planner.ice_ttl_s)
-            elif action.boots_replica and result.error is not None and not result.error.retryable:
-                # Refused for good (a launch EC2 will never accept): back off as for a failed start, or the
-                # planner asks for the same node again every tick.
-                self._backoff[model] = backoff.after_failure(now, self.settings.backoff_base_s,
-                                                             self.settings.backoff_max_s)
+            refused = result.insufficient.offering if result.insufficient is not None else None
+            if refused is not None or result.error is not None:
+                self._outcomes.append(CreateRefused(
+                    action.claim.model or "", action.boots_replica, inputs.now, inputs.wall, refused,
+                    result.error.retryable if result.error is not None else True))
         elif isinstance(action, DeleteNode):
-            node = next((n for n in fleet.nodes if n.id == action.node_id), None)
-            if node is not None and node.state is not NodeState.INTERRUPTED and any(
-                    entry.replica.node_id == node.id for entry in self._draining.values()):
-                # The planner does not see draining replicas, so the node looks empty; deleting it
-                # would cut their in-flight requests. It asks again next tick, after the drain.
-                return None
-            for replica in fleet.replicas:
-                if replica.node_id != action.node_id:
-                    continue
-                if replica.state in (ReplicaState.STARTING, ReplicaState.READY) and replica.id not in stopped:
-                    # FAILED ones were retired by _handle_failed; stopped ones were drained first.
-                    await self._members.retire(retired_record(replica, node.pool if node is not None else None))
-                self._forget_drain(replica.id)
             try:
                 events.extend(await self._reconciler.delete_node(action.node_id, fleet, action.reason))
             except ProviderError as exc:  # the claim stays DELETING; reconcile re-drives it
                 events.append(self._event(None, EventKind.PROVIDER_ERROR, f"delete {action.node_id}: {exc}"))
         elif isinstance(action, StartReplica):
-            return await self._start_replica(action, snapshot, fleet, now, events)
-        elif isinstance(action, StopReplica):
-            replica = next((r for r in fleet.replicas if r.id == action.replica_id), None)
-            pool = next((n.pool for n in fleet.nodes if n.id == action.node_id), None)
-            if replica is not None and pool is not None and replica.id not in self._draining:
-                self._draining[replica.id] = _Draining(replica, pool, now + self.settings.drain_notice_s)
-                events.append(self._event(action.model, EventKind.REPLICA_DRAIN,
-                                          f"draining {replica.id}: {action.reason}"))
-        elif isinstance(action, Unschedulable):
-            if self._unschedulable.get(action.model) != action.reason:
-                self._unschedulable[action.model] = action.reason
-                events.append(self._event(action.model, EventKind.INSUFFICIENT_CAPACITY,
-                                          f"{action.replicas} replica(s) fit nowhere: {action.reason}"))
+            return await self._start_replica(action, inputs, events)
         return None
 
-    async def _start_replica(self, action: StartReplica, snapshot: Snapshot, fleet: Fleet, now: float,
-                             events: list[Event]) -> str | None:
-        backoff = self._backoff.get(action.model, Backoff())
-        if not backoff.may_start(now) or action.model not in snapshot.models:
-            return None  # backing off after failures (the status record's reason says so)
-        node = next((n for n in fleet.nodes if n.id == action.node_id), None)
+    async def _start_replica(self, action: StartReplica, inputs: TickInputs, events: list[Event]) -> str | None:
+        node = next((n for n in inputs.fleet.nodes if n.id == action.node_id), None)
         if node is None:
             return None
+        snapshot = inputs.snapshot
         spec = replica_spec_for(snapshot.models[action.model], snapshot.adapters_of(action.model))
         try:
             handle = await self._providers[node.pool].start_replica(node.id, spec, action.replica_id)
         except ProviderError as exc:
-            if not exc.retryable:
-                self._backoff[action.model] = backoff.after_failure(now, self.settings.backoff_base_s,
-                                                                    self.settings.backoff_max_s)
+            self._outcomes.append(StartRefused(action.model, exc.retryable, inputs.now))
             events.append(self._event(action.model, EventKind.REPLICA_FAILED,
                                       f"start {action.replica_id} on {node.id}: {exc}"))
             return None
@@ -452,71 +368,6 @@ class Autoscaler:
         if record is not None:
             await self._members.put(record)
         return handle.id
-
-    async def _handle_failed(self, fleet: Fleet, pool_of: Mapping[str, str], now: float,
-                             events: list[Event]) -> None:
-        self._failed_seen &= {r.id for r in fleet.replicas}
-        interrupted = {n.id for n in fleet.nodes if n.state is NodeState.INTERRUPTED}
-        self._preempted_seen &= interrupted
-        for node in fleet.nodes:
-            if node.id in interrupted and node.id not in self._preempted_seen:
-                self._preempted_seen.add(node.id)
-                events.append(self._event(node.model, EventKind.PREEMPTED,
-                                          f"node {node.id} ({node.instance_type}, {node.capacity_type.value}): "
-                                          f"{node.reason or 'interrupted'}"))
-        for replica in fleet.replicas:
-            if replica.state is ReplicaState.READY:
-                self._backoff.pop(replica.model, None)
-            if replica.state is not ReplicaState.FAILED or replica.id in self._failed_seen:
-                continue
-            self._failed_seen.add(replica.id)  # pruned below once the provider stops listing it
-            await self._members.retire(retired_record(replica, pool_of.get(replica.node_id)))
-            self._forget_drain(replica.id)
-            if replica.node_id in interrupted:
-                continue  # the node was preempted: not the replica's fault, no back-off
-            backoff = self._backoff.get(replica.model, Backoff()).after_failure(
-                now, self.settings.backoff_base_s, self.settings.backoff_max_s)
-            self._backoff[replica.model] = backoff
-            events.append(self._event(replica.model, EventKind.REPLICA_FAILED,
-                                      f"{replica.id} failed: {replica.reason or 'no reason given'}; "
-                                      f"next start in {backoff.retry_at - now:.0f}s"))
-            pool = pool_of.get(replica.node_id)
-            if pool is not None:
-                try:
-                    await self._providers[pool].stop_replica(replica.id, 0.0)
-                except ProviderError as exc:
-                    events.append(self._event(replica.model, EventKind.PROVIDER_ERROR,
-                                              f"clean up failed replica {replica.id}: {exc}"))
-
-    async def _finish_drains(self, now: float, events: list[Event]) -> set[str]:
-        """Start `stop_replica` for replicas whose drain notice is over, and collect finished stops;
-        returns the ids stopped since the last tick. A failed stop is retried next tick."""
-        stopped = set()
-        for replica_id, entry in sorted(self._draining.items()):
-            if entry.task is None:
-                if now >= entry.stop_at:
-                    entry.task = asyncio.create_task(
-                        self._providers[entry.pool].stop_replica(replica_id, self.settings.drain_timeout_s),
-                        name=f"kvgate-stop-{replica_id}")
-                continue
-            if not entry.task.done():
-                continue
-            error = entry.task.exception() if not entry.task.cancelled() else None
-            if entry.task.cancelled() or error is not None:
-                entry.task = None
-                events.append(self._event(entry.replica.model, EventKind.PROVIDER_ERROR,
-                                          f"stop {replica_id}: {error or 'cancelled'}; retrying"))
-                continue
-            del self._draining[replica_id]
-            stopped.add(replica_id)
-            await self._members.unpublish(replica_id)
-            events.append(self._event(entry.replica.model, EventKind.REPLICA_STOP, f"stopped {replica_id}"))
-        return stopped
-
-    def _forget_drain(self, replica_id: str) -> None:
-        entry = self._draining.pop(replica_id, None)
-        if entry is not None and entry.task is not None:
-            entry.task.cancel()
 
     # -- publishing ------------------------------------------------------------------------------
 
@@ -530,18 +381,17 @@ class Autoscaler:
         if previous is not None:
             self._cost_total, self._events = previous.cost_usd_total, previous.events
 
-    async def _write_status(self, fleet: Fleet, decisions: Mapping[str, ReplicaDecision],
-                            observations: Mapping, now: float, wall: float) -> None:
+    async def _write_status(self, fleet: Fleet, tick: Tick, now: float, wall: float) -> None:
         if self._last_tick is not None:
             self._cost_total = accrue_cost(self._cost_total, self._cost_rate, now - self._last_tick)
         self._last_tick = now
         nodes = node_statuses(fleet.nodes, fleet.replicas)
         self._cost_rate = cost_per_hour(nodes)
         models = {}
-        for name, decision in decisions.items():
-            obs = observations[name]
+        for name, decision in tick.decisions.items():
+            obs = tick.observations[name]
             reason = decision.reason
-            backoff = self._backoff.get(name)
+            backoff = self._state.backoff.get(name)
             if backoff is not None and not backoff.may_start(now):
                 reason += f"; starts backed off {backoff.retry_at - now:.0f}s after {backoff.failures} failure(s)"
             models[name] = ModelStatus(desired=decision.desired, ready=obs.ready_replicas,
@@ -589,5 +439,9 @@ class Autoscaler:
             return "unknown"
 
     def _event(self, model: str | None, kind: EventKind, message: str) -> Event:
-        log.info("%s%s: %s", f"{model}: " if model else "", kind.value, message)
-        return Event(self._clock.wall(), model, kind, message)
+        return self._log_event(Event(self._clock.wall(), model, kind, message))
+
+    @staticmethod
+    def _log_event(event: Event) -> Event:
+        log.info("%s%s: %s", f"{event.model}: " if event.model else "", event.kind.value, event.message)
+        return event

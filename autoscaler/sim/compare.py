@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from kvgate.autoscaler.fleet import cold_start_s
 from kvgate.autoscaler.scaler import ScalerSpec
 from kvgate.autoscaler.work import ReplicaCapacity
 from kvgate.autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
@@ -135,7 +136,9 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     bench = _Bench(warm_trace, base, model.spec.scaling, scenario, warmup_s, node_planning(snapshot, model_name))
     oracle_result, need, oracle_rule = _search_oracle(bench)
     fleet = bench.fleet_for(need)
-    runners = _runners(bench, ScalerSpec(kvgate_knobs, bench.cold_start_s, capacity=ReplicaCapacity.of(model)), need)
+    # kvgate's replica step is the live loop's (`decide.kvgate_replicas`), with the overrides, if any.
+    live_cold_start_s = cold_start_s(snapshot, model)
+    runners = _runners(bench, ScalerSpec(kvgate_knobs, live_cold_start_s, capacity=ReplicaCapacity.of(model)), need)
     results = [oracle_result if name == "oracle" else bench.run(fleet, runners[name]) for name in policies]
     return Comparison(warm_trace.name, model_name, tuple(results),
                       tuple(summarize(r, base.ttft_slo_s) for r in results), oracle_rule, bench.cold_start_s,

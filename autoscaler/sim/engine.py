@@ -9,12 +9,16 @@ about a second. Events, in time order (ties in the order they were scheduled):
 - a replica started at t becomes ready at t + cold start (node boot + model load);
 - a spot replica may be interrupted (seeded exponential lifetimes): it is gone at once, its requests
   that had no first token yet go back to the head of the queue, and the policy sees one replica fewer;
-- every `policy.tick_s` the policy observes (the same `ModelObservation` the live loop builds) and
-  returns a desired count; the fleet is moved toward it: draining replicas are taken back first, then
-  new ones started (on-demand up to the model's on-demand base, spot beyond it where allowed, the
-  cheapest available placement, on-demand when spot is stocked out); when shrinking, starting replicas
-  are cancelled first, then the ready ones with the fewest requests drain (no request is dropped).
-  With `FleetSetup.nodes` set, the live node planner places them instead, on simulated nodes (`nodes.py`).
+- every `policy.tick_s` the autoscaler ticks. With `FleetSetup.nodes` set (every `kvgate sim` run), that
+  is the live loop's own decision, `autoscaler.decide.decide`, over the sim's nodes and replicas listed as a
+  provider lists them, with the policy as its replica step: drains (routers see DRAINING, the stop comes
+  `drain_notice_s` later and lets in-flight requests finish, up to `drain_timeout_s`), start back-off after
+  failed starts (`Scenario.start_failure_rate`), failure handling and the node planner are the live ones
+  (`nodes.py` says how each action is performed). Without nodes (the service model's own tests), the
+  policy's count is applied directly: draining replicas are taken back first, then new ones started
+  (on-demand up to the model's on-demand base, spot beyond it where allowed, the cheapest available
+  placement, on-demand when spot is stocked out); when shrinking, starting replicas are cancelled first,
+  then the ready ones with the fewest requests drain (no request is dropped).
 
 GPU time is charged from a replica's start (a node is bought) to its release; a run ends
 `tail_s` after the last arrival, and requests without a first token by then count as SLO misses.
@@ -31,24 +35,24 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvgate.autoscaler.planner import (CreateNode, DeleteNode, PlannerInputs, PlannerState, StartReplica, StopReplica,
-                                note_insufficient_capacity, plan_nodes)
-from kvgate.autoscaler.scaler import ModelObservation
+from kvgate.autoscaler.decide import (BeginStop, CleanUp, CreateRefused, LoopState, Outcome, StopEnded, TickInputs,
+                                      decide)
+from kvgate.autoscaler.observe import GatewayTotals
+from kvgate.autoscaler.planner import (CreateNode, DeleteNode, PlannerInputs, PlannerState, StartReplica,
+                                       plan_nodes)
+from kvgate.autoscaler.reconciler import Fleet
+from kvgate.autoscaler.scaler import ModelObservation, ReplicaDecision
 from kvgate.autoscaler.sim.nodes import NodePlanning, SimNode
 from kvgate.autoscaler.sim.service import Placement, choose_placement
 from kvgate.autoscaler.sim.traces import Trace
 from kvgate.providers.base import NodeState, ReplicaHandle, ReplicaState
 from kvgate.registry.schema import CapacityType
+from kvgate.registry.snapshot import Snapshot
 
 # Event kinds, in the order they run when due at the same instant (frees before starts before ticks).
-_FREE, _READY, _NODE_UP, _PREEMPT, _NODE_PREEMPT, _TICK = 0, 1, 2, 3, 4, 5
+_FREE, _READY, _NODE_UP, _PREEMPT, _NODE_PREEMPT, _STOP_DEADLINE, _TICK = range(7)
 # The gateway reports arrivals per second over this many seconds (router/observe does the same).
 _RATE_WINDOW_S = 10
-# With node planning, the planner runs at a tick when anything it sees changed (the desired count, a
-# node or replica state), and at least this often otherwise (time alone moves the empty-node grace,
-# the ICE cache and consolidation): identical ticks in between would return nothing new, and skipping
-# them keeps the replay fast.
-_PLAN_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,22 @@ class Policy(Protocol):
 
 
 @dataclass(frozen=True)
+class PolicyStep:
+    """A sim `Policy` as the live decision's replica step (`decide.ReplicaStep`), its count held to the fleet's
+    limits."""
+
+    policy: Policy
+    min_replicas: int
+    max_replicas: int
+
+    def __call__(self, snapshot: Snapshot, model: str, state: Any, obs: ModelObservation,
+                 now: float) -> tuple[Any, ReplicaDecision]:
+        state, decision = self.policy.decide(self.policy.initial_state() if state is None else state, obs, now)
+        desired = min(self.max_replicas, max(self.min_replicas, decision.desired))
+        return state, ReplicaDecision(desired, decision.panic, decision.forecast_rps, decision.reason)
+
+
+@dataclass(frozen=True)
 class Stockout:
     """Placements whose key starts with `key_prefix` (pool/instance_type/capacity) sell nothing in [start_s, end_s)."""
 
@@ -81,12 +101,12 @@ class Stockout:
 
 @dataclass(frozen=True)
 class Scenario:
-    """What the world does to the fleet: spot interruptions and stockouts. Seeded, so runs repeat."""
+    """What the world does to the fleet: spot interruptions, stockouts, failed starts. Seeded, so runs repeat."""
 
     spot_interruptions_per_hour: float = 0.0  # per spot replica, or per spot node where nodes are planned (kvgate)
     stockouts: tuple[Stockout, ...] = ()
+    start_failure_rate: float = 0.0  # the share of replica starts that fail at the end of the model load (nodes only)
     seed: int = 0
-
 
 @dataclass(frozen=True)
 class FleetSetup:
@@ -136,7 +156,9 @@ class _Replica:
     placement: Placement
     started_at: float
     ready_at: float
-    state: str = "starting"  # starting | ready | draining | gone
+    state: str = "starting"  # starting | ready | failed | gone
+    draining: bool = False  # routers send it nothing new
+    stop_by: float | None = None  # told to stop (nodes only): gone once idle, or at this deadline whatever it holds
     in_flight: set[int] = field(default_factory=set)
     prefill_free_at: float = 0.0
     max_batch: int = 0  # copied from the placement's service model: read on every dispatch
@@ -177,9 +199,8 @@ class _Run:
         self.node_serials: dict[int, SimNode] = {}
         self.next_node = 0
         self.by_handle: dict[str, _Replica] = {}
-        self.planner = PlannerState()
-        self.planned: tuple[float, int] | None = None  # (when, desired) of the last planner tick
-        self.fleet_changed = True
+        self.loop = LoopState()  # the live decision's state (nodes only)
+        self.outcomes: list[Outcome] = []  # what the last tick's actions came to, for the next decision
         self.placement_of = {p.key: p for p in fleet.placements}
         self.policy_state: Any = policy.initial_state()
         self.last_desired: int | None = None  # the count of the last tick, to count scaling actions
@@ -216,8 +237,7 @@ class _Run:
     def open_fleet(self) -> None:
         """The run's opening fleet, ready at t=0 (`FleetSetup.initial_replicas`)."""
         if self.fleet.nodes is not None:
-            self.plan(0.0, self.fleet.initial_replicas, warm=True)  # buys the nodes, RUNNING at once
-            self.plan(0.0, self.fleet.initial_replicas, warm=True)  # starts the replicas, ready at once
+            self.open_nodes(self.fleet.initial_replicas)
         else:
             for _ in range(self.fleet.initial_replicas):
                 self.start_replica(0.0, warm=True)
@@ -234,27 +254,30 @@ class _Run:
             node = self.node_serials.get(a)
             if node is not None and node.state is NodeState.PENDING:
                 node.state = NodeState.RUNNING
-                self.fleet_changed = True
         elif kind == _NODE_PREEMPT:
             self.preempt_node(now, a)
+        elif kind == _STOP_DEADLINE:
+            replica = self.replicas.get(a)
+            if replica is not None and replica.stop_by is not None:
+                self.end_stop(now, replica)
         else:
             self.tick(now)
 
     def tick(self, now: float) -> None:
-        """The policy observes and decides; the fleet is moved toward its count; the next tick is due."""
-        self.policy_state, decision = self.policy.decide(self.policy_state, self.observe(now), now)
-        desired = min(self.fleet.max_replicas, max(self.fleet.min_replicas, decision.desired))
+        """The autoscaler ticks (module docstring); the next tick is due."""
+        if self.fleet.nodes is not None:
+            desired, obs, panic = self.decide(now)
+        else:
+            obs = self.observe(now)
+            self.policy_state, decision = self.policy.decide(self.policy_state, obs, now)
+            desired, panic = min(self.fleet.max_replicas, max(self.fleet.min_replicas, decision.desired)), decision.panic
+            self.scale_to(now, desired)
         if self.last_desired is not None and desired != self.last_desired and now >= self.score_from:
             self.actions += 1
         self.last_desired = desired
-        if self.fleet.nodes is not None:
-            if (self.fleet_changed or self.planned is None or self.planned[1] != desired
-                    or now - self.planned[0] >= _PLAN_EVERY_S):
-                self.plan(now, desired)
-        else:
-            self.scale_to(now, desired)
         if now >= self.score_from:
-            self.record(now, desired, decision.panic)
+            self.timeline.append(TimelinePoint(now - self.score_from, obs.arrivals_per_s, obs.ongoing, obs.ready_replicas,
+                                               obs.ready_replicas + obs.starting_replicas, desired, panic))
         self.push(now + self.policy.tick_s, _TICK)
 
     def close(self) -> RunResult:
@@ -272,7 +295,7 @@ class _Run:
     def dispatch(self, now: float) -> None:
         while self.queue:
             if self.ready is None:  # rebuilt only after a replica changed state: rare next to requests
-                self.ready = [r for r in self.replicas.values() if r.state == "ready"]
+                self.ready = [r for r in self.replicas.values() if r.state == "ready" and not r.draining]
             best: _Replica | None = None
             best_free_at = math.inf
             for replica in self.ready:
@@ -298,10 +321,12 @@ class _Run:
         if replica is None or index not in replica.in_flight:
             return
         replica.in_flight.discard(index)
-        if replica.state == "draining" and not replica.in_flight:
-            self.release(now, replica)
-        else:
+        if replica.in_flight or not replica.draining:
             self.dispatch(now)
+        elif replica.stop_by is not None:
+            self.end_stop(now, replica)
+        elif self.fleet.nodes is None:  # without nodes a drained replica is released at once
+            self.release(now, replica)
 
     def preempt(self, now: float, replica_id: int) -> None:
         replica = self.replicas.get(replica_id)
@@ -356,12 +381,15 @@ class _Run:
 
     def become_ready(self, now: float, replica_id: int) -> None:
         replica = self.replicas.get(replica_id)
-        if replica is not None and replica.state == "starting":  # not cancelled or preempted meanwhile
-            replica.state = "ready"
-            self.ready = None
-            replica.prefill_free_at = now
-            self.fleet_changed = True
-            self.dispatch(now)
+        if replica is None or replica.state != "starting":  # cancelled or preempted meanwhile
+            return
+        if replica.node is not None and self.rng.random() < self.scenario.start_failure_rate:
+            replica.state = "failed"  # listed FAILED: the decision retires it and backs the model's starts off
+            return
+        replica.state = "ready"
+        self.ready = None
+        replica.prefill_free_at = now
+        self.dispatch(now)
 
     def release(self, now: float, replica: _Replica) -> None:
         if replica.node is None:  # with node planning the node is charged instead (release_node)
@@ -372,18 +400,18 @@ class _Run:
             replica.node.replicas.discard(replica.id)
             self.by_handle.pop(replica.handle, None)
         replica.state = "gone"
-        self.fleet_changed = True
         del self.replicas[replica.id]
         self.ready = None
 
     def scale_to(self, now: float, desired: int) -> None:
-        live = [r for r in self.replicas.values() if r.state in ("starting", "ready")]
+        """Without nodes: move the fleet to `desired` replicas directly (module docstring)."""
+        live = [r for r in self.replicas.values() if not r.draining]
         missing = desired - len(live)
         if missing > 0:
             # Taking back a draining replica is instant capacity; the busiest one has the warmest cache.
-            for replica in sorted((r for r in self.replicas.values() if r.state == "draining"),
+            for replica in sorted((r for r in self.replicas.values() if r.draining),
                                   key=lambda r: -len(r.in_flight))[:missing]:
-                replica.state = "ready"
+                replica.draining = False
                 self.ready = None
                 missing -= 1
             while missing > 0 and self.start_replica(now):
@@ -395,16 +423,12 @@ class _Run:
             ready = sorted((r for r in live if r.state == "ready"),
                            key=lambda r: (r.placement.capacity_type is CapacityType.ON_DEMAND, len(r.in_flight)))
             for replica in (starting + ready)[:-missing]:
-                self.stop(now, replica)
+                if replica.state == "starting" or not replica.in_flight:
+                    self.release(now, replica)
+                else:
+                    replica.draining = True
+                    self.ready = None
         self.settle(now)
-
-    def stop(self, now: float, replica: _Replica) -> None:
-        """Cancel a replica still starting or idle; else let it drain its in-flight requests."""
-        if replica.state == "starting" or not replica.in_flight:
-            self.release(now, replica)
-        else:
-            replica.state = "draining"
-            self.ready = None
 
     def settle(self, now: float) -> None:
         """After a scaling step: note the peak (once scoring started) and hand out queued requests."""
@@ -412,39 +436,82 @@ class _Run:
             self.peak = max(self.peak, len(self.replicas))
         self.dispatch(now)
 
-    # ---------------------------------------------------------------------- nodes (the live planner)
+    # ------------------------------------------------------------------- nodes (the live decision)
 
-    def plan(self, now: float, desired: int, *, warm: bool = False) -> None:
-        """One `plan_nodes` tick over the sim's nodes and replicas, and its actions performed.
-
-        Draining replicas are left out of the planner's input, as the live loop leaves them out.
-        `warm`: bought nodes are RUNNING and started replicas ready at once (the run's opening fleet).
-        """
+    def open_nodes(self, desired: int) -> None:
+        """The opening fleet, warm: the planner buys nodes RUNNING at once, then starts replicas ready at once."""
         setup = self.fleet.nodes
         assert setup is not None
-        replicas = tuple(ReplicaHandle(r.handle, self.fleet.model, r.node.id, "", None,
-                                       ReplicaState.READY if r.state == "ready" else ReplicaState.STARTING,
-                                       r.started_at)
-                         for r in self.replicas.values() if r.node is not None and r.state in ("starting", "ready"))
-        inputs = PlannerInputs(setup.snapshot, {self.fleet.model: desired},
-                               tuple(n.as_node() for n in self.nodes.values()), replicas, setup.offerings,
-                               settings=setup.settings, id_prefix="sim")
-        self.planner, actions = plan_nodes(inputs, self.planner, now)
-        self.planned, self.fleet_changed = (now, desired), False
-        for action in actions:
-            if isinstance(action, CreateNode):
-                self.create_node(now, action, warm)
-            elif isinstance(action, DeleteNode):
-                node = self.nodes.get(action.node_id)
-                if node is not None:
-                    self.release_node(now, node)
-            elif isinstance(action, StartReplica):
-                self.start_on_node(now, action, warm)
-            elif isinstance(action, StopReplica):
-                replica = self.by_handle.get(action.replica_id)
-                if replica is not None:
-                    self.stop(now, replica)
+        planner = PlannerState()
+        for _ in range(2):  # the first round buys the nodes, the second starts the replicas on them
+            inputs = PlannerInputs(self.snapshot(), {self.fleet.model: desired}, tuple(n.as_node() for n in self.nodes.values()),
+                                   self.listing().replicas, setup.offerings, settings=setup.settings, id_prefix="sim")
+            planner, actions = plan_nodes(inputs, planner, 0.0)
+            for action in actions:
+                if isinstance(action, CreateNode):
+                    self.create_node(0.0, action, warm=True)
+                elif isinstance(action, StartReplica):
+                    self.start_on_node(0.0, action, warm=True)
+        self.loop = LoopState(planner=planner)
+        self.settle(0.0)
+
+    def snapshot(self) -> Snapshot:
+        setup = self.fleet.nodes
+        assert setup is not None
+        return setup.snapshot
+
+    def decide(self, now: float) -> tuple[int, ModelObservation, bool]:
+        """One tick of the live decision over the sim's fleet, its actions performed; returns the count, the
+        observation and whether it panicked."""
+        setup = self.fleet.nodes
+        assert setup is not None
+        inputs = TickInputs(setup.snapshot, self.listing(), {self.fleet.model: self.totals(now)}, setup.offerings,
+                            now, now, tuple(self.outcomes))
+        self.outcomes = []
+        tick = decide(setup.decide_spec(PolicyStep(self.policy, self.fleet.min_replicas, self.fleet.max_replicas)),
+                      self.loop, inputs)
+        self.loop = tick.state
+        for replica_id in tick.state.draining:
+            replica = self.by_handle.get(replica_id)
+            if replica is not None and not replica.draining:
+                replica.draining = True  # routers see DRAINING at once (a poll's delay is left out)
+                self.ready = None
+        for action in tick.actions:
+            self.perform(now, action)
         self.settle(now)
+        decision = tick.decisions[self.fleet.model]
+        return decision.desired, tick.observations[self.fleet.model], decision.panic
+
+    def perform(self, now: float, action: object) -> None:
+        """One action of the decision, as a provider and the loop's shell would perform it (`nodes.py`)."""
+        if isinstance(action, CreateNode):
+            self.create_node(now, action, warm=False)
+        elif isinstance(action, DeleteNode):
+            node = self.nodes.get(action.node_id)
+            if node is not None:
+                self.release_node(now, node)
+        elif isinstance(action, StartReplica):
+            self.start_on_node(now, action, warm=False)
+        elif isinstance(action, BeginStop):
+            replica = self.by_handle.get(action.replica_id)
+            if replica is None:
+                self.outcomes.append(StopEnded(action.replica_id))
+                return
+            replica.stop_by = now + self.fleet.nodes.drain_timeout_s  # type: ignore[union-attr]
+            if replica.in_flight:
+                self.push(replica.stop_by, _STOP_DEADLINE, replica.id)
+            else:
+                self.end_stop(now, replica)
+        elif isinstance(action, CleanUp):
+            replica = self.by_handle.get(action.replica_id)
+            if replica is not None:
+                self.release(now, replica)
+        # Retire and Unpublish are membership records: routers here see a replica's state at once.
+
+    def end_stop(self, now: float, replica: _Replica) -> None:
+        """A stopped replica is gone: idle, or at its drain timeout (then what it still holds is cut off)."""
+        self.outcomes.append(StopEnded(replica.handle))
+        self.evict(now, replica)
 
     def create_node(self, now: float, action: CreateNode, warm: bool) -> None:
         setup = self.fleet.nodes
@@ -452,9 +519,8 @@ class _Run:
         key = action.claim.offering
         prefix = f"{key.pool}/{key.instance_type}/{key.capacity_type.value}"
         if any(s.start_s <= now < s.end_s and prefix.startswith(s.key_prefix) for s in self.scenario.stockouts):
-            # What the reconciler does when `create` raises InsufficientCapacity.
-            self.planner = note_insufficient_capacity(self.planner, key, now, setup.settings.ice_ttl_s)
-            self.fleet_changed = True  # the next tick's claim goes to the next cheapest offering
+            # What the reconciler reports when `create` raises InsufficientCapacity.
+            self.outcomes.append(CreateRefused(action.claim.model or "", action.boots_replica, now, now, key))
             return
         offering = next(o for o in setup.offerings if o.key == key)
         self.next_node += 1  # serials are never reused: a stale event must not hit a newer node
@@ -485,7 +551,6 @@ class _Run:
         node = self.node_serials.get(serial)
         if node is None or node.id not in self.nodes or node.state is NodeState.INTERRUPTED:
             return
-        self.fleet_changed = True
         node.state = NodeState.INTERRUPTED  # the planner deletes and replaces it on its next tick
         self.preemptions += now >= self.score_from
         for replica_id in sorted(node.replicas):
@@ -502,34 +567,42 @@ class _Run:
         del self.nodes[node.id]
         del self.node_serials[node.serial]
 
+    def listing(self) -> Fleet:
+        """The sim's nodes and replicas as the reconciler lists them (no claim is ever unlisted here: a node
+        is listed, PENDING, from the moment it is bought)."""
+        states = {"starting": ReplicaState.STARTING, "ready": ReplicaState.READY, "failed": ReplicaState.FAILED}
+        replicas = tuple(ReplicaHandle(r.handle, self.fleet.model, r.node.id, "", None, states[r.state], r.started_at)
+                         for r in self.replicas.values() if r.node is not None)
+        return Fleet(tuple(n.as_node() for n in self.nodes.values()), replicas, {})
+
     # ---------------------------------------------------------------------------------- observation
 
-    def observe(self, now: float) -> ModelObservation:
+    def totals(self, now: float) -> GatewayTotals:
+        """What the gateway reports: its queue, requests at replicas, and the last 10 s of arrivals (or the
+        time elapsed when less, as a gateway that just started does)."""
         second = int(now)
-        # Over the last 10 s, or over the time elapsed when less (a gateway that just started does the same).
         span = max(1, min(_RATE_WINDOW_S, second))
         window = self.arrivals_per_second[second - span:second] if second else []
         prompts = self.prompt_tokens_per_second[second - span:second] if second else []
         squares = self.prompt_squares_per_second[second - span:second] if second else []
-        running = sum(len(r.in_flight) for r in self.replicas.values())
         mean = sum(window) / span
+        return GatewayTotals(
+            model=self.fleet.model, queued=len(self.queue), in_flight=sum(len(r.in_flight) for r in self.replicas.values()),
+            arrivals_per_s=mean, ttft_p99_s=None, num_gateways=1, prompt_tokens_per_s=sum(prompts) / span,
+            prompt_tokens_sq_per_s=sum(squares) / span,
+            arrivals_var=sum((n - mean) ** 2 for n in window) / span if window else None)
+
+    def observe(self, now: float) -> ModelObservation:
+        """Without nodes: the observation the policy reads (with nodes, `decide` builds it from `totals`)."""
+        t = self.totals(now)
+        live = [r for r in self.replicas.values() if not r.draining]
         return ModelObservation(
-            model=self.fleet.model, queued_at_gateways=len(self.queue), waiting=0, running=running,
-            arrivals_var=sum((n - mean) ** 2 for n in window) / span if window else None,
-            arrivals_per_s=mean, prompt_tokens_per_s=sum(prompts) / span,
-            prompt_tokens_sq_per_s=sum(squares) / span, ttft_p99_s=None,
-            ready_replicas=sum(1 for r in self.replicas.values() if r.state == "ready"),
-            starting_replicas=sum(1 for r in self.replicas.values() if r.state == "starting") + self.booking())
-
-    def booking(self) -> int:
-        """Replicas bought for nodes still booting (they count as starting, as pending claims do live)."""
-        return sum(max(0, n.planned_replicas - len(n.replicas)) for n in self.nodes.values()
-                   if n.state is NodeState.PENDING)
-
-    def record(self, now: float, desired: int, panic: bool) -> None:
-        obs = self.observe(now)
-        self.timeline.append(TimelinePoint(now - self.score_from, obs.arrivals_per_s, obs.ongoing, obs.ready_replicas,
-                                           obs.ready_replicas + obs.starting_replicas, desired, panic))
+            model=self.fleet.model, queued_at_gateways=t.queued, waiting=0, running=t.in_flight,
+            arrivals_per_s=t.arrivals_per_s, ttft_p99_s=None,
+            ready_replicas=sum(1 for r in live if r.state == "ready"),
+            starting_replicas=sum(1 for r in live if r.state == "starting"),
+            prompt_tokens_per_s=t.prompt_tokens_per_s, prompt_tokens_sq_per_s=t.prompt_tokens_sq_per_s,
+            arrivals_var=t.arrivals_var)
 
 
 def simulate(trace: Trace, fleet: FleetSetup, policy: Policy, scenario: Scenario = Scenario(), *,

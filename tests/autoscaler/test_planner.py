@@ -438,6 +438,18 @@ def test_a_node_released_as_empty_is_not_room_for_a_consolidation_in_the_same_ti
     assert bought(actions) == [("east:l40s-1:on_demand/a", "1")]
 
 
+def test_an_empty_node_is_no_room_for_a_consolidation(tmp_path: Path) -> None:
+    # "b" (l40s-4, $7.00) has just been emptied by a scale-down (its replicas drain, out of the planner's view)
+    # and waits out the empty-node grace; "a" (l40s-4, $7.00, one steady replica) would fit in b's GPUs. Moving
+    # it there saves nothing (b goes anyway) and empties a for the next consolidation to fill from b: the
+    # simulator found that ping-pong. a's consolidation buys an l40s-1 ($2.00, saves 71 %) instead.
+    snap = registry(tmp_path)
+    nodes = (node("a", "east:l40s-4:on_demand:a", price=7.0), node("b", "east:l40s-4:on_demand:a", price=7.0))
+    _, actions = plan(snap, {"steady": 1}, nodes=nodes, replicas=(replica("r1", "steady", "a"),), now=T0)
+    assert not any(isinstance(a, StartReplica) and a.node_id == "b" for a in actions), actions
+    assert bought(actions) == [("east:l40s-1:on_demand/a", "1")]
+
+
 def test_consolidation_respects_the_disruption_budget_and_the_minimum_saving(tmp_path: Path) -> None:
     # Two l40s-4 nodes, each with one steady replica: each could become an l40s-1 (saves 71 %), but the
     # budget is one node at a time. And an l40s-1 with one replica is never replaced (nothing cheaper
