@@ -20,9 +20,9 @@ One tick, in order:
 4. **Replica counts**: the replica step per autoscaled model, over `model_observation`.
 5. **Nodes**: `plan_nodes` over every model, draining and stopped replicas left out; nothing is planned
    while a pool could not be listed (deciding on a partial view would buy twice what runs there). Its
-   actions are filtered: starts of a backed-off model are held; a node is not deleted while a replica on
-   it drains (the planner does not see draining replicas, so the node looks empty); `StopReplica`
-   becomes a drain (routers see DRAINING `drain_notice_s` before the stop).
+   actions are filtered: starts of a backed-off model are held; `StopReplica` becomes a drain (routers see
+   DRAINING `drain_notice_s` before the stop). Draining replicas are `leaving` to the planner: they hold
+   their GPUs and their node until they stop, and count for no model.
 """
 
 from __future__ import annotations
@@ -348,6 +348,7 @@ class _Work:
             replicas=tuple(r for r in fleet.replicas
                            if r.id not in self.draining and r.id not in self.stopped
                            and r.state in (ReplicaState.STARTING, ReplicaState.READY)),
+            leaving=tuple(r for r in fleet.replicas if r.id in self.draining),
             offerings=inputs.offerings,
             claims=tuple(r.claim for r in fleet.claims.values() if r.node_id not in self.pool_of),
             settings=self.spec.planner, id_prefix=self.spec.id_prefix)
@@ -380,10 +381,9 @@ class _Work:
                            f"{action.replicas} replica(s) fit nowhere: {action.reason}")
 
     def delete_node(self, action: DeleteNode) -> None:
+        """The node goes (the planner waits for drains there, but a preempted node is gone already): whatever is
+        still listed on it is retired from routing, its drains forgotten."""
         node = next((n for n in self.fleet.nodes if n.id == action.node_id), None)
-        if node is not None and node.state is not NodeState.INTERRUPTED and any(
-                drain.replica.node_id == node.id for drain in self.draining.values()):
-            return  # replicas on it still drain: the planner asks again next tick, after the drain
         for replica in self.fleet.replicas:
             if replica.node_id != action.node_id:
                 continue

@@ -16,11 +16,13 @@ The rules, and where they come from:
   (another zone, region or cloud) and comes back after the TTL.
 - Interrupted (preempted) nodes are deleted; their replicas stop counting, so the deficit is re-placed
   in the same tick.
-- A running node with no replica for `empty_node_grace_s` is released.
+- A running node with no replica for `empty_node_grace_s` is released, once nothing drains there; replicas
+  draining (`PlannerInputs.leaving`) hold their GPUs until they stop, so their room is not offered.
 - Consolidation (Karpenter): when nothing is pending, a node whose replicas fit elsewhere (free room, or
   a cheaper new node) for at least `consolidation_min_saving` of its price is disrupted, at most
-  `disruption_budget_nodes` at a time: the replacements start first; its replicas stop and the node is
-  deleted only once the replacements are ready.
+  `disruption_budget_nodes` at a time: the replacements start first; its replicas stop once the
+  replacements are ready, and the node is deleted once they have drained. An empty node is no room for
+  a consolidation (it goes anyway).
 
 `now` is wall-clock seconds (the timeline of `Node.launched_at`); the simulator passes its fake wall time.
 Pure: no clock reads, no I/O, no randomness. Claim and replica ids come from a counter in the state and
@@ -77,7 +79,10 @@ class PlannerInputs:
     offerings: tuple[Offering, ...]
     claims: tuple[NodeClaim, ...] = ()
     settings: PlannerSettings = PlannerSettings()
-    id_prefix: str = "kvg"  # claim ids are f"{id_prefix}-n{seq}", replica ids f"{id_prefix}-r{seq}"
+    id_prefix: str = "kvg"
+    # Replicas draining on listed nodes (the loop's drains): they hold their GPUs until they stop, so their room is
+    # not free and their node is not deleted yet, but they count for no model and are never stopped again.
+    leaving: tuple[ReplicaHandle, ...] = ()  # claim ids are f"{id_prefix}-n{seq}", replica ids f"{id_prefix}-r{seq}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +195,8 @@ class _Host:
     planned_model: str | None = None
     planned_n: int = 0
     disrupting: bool = False
-    used: int = 0  # units taken by live replicas, this tick's starts, and (pending hosts) reservations
+    used: int = 0  # units taken by live and leaving replicas, this tick's starts, and (pending hosts) reservations
+    leaving: int = 0  # replicas draining on it: it is not deleted before they are gone
     # A node that boots into its replica (Offering.replica_at_boot) whose one replica was handed out: adopted,
     # failed or being stopped. Its room is gone for good, whatever the replicas listed on it say (a stopped
     # or draining one is not in the planner's inputs, and stopping it ends the node).
@@ -294,10 +300,16 @@ def _index_replicas(tick: _Tick) -> None:
             continue
         if replica.state in (ReplicaState.STARTING, ReplicaState.READY) and host is not None:
             host.replicas.append(replica)
+    leaving_units: dict[str, int] = {}
+    for replica in tick.inputs.leaving:
+        host = tick.hosts.get(replica.node_id)
+        if host is not None:
+            host.leaving += 1
+            leaving_units[host.id] = leaving_units.get(host.id, 0) + _units_of(tick, replica.model)
     for host in tick.hosts.values():
         model = tick.model(host.planned_model) if host.planned_model else None
         reserved = host.unfilled() * units_per_replica(model) if (model and not host.running) else 0
-        host.used = reserved + sum(_units_of(tick, r.model) for r in host.replicas)
+        host.used = reserved + sum(_units_of(tick, r.model) for r in host.replicas) + leaving_units.get(host.id, 0)
 
 
 def _units_of(tick: _Tick, model_name: str) -> int:
@@ -445,6 +457,8 @@ def _finish_disruptions(tick: _Tick, disruptions: tuple[Disruption, ...]) -> tup
 
 
 def _complete_disruptions(tick: _Tick, disruptions: tuple[Disruption, ...]) -> tuple[Disruption, ...]:
+    """Once a disrupted node's models have their replicas ready elsewhere, stop its replicas; delete it once
+    they are gone (they drain first: the disruption is kept until then)."""
     kept: list[Disruption] = []
     desired = tick.inputs.desired
     for d in disruptions:
@@ -452,26 +466,32 @@ def _complete_disruptions(tick: _Tick, disruptions: tuple[Disruption, ...]) -> t
         models = {r.model for r in tick.live(host)}
         ready = {m: sum(1 for h in tick.hosts.values() if not h.disrupting for r in tick.live(h, m)
                         if r.state is ReplicaState.READY) for m in models}
-        if all(ready[m] >= desired.get(m, 0) for m in models):
-            for r in tick.live(host):
-                tick.stopped.add(r.id)
-                tick.actions.append(StopReplica(r.id, r.model, host.id, f"consolidated: {d.reason}"))
-            tick.actions.append(DeleteNode(host.id, host.pool, f"consolidated: {d.reason}"))
-            del tick.hosts[host.id]
-        else:
+        if not all(ready[m] >= desired.get(m, 0) for m in models):
             kept.append(d)
+            continue
+        for r in tick.live(host):
+            tick.stopped.add(r.id)
+            tick.actions.append(StopReplica(r.id, r.model, host.id, f"consolidated: {d.reason}"))
+        if models or host.leaving:
+            kept.append(d)  # its replicas drain now: deleted at the first tick they are all gone
+            continue
+        tick.actions.append(DeleteNode(host.id, host.pool, f"consolidated: {d.reason}"))
+        if host.offering is not None:
+            tick.usage[host.pool].remove(host.offering)
+        del tick.hosts[host.id]
     return tuple(kept)
 
 
 def _release_empty(tick: _Tick, empty_since: Mapping[str, float]) -> dict[str, float]:
-    """Running nodes with no replica: note since when; delete those empty for the grace period."""
+    """Running nodes with no replica: note since when; delete those empty for the grace period. The grace counts
+    from the last replica's stop (its drain included); the node goes once it is over and nothing drains there."""
     grace = tick.inputs.settings.empty_node_grace_s
     result: dict[str, float] = {}
     for host in sorted(tick.hosts.values(), key=lambda h: h.id):
         if not host.running or host.disrupting or tick.live(host):
             continue
         since = empty_since.get(host.id, tick.now)
-        if tick.now - since >= grace:
+        if tick.now - since >= grace and not host.leaving:
             tick.actions.append(DeleteNode(host.id, host.pool, f"empty for {tick.now - since:.0f}s >= {grace:g}s"))
             if host.offering is not None:
                 tick.usage[host.pool].remove(host.offering)

@@ -108,9 +108,9 @@ def replica(rid: str, model: str, node_id: str, state: ReplicaState = ReplicaSta
 
 def plan(snap: Snapshot, desired: dict[str, int], *, nodes: tuple[Node, ...] = (), replicas: tuple[ReplicaHandle, ...] = (),
          claims: tuple[NodeClaim, ...] = (), state: PlannerState | None = None, now: float = T0,
-         sold_out: tuple[str, ...] = (), settings: PlannerSettings = PlannerSettings()
-         ) -> tuple[PlannerState, list[NodeAction]]:
-    inputs = PlannerInputs(snap, desired, nodes, replicas, offerings(snap, sold_out), claims, settings, "t")
+         sold_out: tuple[str, ...] = (), settings: PlannerSettings = PlannerSettings(),
+         leaving: tuple[ReplicaHandle, ...] = ()) -> tuple[PlannerState, list[NodeAction]]:
+    inputs = PlannerInputs(snap, desired, nodes, replicas, offerings(snap, sold_out), claims, settings, "t", leaving)
     return plan_nodes(inputs, state or PlannerState(), now)
 
 
@@ -383,7 +383,8 @@ def test_consolidation_starts_the_replacement_before_stopping_the_old_node(tmp_p
     # tick 1 buys the l40s-1 and marks the old node as disrupted; nothing is stopped.
     # tick 2 (claim in flight) and tick 3 (node booting): nothing new.
     # tick 4 (node running): start the replica there. tick 5 (it is starting): still nothing stops.
-    # tick 6 (it is ready): stop the old replica, then delete the old node.
+    # tick 6 (it is ready): stop the old replica. tick 7 (it drains, `leaving`): the node stays.
+    # tick 8 (it is gone): delete the old node.
     snap = registry(tmp_path)
     old = node("n4", "east:l40s-4:on_demand:a", price=7.0)
     r_old = replica("r-old", "steady", "n4")
@@ -405,9 +406,30 @@ def test_consolidation_starts_the_replacement_before_stopping_the_old_node(tmp_p
     assert actions == []
     r_new = replace(r_new, state=ReplicaState.READY)
     state, actions = plan(snap, {"steady": 1}, nodes=(old, new), replicas=(r_old, r_new), state=state, now=T0 + 150)
-    assert [(type(a).__name__, getattr(a, "replica_id", a.node_id)) for a in actions] == [
-        ("StopReplica", "r-old"), ("DeleteNode", "n4")]
+    assert [(type(a).__name__, a.replica_id) for a in actions] == [("StopReplica", "r-old")]
+    state, actions = plan(snap, {"steady": 1}, nodes=(old, new), replicas=(r_new,), leaving=(r_old,), state=state,
+                          now=T0 + 152)
+    assert actions == [] and [d.node_id for d in state.disruptions] == ["n4"]
+    state, actions = plan(snap, {"steady": 1}, nodes=(old, new), replicas=(r_new,), state=state, now=T0 + 160)
+    assert [(type(a).__name__, a.node_id) for a in actions] == [("DeleteNode", "n4")]
     assert state.disruptions == ()
+
+
+def test_a_draining_replica_holds_its_room_and_its_node(tmp_path: Path) -> None:
+    # An l40s-1 whose one replica drains (`leaving`): its GPU is not room for a new replica (a second steady replica
+    # buys a node), and the node, empty to the planner, is not deleted after the 120 s grace until the drain ends;
+    # then at once, the grace having run since the drain began.
+    snap = registry(tmp_path)
+    n1 = node("n1", "east:l40s-1:on_demand:a", price=2.0)
+    r1 = replica("r1", "steady", "n1")
+    _, actions = plan(snap, {"steady": 1}, nodes=(n1,), leaving=(r1,))
+    assert bought(actions) == [("east:l40s-1:on_demand/a", "1")]
+    state, actions = plan(snap, {"steady": 0}, nodes=(n1,), leaving=(r1,))
+    assert actions == [] and state.empty_since == {"n1": T0}
+    state, actions = plan(snap, {"steady": 0}, nodes=(n1,), leaving=(r1,), state=state, now=T0 + 200)
+    assert actions == []
+    _, actions = plan(snap, {"steady": 0}, nodes=(n1,), state=state, now=T0 + 201)
+    assert actions == [DeleteNode("n1", "east", "empty for 201s >= 120s")]
 
 
 def test_consolidation_onto_free_room_deletes_the_underused_node(tmp_path: Path) -> None:
