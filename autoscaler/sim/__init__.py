@@ -1,7 +1,7 @@
 """The autoscaler's trace-replay simulator: `kvgate sim`.
 
-traces (Azure/Mooncake loaders, rate scaling, time compression, a bursty generator) -> engine (a
-discrete-event loop on simulated time running a policy's decisions against the service model of
-`service`) -> compare (kvgate's `decide_replicas` and the baselines of `baselines`, one table) ->
-report (table, JSON, PNG).
+traces and shapes (Azure/Mooncake loaders, rate scaling, synthetic shapes) -> engine (a discrete-event loop on
+simulated time: the service model of `service`, and each tick the live loop's own decision, `autoscaler.decide`,
+over simulated nodes, `nodes`) -> compare (kvgate's replica step and the baselines of `baselines`, the oracle
+search and the lower bound of `bound`, one table) -> report (table, JSON, PNG). `records` holds the types.
 """

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from kvgate.autoscaler.scaler import ModelObservation, ScalerSpec, ScalerState, decide_replicas
-from kvgate.autoscaler.sim.engine import SimDecision
+from kvgate.autoscaler.sim.records import SimDecision
 from kvgate.autoscaler.sim.service import ServiceModel
 from kvgate.autoscaler.sim.traces import Trace
 

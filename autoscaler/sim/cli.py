@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvgate.autoscaler.argtypes import positive_float
 from kvgate.autoscaler.sim.compare import POLICIES, run_comparison
-from kvgate.autoscaler.sim.engine import Scenario, Stockout
+from kvgate.autoscaler.sim.records import Scenario, Stockout
 from kvgate.autoscaler.sim.report import table, write_json, write_plot
 from kvgate.autoscaler.sim.service import SimConfigError
 from kvgate.autoscaler.sim.shapes import SHAPES, ShapeSpec, shaped_trace

@@ -28,7 +28,8 @@ from kvgate.autoscaler.scaler import ScalerSpec
 from kvgate.autoscaler.work import ReplicaCapacity
 from kvgate.autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
                                       oracle_need)
-from kvgate.autoscaler.sim.engine import FleetSetup, Policy, RunResult, Scenario, simulate
+from kvgate.autoscaler.sim.engine import simulate
+from kvgate.autoscaler.sim.records import FleetSetup, Policy, RunResult, Scenario
 from kvgate.autoscaler.sim.nodes import NodePlanning, node_planning
 from kvgate.autoscaler.sim.service import SimConfigError, placements
 from kvgate.autoscaler.sim.traces import Trace, with_warmup

@@ -33,7 +33,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from kvgate.autoscaler.decide import (BeginStop, CleanUp, CreateRefused, LoopState, Outcome, StopEnded, TickInputs,
                                       decide)
@@ -41,8 +41,9 @@ from kvgate.autoscaler.observe import GatewayTotals
 from kvgate.autoscaler.planner import (CreateNode, DeleteNode, PlannerInputs, PlannerState, StartReplica,
                                        plan_nodes)
 from kvgate.autoscaler.reconciler import Fleet
-from kvgate.autoscaler.scaler import ModelObservation, ReplicaDecision
-from kvgate.autoscaler.sim.nodes import NodePlanning, SimNode
+from kvgate.autoscaler.scaler import ModelObservation
+from kvgate.autoscaler.sim.nodes import SimNode
+from kvgate.autoscaler.sim.records import FleetSetup, Policy, PolicyStep, RunResult, Scenario, TimelinePoint
 from kvgate.autoscaler.sim.service import Placement, choose_placement
 from kvgate.autoscaler.sim.traces import Trace
 from kvgate.providers.base import NodeState, ReplicaHandle, ReplicaState
@@ -53,101 +54,6 @@ from kvgate.registry.snapshot import Snapshot
 _FREE, _READY, _NODE_UP, _PREEMPT, _NODE_PREEMPT, _STOP_DEADLINE, _TICK = range(7)
 # The gateway reports arrivals per second over this many seconds (router/observe does the same).
 _RATE_WINDOW_S = 10
-
-
-@dataclass(frozen=True)
-class SimDecision:
-    desired: int
-    panic: bool = False
-    forecast_rps: float | None = None
-    reason: str = ""
-
-
-class Policy(Protocol):
-    """A replica-count policy: `decide` is pure over (state, observation, now); the engine keeps the state."""
-
-    name: str
-    tick_s: float
-
-    def initial_state(self) -> Any: ...
-
-    def decide(self, state: Any, obs: ModelObservation, now: float) -> tuple[Any, SimDecision]: ...
-
-
-@dataclass(frozen=True)
-class PolicyStep:
-    """A sim `Policy` as the live decision's replica step (`decide.ReplicaStep`), its count held to the fleet's
-    limits."""
-
-    policy: Policy
-    min_replicas: int
-    max_replicas: int
-
-    def __call__(self, snapshot: Snapshot, model: str, state: Any, obs: ModelObservation,
-                 now: float) -> tuple[Any, ReplicaDecision]:
-        state, decision = self.policy.decide(self.policy.initial_state() if state is None else state, obs, now)
-        desired = min(self.max_replicas, max(self.min_replicas, decision.desired))
-        return state, ReplicaDecision(desired, decision.panic, decision.forecast_rps, decision.reason)
-
-
-@dataclass(frozen=True)
-class Stockout:
-    """Placements whose key starts with `key_prefix` (pool/instance_type/capacity) sell nothing in [start_s, end_s)."""
-
-    key_prefix: str
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """What the world does to the fleet: spot interruptions, stockouts, failed starts. Seeded, so runs repeat."""
-
-    spot_interruptions_per_hour: float = 0.0  # per spot replica, or per spot node where nodes are planned (kvgate)
-    stockouts: tuple[Stockout, ...] = ()
-    start_failure_rate: float = 0.0  # the share of replica starts that fail at the end of the model load (nodes only)
-    seed: int = 0
-
-@dataclass(frozen=True)
-class FleetSetup:
-    """The model's fleet: where replicas may run, its limits and its SLO."""
-
-    model: str
-    placements: tuple[Placement, ...]  # cheapest first (service.placements)
-    min_replicas: int
-    max_replicas: int
-    on_demand_base: int  # replicas kept on on-demand; spot beyond it (placements hold spot only if allowed)
-    ttft_slo_s: float
-    initial_replicas: int = 0  # ready at t=0 on the cheapest on-demand-first placements (warm start)
-    tail_s: float = 120.0
-    nodes: NodePlanning | None = None  # set: the live node planner places replicas on simulated nodes
-
-
-@dataclass(frozen=True)
-class TimelinePoint:
-    t: float
-    arrivals_per_s: float
-    ongoing: int  # queued + in flight: the demand
-    ready: int
-    active: int  # ready + starting (what the policy has asked for and not released)
-    desired: int
-    panic: bool
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """Everything one policy's run produced. TTFTs are in request order; NaN = never got a first token."""
-
-    policy: str
-    ttft_s: tuple[float, ...]
-    gpu_seconds: float
-    cost_usd: float
-    cold_starts: int
-    scaling_actions: int  # ticks at which the desired count changed
-    preemptions: int
-    duration_s: float
-    timeline: tuple[TimelinePoint, ...]
-    max_replicas: int
 
 
 @dataclass

@@ -15,7 +15,8 @@ import pytest
 
 from kvgate.autoscaler.sim.baselines import StaticPolicy
 from kvgate.autoscaler.sim.compare import build_fleet
-from kvgate.autoscaler.sim.engine import FleetSetup, Scenario, Stockout, simulate
+from kvgate.autoscaler.sim.engine import simulate
+from kvgate.autoscaler.sim.records import FleetSetup, Scenario, Stockout
 from kvgate.autoscaler.sim.nodes import node_planning
 from kvgate.autoscaler.sim.traces import Request, Trace
 from kvgate.registry import load_registry

@@ -13,7 +13,8 @@ import pytest
 
 from kvgate.autoscaler.scaler import ModelObservation
 from kvgate.autoscaler.sim.baselines import KpaPolicy, OraclePolicy, RayServePolicy, StaticPolicy, oracle_need
-from kvgate.autoscaler.sim.engine import FleetSetup, Scenario, Stockout, simulate
+from kvgate.autoscaler.sim.engine import simulate
+from kvgate.autoscaler.sim.records import FleetSetup, Scenario, Stockout
 from kvgate.autoscaler.sim.service import Placement, ServiceModel, SimConfigError, choose_placement, placements
 from kvgate.autoscaler.sim.traces import (BurstySpec, Request, Trace, TraceError, bursty_trace, compress_time,
                                    load_azure_csv, load_mooncake_jsonl, load_trace, scale_rate, with_warmup)
