@@ -48,6 +48,16 @@ def _stockout(text: str) -> Stockout:
         ) from None
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a share from 0 up to (not including) 1, e.g. 0.2")
+    return value
+
+
 def _setting(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -86,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spot-interruptions-per-hour", type=float, default=0.0,
                         help="interruption rate of each spot replica, or of each spot node for kvgate, whose nodes "
                              "come from the live planner (default: 0)")
+    parser.add_argument("--start-failure-rate", type=_share, default=0.0, metavar="SHARE",
+                        help="share of replica starts that fail at the end of the model load (an engine that "
+                             "crashes on load): the autoscaler backs the model's starts off, 5 s doubling to 300 s, "
+                             "as it does live (default: 0)")
     parser.add_argument("--stockout", action="append", type=_stockout, default=[], metavar="KEY:START:END",
                         help="placements whose key starts with KEY sell nothing in [START, END) s; repeatable")
     parser.add_argument("--kvgate-set", action="append", type=_setting, default=[], metavar="KEY=VALUE",
@@ -124,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         trace = scale_rate(trace, args.rate_scale, seed=args.seed)
         if not trace.requests:
             raise TraceError("the trace has no requests (after --duration-s)")
-        scenario = Scenario(args.spot_interruptions_per_hour, tuple(args.stockout), args.seed)
+        scenario = Scenario(spot_interruptions_per_hour=args.spot_interruptions_per_hour, stockouts=tuple(args.stockout),
+                            start_failure_rate=args.start_failure_rate, seed=args.seed)
         started = time.perf_counter()
         comparison = run_comparison(trace, snapshot, model, policies=args.policy or POLICIES,
                                     scenario=scenario, warmup_s=max(0.0, args.warmup_s),

@@ -123,6 +123,7 @@ def test_cli_prints_the_table_and_writes_json_and_png(tmp_path: Path) -> None:
     (["--bursty", "--model", "burst-8b", "--json", "/nonexistent/out.json"], "no such directory '/nonexistent'"),
     (["--bursty", "--model", "burst-8b", "--plot", "/nonexistent/out.png"], "no such directory '/nonexistent'"),
     (["--bursty", "--model", "burst-8b", "--rate-scale", "0"], "--rate-scale: must be > 0"),
+    (["--bursty", "--model", "burst-8b", "--start-failure-rate", "1.5"], "a share from 0 up to"),
 ])
 def test_cli_mistakes_are_one_line_and_exit_2(args: list[str], message: str) -> None:
     result = _sim("--registry", str(EXAMPLES), *args)

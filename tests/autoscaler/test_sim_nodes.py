@@ -72,3 +72,14 @@ def test_empty_nodes_are_released_after_the_grace() -> None:
     result = simulate(_steady(600), _planned_fleet(4), Shrink(4, tick_s=1.0))
     on_demand_s, spot_s = 659, 300 + 120
     assert result.cost_usd == pytest.approx((49.24 * on_demand_s + 31.50 * spot_s) / 3600, rel=0.01)
+
+
+def test_failed_starts_are_replayed_with_the_live_back_off() -> None:
+    # Half the replica starts fail at the end of the 90 s load (seeded). The live decision retires each, cleans
+    # it up and backs the model's starts off (5 s doubling), exactly as the loop does: the fleet still reaches its
+    # 4 replicas, with more starts than replicas, and every request is served in the end.
+    scenario = Scenario(start_failure_rate=0.5, seed=1)
+    result = simulate(_steady(900), _planned_fleet(0), StaticPolicy(4, tick_s=1.0), scenario)
+    assert result.cold_starts > 4
+    assert result.timeline[-1].ready == 4
+    assert all(not math.isnan(t) for t in result.ttft_s)
