@@ -32,9 +32,11 @@ The service model (prefill/decode tokens per second, batch per GPU kind) and col
 node_boot_s + model performance.model_load_s) come from the registry; see examples/sim.
 Policies: kvgate (autoscaler.scaler.decide_replicas), kpa (Knative defaults), ray-serve (Ray Serve
 defaults), static-peak, oracle (perfect foresight, searched for the cheapest schedule meeting 99%). Every
-policy's replicas are placed on nodes by the live planner and charged per node. "vs bound": GPU-hours over
+policy is the replica step of the live loop's own decision (autoscaler.decide): its replicas are drained,
+backed off and placed on nodes by the live planner, and whole nodes are charged. "vs bound": GPU-hours over
 the lower bound (an LP over the whole trace) that no schedule meeting 99% goes under; "-" where no schedule
-within the fleet's limits meets 99% (the line above the table says why).
+within the fleet's limits meets 99% (the line above the table says why). "vs node plan": dollars over the
+cheapest node plan that holds the same replicas over time (it knows the demand and the stockouts ahead).
 """
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -29,7 +29,7 @@ from kvgate.autoscaler.work import ReplicaCapacity
 from kvgate.autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
                                       oracle_need)
 from kvgate.autoscaler.sim.engine import simulate
-from kvgate.autoscaler.sim.records import FleetSetup, Policy, RunResult, Scenario
+from kvgate.autoscaler.sim.records import FleetSetup, Policy, RunResult, Scenario, Stockout
 from kvgate.autoscaler.sim.nodes import NodePlanning, node_planning
 from kvgate.autoscaler.sim.service import SimConfigError, placements
 from kvgate.autoscaler.sim.traces import Trace, with_warmup
@@ -38,6 +38,7 @@ from kvgate.registry.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from kvgate.autoscaler.sim.bound import Bound
+    from kvgate.autoscaler.sim.nodeplan import NodePlan
 
 POLICIES = ("kvgate", "kpa", "ray-serve", "static-peak", "oracle")
 ATTAINMENT_GOAL = 0.99
@@ -60,6 +61,7 @@ class Summary:
     scaling_actions_per_hour: float
     preemptions: int
     max_replicas: int
+    node_plan_usd: float = 0.0  # the cheapest node plan holding the same replicas (`nodeplan.py`); 0: not judged
 
 
 def summarize(result: RunResult, slo_s: float) -> Summary:
@@ -141,9 +143,29 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     live_cold_start_s = cold_start_s(snapshot, model)
     runners = _runners(bench, ScalerSpec(kvgate_knobs, live_cold_start_s, capacity=ReplicaCapacity.of(model)), need)
     results = [oracle_result if name == "oracle" else bench.run(fleet, runners[name]) for name in policies]
-    return Comparison(warm_trace.name, model_name, tuple(results),
-                      tuple(summarize(r, base.ttft_slo_s) for r in results), oracle_rule, bench.cold_start_s,
+    summaries = tuple(replace(summarize(r, base.ttft_slo_s), node_plan_usd=node_plan(r, snapshot, bench).usd)
+                      for r in results)
+    return Comparison(warm_trace.name, model_name, tuple(results), summaries, oracle_rule, bench.cold_start_s,
                       lower_bound(trace, snapshot, base))
+
+
+def node_plan(result: RunResult, snapshot: Snapshot, bench: _Bench) -> NodePlan:
+    """The cheapest node plan for the replicas `result`'s run placed on nodes over time (`nodeplan.py`), with the
+    run's stockouts and spot interruption rate. Placed, not desired: a replica wanted for less than a node's
+    boot was never held by any node, and a node the run bought for it and then gave up is the planner's cost."""
+    try:
+        from kvgate.autoscaler.sim.nodeplan import cheapest_node_plan  # scipy: the sim extra
+    except ImportError as error:
+        raise SimConfigError(f"the node plan needs {error.name}: pip install 'kvgate[sim]'") from None
+    assert bench.nodes is not None
+    scenario = bench.scenario
+    outages = tuple(Stockout(s.key_prefix, s.start_s - bench.warmup_s, s.end_s - bench.warmup_s)
+                    for s in scenario.stockouts)
+    return cheapest_node_plan([(p.t, p.placed) for p in result.timeline], result.duration_s,
+                              snapshot.model(bench.base.model), bench.nodes.offerings,
+                              {name: pool.spec for name, pool in snapshot.pools.items()}, outages=outages,
+                              spot_interruptions_per_hour=scenario.spot_interruptions_per_hour,
+                              cpu_replicas_per_node=bench.nodes.settings.cpu_replicas_per_node)
 
 
 def lower_bound(trace: Trace, snapshot: Snapshot, fleet: FleetSetup, goal: float = ATTAINMENT_GOAL) -> Bound:

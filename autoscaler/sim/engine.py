@@ -182,8 +182,9 @@ class _Run:
             self.actions += 1
         self.last_desired = desired
         if now >= self.score_from:
+            placed = sum(1 for r in self.replicas.values() if not r.draining and r.state in ("starting", "ready"))
             self.timeline.append(TimelinePoint(now - self.score_from, obs.arrivals_per_s, obs.ongoing, obs.ready_replicas,
-                                               obs.ready_replicas + obs.starting_replicas, desired, panic))
+                                               obs.ready_replicas + obs.starting_replicas, desired, panic, placed))
         self.push(now + self.policy.tick_s, _TICK)
 
     def close(self) -> RunResult:

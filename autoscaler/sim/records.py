@@ -94,6 +94,7 @@ class TimelinePoint:
     active: int  # ready + starting (what the policy has asked for and not released)
     desired: int
     panic: bool
+    placed: int = 0  # replicas started on running nodes and not draining, after the tick's actions: what nodes held
 
 
 @dataclass(frozen=True)

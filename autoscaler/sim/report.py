@@ -15,8 +15,8 @@ from typing import Any
 
 from kvgate.autoscaler.sim.compare import ATTAINMENT_GOAL, Comparison, Summary
 
-COLUMNS = ("policy", "TTFT-SLO", "p50 TTFT", "p99 TTFT", "GPU-h", "vs oracle", "vs bound", "USD", "cold starts",
-           "actions/h", "peak")
+COLUMNS = ("policy", "TTFT-SLO", "p50 TTFT", "p99 TTFT", "GPU-h", "vs oracle", "vs bound", "USD", "vs node plan",
+           "cold starts", "actions/h", "peak")
 
 
 def _seconds(value: float) -> str:
@@ -41,7 +41,8 @@ def rows(comparison: Comparison) -> list[tuple[str, ...]]:
     oracle_hours, bound_hours = yardsticks(comparison)
     return [(s.policy, f"{s.slo_attainment * 100:.2f}%", _seconds(s.ttft_p50_s), _seconds(s.ttft_p99_s),
              f"{s.gpu_hours:.1f}", _ratio(s.gpu_hours, oracle_hours), _ratio(s.gpu_hours, bound_hours),
-             f"{s.cost_usd:,.0f}", str(s.cold_starts), f"{s.scaling_actions_per_hour:.1f}", str(s.max_replicas))
+             f"{s.cost_usd:,.0f}", _ratio(s.cost_usd, s.node_plan_usd or None), str(s.cold_starts),
+             f"{s.scaling_actions_per_hour:.1f}", str(s.max_replicas))
             for s in comparison.summaries]
 
 

@@ -42,6 +42,9 @@ def test_every_policy_is_scored_on_the_same_requests(azure_slice_comparison) -> 
     for s in summaries.values():
         assert 0.0 <= s.slo_attainment <= 1.0 and s.gpu_hours > 0 and s.cost_usd > 0
         assert s.ttft_p50_s <= s.ttft_p99_s
+        # The live planner's nodes for the replicas a run placed never cost less than the cheapest plan holding them
+        # (no spot interruptions here, so no expected cost in the plan).
+        assert 0 < s.node_plan_usd <= s.cost_usd, s
 
 
 def test_issue_targets_hold_on_the_whole_azure_trace_at_ten_times_its_rate() -> None:
