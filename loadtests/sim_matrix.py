@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of " + ", ".join(POLICIES))
     parser.add_argument("--kvgate-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the model's spec.scaling for kvgate alone (as kvgate sim's); repeatable")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also each baseline at the knob setting meeting 99%% most cheaply (kvgate sim --sweep)")
     parser.add_argument("--spot-interruptions-per-hour", type=float, default=0.0,
                         help="interruptions per spot node-hour (seeded; default 0)")
     parser.add_argument("--stockout-cheapest", action="store_true",
@@ -99,6 +101,7 @@ def main() -> None:
             trace, model = source_trace(name, scale, args.duration_s)
             comparison = run_comparison(trace, snapshot, model, policies=args.policies.split(","),
                                         kvgate_scaling=overrides, scenario=scenario_for(snapshot, model, trace, args),
+                                        sweep=args.sweep,
                                         warmup_s=WARMUP_S)
             oracle_hours, bound_hours = yardsticks(comparison)
             for s in comparison.summaries:

@@ -1,9 +1,10 @@
-"""The policies the simulator compares: kvgate's own scaler and four baselines.
+"""The policies the simulator compares: kvgate's own scaler and six baselines.
 
 Every policy is a frozen object with `decide(state, obs, now) -> (state, SimDecision)`, pure over a
-small frozen state that the engine keeps. All read the same `ModelObservation` (queued + running =
-ongoing requests) and the same `target` per replica (the registry's `scaling.target_ongoing_requests`),
-so they differ only in their rules:
+small frozen state that the engine keeps; each is the replica step of the live loop's decision
+(`autoscaler.decide`), so drains, back-off and the node planner are the same for all. All read the same
+`ModelObservation`; KPA and Ray Serve scale on the registry's `scaling.target_ongoing_requests` per
+replica, llm-d on KV use and queues, Dynamo on the registry's throughput figures:
 
 - `KvgatePolicy`: `autoscaler.scaler.decide_replicas`, the function the live loop calls, unchanged.
 - `KpaPolicy`: Knative's KPA with its published defaults (pkg/autoscaler/scaling/autoscaler.go):
@@ -16,6 +17,8 @@ so they differ only in their rules:
   ceil(ongoing averaged over look_back 30 s / target_ongoing_requests); a change applies once it has
   been wanted continuously for upscale_delay 30 s (up) or downscale_delay 600 s (down), then to the
   count wanted at that moment; 0 -> 1 at once when requests wait.
+- `LlmdSaturationPolicy`: llm-d's workload-variant autoscaler, saturation mode (its docstring has the rules).
+- `DynamoPlannerPolicy`: NVIDIA Dynamo's SLA planner (its docstring has the rules).
 - `StaticPolicy`: a fixed count (static at peak: the oracle's peak need), never changes.
 - `OraclePolicy`: knows the future. `need[s]` is the replicas second `s` needs (from the trace replayed
   on unlimited replicas, see `oracle_need`); it asks at t for the most needed over [t, t + cold start],
@@ -188,6 +191,148 @@ class RayServePolicy(_Baseline):
                 current, since = wanted, None
         new = RayState(window, since, up, current)
         return new, SimDecision(current, False, None, f"wanted {wanted}")
+
+
+# ---------------------------------------------------------------------------------- llm-d saturation
+
+
+@dataclass(frozen=True)
+class SaturationState:
+    kv: _Window = _Window()  # the mean replica's KV use (running / batch slots), per tick
+    queue: _Window = _Window()  # requests waiting per ready replica, per tick
+    current: int | None = None
+    decided_at: float | None = None
+    idle_since: float | None = None
+
+
+@dataclass(frozen=True)
+class LlmdSaturationPolicy:
+    """llm-d's workload-variant autoscaler in its saturation (capacity-only) mode, as its docs state it
+    (llm-d-incubation/workload-variant-autoscaler, docs/saturation-analyzer.md and saturation-scaling-config.md).
+
+    Every `interval_s` (GLOBAL_OPT_INTERVAL, 60 s), over the peak of the last minute (`max_over_time[1m]`) of each
+    replica's KV-cache use and waiting queue: a replica is saturated at KV >= 80% or a queue >= 5; over the
+    others, spare KV = 0.8 - use and spare queue = 5 - queue are averaged; below 0.1 or 3, one replica more than
+    are ready (`readyReplicas + 1`: no more while new ones start). One fewer only when the load of N spread over
+    N - 1 still leaves both spares at their triggers, and N >= 2.
+
+    Adapted to what the simulator shows: replicas are interchangeable, so every replica's KV use is the fleet's
+    running requests over its batch slots (sequences stand in for KV blocks) and its queue the requests queued
+    per ready replica. From zero: one replica as soon as a request waits (llm-d's flow control holds it); to zero
+    only where the registry allows, after `scale_to_zero_grace_s` idle (the registry's value).
+    """
+
+    max_batch: int  # a replica's batch slots (the service model's)
+    min_replicas: int = 0
+    max_replicas: int = 1_000
+    kv_threshold: float = 0.80
+    queue_threshold: float = 5.0
+    kv_spare_trigger: float = 0.10
+    queue_spare_trigger: float = 3.0
+    interval_s: float = 60.0
+    window_s: float = 60.0
+    scale_to_zero_grace_s: float = 300.0
+    tick_s: float = 1.0
+    name: str = "llm-d"
+
+    def initial_state(self) -> SaturationState:
+        return SaturationState()
+
+    def decide(self, state: SaturationState, obs: ModelObservation,
+               now: float) -> tuple[SaturationState, SimDecision]:
+        ready = obs.ready_replicas
+        kv_now = obs.running / (ready * self.max_batch) if ready else 0.0
+        queue_now = obs.queued_at_gateways / ready if ready else float(obs.queued_at_gateways)
+        kv = state.kv.add(now, kv_now, self.window_s)
+        queue = state.queue.add(now, queue_now, self.window_s)
+        current = state.current if state.current is not None else ready + obs.starting_replicas
+        idle = obs.ongoing == 0 and obs.arrivals_per_s == 0
+        idle_since = (now if state.idle_since is None else state.idle_since) if idle else None
+        if current == 0 and obs.ongoing > 0:
+            return SaturationState(kv, queue, 1, now), SimDecision(1, reason="scale from zero: a request waits")
+        if self.min_replicas == 0 and idle_since is not None and now - idle_since >= self.scale_to_zero_grace_s:
+            return SaturationState(kv, queue, 0, now, idle_since), SimDecision(0, reason="idle: to zero")
+        due = state.decided_at is None or now - state.decided_at >= self.interval_s
+        if not due or ready == 0:
+            held = SaturationState(kv, queue, current, state.decided_at, idle_since)
+            return held, SimDecision(current, reason="holding")
+        kv_peak = max((v for t, v in kv.samples), default=0.0)
+        queue_peak = max((v for t, v in queue.samples), default=0.0)
+        saturated = kv_peak >= self.kv_threshold or queue_peak >= self.queue_threshold
+        spare_kv, spare_queue = self.kv_threshold - kv_peak, self.queue_threshold - queue_peak
+        target, why = current, f"KV {kv_peak:.0%}, queue {queue_peak:.1f} a replica"
+        if saturated or spare_kv < self.kv_spare_trigger or spare_queue < self.queue_spare_trigger:
+            target = ready + 1
+        elif ready >= 2:
+            kv_after, queue_after = kv_peak * ready / (ready - 1), queue_peak * ready / (ready - 1)
+            if (self.kv_threshold - kv_after >= self.kv_spare_trigger
+                    and self.queue_threshold - queue_after >= self.queue_spare_trigger):
+                target = ready - 1
+        target = min(self.max_replicas, max(self.min_replicas, target))
+        return SaturationState(kv, queue, target, now, idle_since), SimDecision(target, reason=why)
+
+
+# --------------------------------------------------------------------------------- Dynamo SLA planner
+
+
+@dataclass(frozen=True)
+class PlannerLoad:
+    arrivals: _Window = _Window()
+    prompt_tokens: _Window = _Window()
+    current: int | None = None
+    decided_at: float | None = None
+
+
+@dataclass(frozen=True)
+class DynamoPlannerPolicy:
+    """NVIDIA Dynamo's SLA planner, as its docs state it (ai-dynamo/dynamo, docs/architecture/sla_planner.md;
+    defaults in components/planner/defaults.py).
+
+    Every `interval_s` (adjustment_interval, 180 s) it predicts the next interval's requests and input length and
+    sizes replicas from the profiled throughput at the SLA:
+        prefill = ceil(requests x ISL / interval / prefill tokens/s a replica)
+        decode  = ceil(requests x OSL / interval / decode tokens/s a replica)
+    kvgate's replicas serve both phases, so the count is the larger of the two; at least `min_endpoint` (1).
+
+    Choices where the planner has options: the "constant" load predictor (documented: the next interval's load is
+    the last one's; the default, ARIMA, needs pmdarima and a history of 50 intervals); no correction factor
+    (documented `no_correction`; the simulator reports no TTFT); the profiled throughputs are the registry's
+    `prefill_tokens_per_s` and `decode_tokens_per_s` of the slowest allowed GPU kind, the same figures kvgate
+    reads; OSL is the trace's mean output length, standing in for the profile's (the gateway reports no output
+    lengths). `headroom` divides the throughputs (1.0 as documented; the sweep raises it).
+    """
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    osl: float
+    min_replicas: int = 1
+    max_replicas: int = 1_000
+    interval_s: float = 180.0
+    headroom: float = 1.0
+    tick_s: float = 1.0
+    name: str = "dynamo"
+
+    def initial_state(self) -> PlannerLoad:
+        return PlannerLoad()
+
+    def decide(self, state: PlannerLoad, obs: ModelObservation, now: float) -> tuple[PlannerLoad, SimDecision]:
+        arrivals = state.arrivals.add(now, obs.arrivals_per_s, self.interval_s)
+        prompts = state.prompt_tokens.add(now, obs.prompt_tokens_per_s, self.interval_s)
+        current = state.current if state.current is not None else obs.ready_replicas + obs.starting_replicas
+        floor = max(1, self.min_replicas)
+        # The planner adjusts at the end of each interval, over the load it measured in it: the first one ends
+        # an interval after it starts, and until then the fleet stays as it found it.
+        started = now if state.decided_at is None else state.decided_at
+        if now - started < self.interval_s:
+            current = max(current, floor)
+            held = PlannerLoad(arrivals, prompts, current, started)
+            return held, SimDecision(current, reason="measuring the interval")
+        rate, prompt_rate = arrivals.mean(now, self.interval_s), prompts.mean(now, self.interval_s)
+        prefill = _ceil_div(prompt_rate * self.headroom, self.prefill_tokens_per_s)
+        decode = _ceil_div(rate * self.osl * self.headroom, self.decode_tokens_per_s)
+        target = min(self.max_replicas, max(floor, prefill, decode))
+        why = f"{rate:.1f} req/s, {prompt_rate:.0f} prompt tok/s: prefill {prefill}, decode {decode}"
+        return PlannerLoad(arrivals, prompts, target, now), SimDecision(target, reason=why)
 
 
 # ------------------------------------------------------------------------------------ static, oracle

@@ -31,7 +31,8 @@ or --shape for one of the synthetic shapes (mmpp, diurnal, prefill-heavy, decode
 The service model (prefill/decode tokens per second, batch per GPU kind) and cold starts (pool
 node_boot_s + model performance.model_load_s) come from the registry; see examples/sim.
 Policies: kvgate (autoscaler.scaler.decide_replicas), kpa (Knative defaults), ray-serve (Ray Serve
-defaults), static-peak, oracle (perfect foresight, searched for the cheapest schedule meeting 99%). Every
+defaults), llm-d (the workload-variant autoscaler's saturation rule), dynamo (Dynamo's SLA planner, constant
+predictor), static-peak, oracle (perfect foresight, searched for the cheapest schedule meeting 99%). Every
 policy is the replica step of the live loop's own decision (autoscaler.decide): its replicas are drained,
 backed off and placed on nodes by the live planner, and whole nodes are charged. "vs bound": GPU-hours over
 the lower bound (an LP over the whole trace) that no schedule meeting 99% goes under; "-" where no schedule
@@ -98,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spot-interruptions-per-hour", type=float, default=0.0,
                         help="interruption rate of each spot replica, or of each spot node for kvgate, whose nodes "
                              "come from the live planner (default: 0)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also run each baseline (kpa, ray-serve, llm-d, dynamo) at the setting of its knob "
+                             "(target, KV threshold, throughput headroom) that meets 99%% most cheaply, found by "
+                             "bisection: the comparison at equal attainment (several runs per baseline)")
     parser.add_argument("--start-failure-rate", type=_share, default=0.0, metavar="SHARE",
                         help="share of replica starts that fail at the end of the model load (an engine that "
                              "crashes on load): the autoscaler backs the model's starts off, 5 s doubling to 300 s, "
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         scenario = Scenario(spot_interruptions_per_hour=args.spot_interruptions_per_hour, stockouts=tuple(args.stockout),
                             start_failure_rate=args.start_failure_rate, seed=args.seed)
         started = time.perf_counter()
-        comparison = run_comparison(trace, snapshot, model, policies=args.policy or POLICIES,
+        comparison = run_comparison(trace, snapshot, model, policies=args.policy or POLICIES, sweep=args.sweep,
                                     scenario=scenario, warmup_s=max(0.0, args.warmup_s),
                                     kvgate_scaling=dict(args.kvgate_set))
         elapsed = time.perf_counter() - started

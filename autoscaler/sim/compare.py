@@ -26,8 +26,8 @@ from pydantic import ValidationError
 from kvgate.autoscaler.fleet import cold_start_s
 from kvgate.autoscaler.scaler import ScalerSpec
 from kvgate.autoscaler.work import ReplicaCapacity
-from kvgate.autoscaler.sim.baselines import (KpaPolicy, KvgatePolicy, OraclePolicy, RayServePolicy, StaticPolicy,
-                                      oracle_need)
+from kvgate.autoscaler.sim.baselines import (DynamoPlannerPolicy, KpaPolicy, KvgatePolicy, LlmdSaturationPolicy,
+                                             OraclePolicy, RayServePolicy, StaticPolicy, oracle_need)
 from kvgate.autoscaler.sim.engine import simulate
 from kvgate.autoscaler.sim.records import FleetSetup, Policy, RunResult, Scenario, Stockout
 from kvgate.autoscaler.sim.nodes import NodePlanning, node_planning
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvgate.autoscaler.sim.bound import Bound
     from kvgate.autoscaler.sim.nodeplan import NodePlan
 
-POLICIES = ("kvgate", "kpa", "ray-serve", "static-peak", "oracle")
+POLICIES = ("kvgate", "kpa", "ray-serve", "llm-d", "dynamo", "static-peak", "oracle")
 ATTAINMENT_GOAL = 0.99
 ORACLE_WINDOWS_S = (0, 30, 60)  # concurrency smoothing the oracle search tries (0: per-second peak)
 ORACLE_UTILIZATIONS = tuple(round(1.0 - 0.02 * step, 2) for step in range(26))  # 100%, 98%, ... 50%
@@ -114,11 +114,12 @@ class Comparison:
 
 def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policies: Sequence[str] = POLICIES,
                    scenario: Scenario = Scenario(), warmup_s: float = 600.0,
-                   kvgate_scaling: Mapping[str, Any] | None = None) -> Comparison:
+                   kvgate_scaling: Mapping[str, Any] | None = None, sweep: bool = False) -> Comparison:
     """Run each named policy on `trace` and summarize.
 
     `kvgate_scaling` overrides fields of the model's `spec.scaling` for the kvgate policy only (to try
-    a knob without editing the registry; the baselines keep the registry's target).
+    a knob without editing the registry; the baselines keep the registry's target). With `sweep`, each baseline
+    of `SWEPT` also runs at the setting of its knob that meets the goal most cheaply (`_sweep`), named with it.
 
     Every run starts with the replicas the oracle needs in its first cold start, ready, and plays
     `warmup_s` of mirrored trace first, unscored (`traces.with_warmup`): each policy meets the trace
@@ -143,6 +144,8 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     live_cold_start_s = cold_start_s(snapshot, model)
     runners = _runners(bench, ScalerSpec(kvgate_knobs, live_cold_start_s, capacity=ReplicaCapacity.of(model)), need)
     results = [oracle_result if name == "oracle" else bench.run(fleet, runners[name]) for name in policies]
+    if sweep:
+        results += [_sweep(bench, fleet, runners[name]) for name in policies if name in SWEPT]
     summaries = tuple(replace(summarize(r, base.ttft_slo_s), node_plan_usd=node_plan(r, snapshot, bench).usd)
                       for r in results)
     return Comparison(warm_trace.name, model_name, tuple(results), summaries, oracle_rule, bench.cold_start_s,
@@ -181,6 +184,40 @@ def lower_bound(trace: Trace, snapshot: Snapshot, fleet: FleetSetup, goal: float
                                  tail_s=fleet.tail_s, start_cost_s=model_load_s)
 
 
+# The knob each baseline's sweep moves, and which way gives more replicas: targets and thresholds lower, Dynamo's
+# headroom (a divisor of the profiled throughput) higher. Factors from the documented default down to a tenth of it.
+SWEPT = {"kpa": "target", "ray-serve": "target", "llm-d": "kv_threshold", "dynamo": "headroom"}
+SWEEP_FACTORS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+
+
+def _swept(policy: Any, factor: float) -> Any:
+    knob = SWEPT[policy.name]
+    value = getattr(policy, knob) / factor if knob == "headroom" else getattr(policy, knob) * factor
+    return replace(policy, **{knob: value, "name": f"{policy.name} {knob}={value:.3g}"})
+
+
+def _sweep(bench: _Bench, fleet: FleetSetup, policy: Any) -> RunResult:
+    """The baseline at the setting of its knob that meets the goal most cheaply: bisection over `SWEEP_FACTORS`
+    (attainment rises as the factor falls), as the oracle's search bisects utilization; where no setting meets
+    it, the best-attaining one tried."""
+    low, high = 0, len(SWEEP_FACTORS) - 1
+    passing: tuple[float, RunResult] | None = None
+    best: tuple[float, RunResult] | None = None
+    while low <= high:
+        middle = (low + high) // 2
+        result = bench.run(fleet, _swept(policy, SWEEP_FACTORS[middle]))
+        attainment = summarize(result, bench.base.ttft_slo_s).slo_attainment
+        if attainment >= ATTAINMENT_GOAL:
+            passing, high = (attainment, result), middle - 1
+        else:
+            low = middle + 1
+            if best is None or attainment > best[0]:
+                best = (attainment, result)
+    chosen = passing or best
+    assert chosen is not None
+    return chosen[1]
+
+
 def _check_stockouts(scenario: Scenario, base: FleetSetup, model_name: str) -> None:
     """A stockout whose prefix matches no placement would stock out nothing, silently: refuse it."""
     keys = [p.key for p in base.placements]
@@ -191,12 +228,21 @@ def _check_stockouts(scenario: Scenario, base: FleetSetup, model_name: str) -> N
 
 
 def _runners(bench: _Bench, kvgate: ScalerSpec, need: tuple[int, ...]) -> dict[str, Policy]:
-    """The policies that run here (the oracle's run is its search's); static at peak holds the need's peak."""
+    """The policies that run here (the oracle's run is its search's); static at peak holds the need's peak.
+    Baselines read the slowest placement's service figures, as kvgate's work model reads the slowest GPU kind's."""
     target, scaling = bench.scaling.target_ongoing_requests, bench.scaling
+    services = [p.service for p in bench.base.placements]
+    scored = [r for r in bench.trace.requests if r.arrival_s >= bench.warmup_s] or list(bench.trace.requests)
+    osl = sum(r.output_tokens for r in scored) / max(1, len(scored))
     return {
         "kvgate": KvgatePolicy(kvgate),
         "kpa": KpaPolicy(target, scaling.min_replicas, scaling.max_replicas),
         "ray-serve": RayServePolicy(target, scaling.min_replicas, scaling.max_replicas),
+        "llm-d": LlmdSaturationPolicy(min(s.max_batch for s in services), scaling.min_replicas, scaling.max_replicas,
+                                      scale_to_zero_grace_s=scaling.scale_to_zero_grace_s),
+        "dynamo": DynamoPlannerPolicy(min(s.prefill_tokens_per_s for s in services),
+                                      min(s.decode_tokens_per_s for s in services), osl, scaling.min_replicas,
+                                      scaling.max_replicas),
         "static-peak": StaticPolicy(max(need, default=1)),
     }
 

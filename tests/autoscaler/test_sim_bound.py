@@ -90,4 +90,5 @@ def test_no_policy_spends_fewer_gpu_hours_than_the_bound_at_its_own_attainment(m
         bound = gpu_hours_lower_bound(trace, fleet.placements, slo_s=fleet.ttft_slo_s, goal=summary.slo_attainment,
                                       max_replicas=fleet.max_replicas, tail_s=fleet.tail_s)
         assert bound.feasible, (summary.policy, bound.reason)
-        assert 0 < bound.gpu_hours <= summary.gpu_hours, (summary.policy, bound.gpu_hours, summary.gpu_hours)
+        assert bound.gpu_hours <= summary.gpu_hours, (summary.policy, bound.gpu_hours, summary.gpu_hours)
+        assert bound.gpu_hours > 0 or summary.slo_attainment == 0  # Dynamo's default meets nothing here: bound 0

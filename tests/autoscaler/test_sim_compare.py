@@ -33,7 +33,7 @@ def azure_slice_comparison():
 
 def test_every_policy_is_scored_on_the_same_requests(azure_slice_comparison) -> None:
     summaries = {s.policy: s for s in azure_slice_comparison.summaries}
-    assert list(summaries) == ["kvgate", "kpa", "ray-serve", "static-peak", "oracle"]
+    assert list(summaries) == ["kvgate", "kpa", "ray-serve", "llm-d", "dynamo", "static-peak", "oracle"]
     assert len({s.num_requests for s in summaries.values()}) == 1
     assert summaries["kvgate"].num_requests > 2_000
     # The oracle search keeps a schedule that meets the goal; static at its peak never uses less GPU time.
@@ -45,6 +45,21 @@ def test_every_policy_is_scored_on_the_same_requests(azure_slice_comparison) -> 
         # The live planner's nodes for the replicas a run placed never cost less than the cheapest plan holding them
         # (no spot interruptions here, so no expected cost in the plan).
         assert 0 < s.node_plan_usd <= s.cost_usd, s
+
+
+def test_the_sweep_finds_each_baselines_cheapest_setting_meeting_the_goal() -> None:
+    # Dynamo's planner at its documented throughputs (headroom 1) runs its fleet full and misses nearly every SLO on
+    # this slice; the sweep raises the headroom (1 / 0.9, ... 10) until 99% is met, by bisection.
+    trace = scale_rate(load_trace(AZURE).slice(0, 300), 10.0)
+    comparison = run_comparison(trace, load_registry(EXAMPLES), "chat-70b", warmup_s=120,
+                                policies=("dynamo", "kpa"), sweep=True)
+    s = {summary.policy.split(" ")[0] + (" swept" if " " in summary.policy else ""): summary
+         for summary in comparison.summaries}
+    assert s["dynamo"].slo_attainment < 0.99 <= s["dynamo swept"].slo_attainment
+    assert s["dynamo swept"].gpu_hours > s["dynamo"].gpu_hours
+    assert s["kpa swept"].slo_attainment >= 0.99
+    swept = [summary.policy for summary in comparison.summaries if " " in summary.policy]
+    assert swept[0].startswith("dynamo headroom=") and swept[1].startswith("kpa target=")
 
 
 def test_issue_targets_hold_on_the_whole_azure_trace_at_ten_times_its_rate() -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.autoscaler.scaler import ModelObservation
-from kvgate.autoscaler.sim.baselines import KpaPolicy, OraclePolicy, RayServePolicy, StaticPolicy, oracle_need
+from kvgate.autoscaler.sim.baselines import (DynamoPlannerPolicy, KpaPolicy, LlmdSaturationPolicy, OraclePolicy,
+                                             RayServePolicy, StaticPolicy, oracle_need)
 from kvgate.autoscaler.sim.engine import simulate
 from kvgate.autoscaler.sim.records import FleetSetup, Scenario, Stockout
 from kvgate.autoscaler.sim.service import Placement, ServiceModel, SimConfigError, choose_placement, placements
@@ -248,6 +249,45 @@ def test_ray_serve_waits_30s_to_scale_up_and_600s_to_scale_down() -> None:
         downs.append(decision.desired)
     first_drop = next(i for i, d in enumerate(downs) if d == 1)
     assert 600 <= first_drop <= 640  # the look-back must empty (30 s), then 600 s of wanting fewer
+
+
+def test_llm_d_adds_one_replica_a_minute_while_saturated_and_removes_one_when_n_minus_1_is_safe() -> None:
+    # 4 ready replicas of 32 slots running 104 (81% KV use >= 80%: saturated): the first decision (t=0) asks for
+    # ready + 1 = 5, and nothing more for the 60 s interval, however saturated.
+    llmd = LlmdSaturationPolicy(max_batch=32, min_replicas=1)
+    state, decision = llmd.decide(llmd.initial_state(), _obs(104, ready=4), 0.0)
+    assert decision.desired == 5
+    for t in range(1, 60):
+        state, decision = llmd.decide(state, _obs(104, ready=4), float(t))
+        assert decision.desired == 5
+    # 5 ready running 64 (40% KV): spare 0.4 >= 0.1; over 4 they would be at 50%, spare 0.3 >= 0.1: one fewer. But
+    # the peak over the last minute (81%) decides: at t=60 it still sees 81% and asks for 6.
+    state, decision = llmd.decide(state, _obs(64, ready=5), 60.0)
+    assert decision.desired == 6
+    for t in range(61, 180):
+        state, decision = llmd.decide(state, _obs(64, ready=5), float(t))
+    assert decision.desired == 4  # at t=120 (the minute's peak now 40%): 5 - 1
+
+
+def test_dynamo_sizes_on_throughput_once_an_interval() -> None:
+    # 20 requests/s of 1,000 prompt tokens and 250 output tokens; a replica prefills 14,000 tokens/s and decodes 1,600.
+    # The first interval (180 s) only measures: the 2 replicas it found stay. At its end: prefill
+    # ceil(20,000 / 14,000) = 2, decode ceil(20 x 250 / 1,600) = 4 -> 4, held for the next interval.
+    dynamo = DynamoPlannerPolicy(prefill_tokens_per_s=14_000, decode_tokens_per_s=1_600, osl=250)
+    obs = ModelObservation("m", 0, 0, 50, 20.0, None, 2, 0, prompt_tokens_per_s=20_000.0)
+    state = dynamo.initial_state()
+    for t in range(0, 180):
+        state, decision = dynamo.decide(state, obs, float(t))
+        assert decision.desired == 2
+    state, decision = dynamo.decide(state, obs, 180.0)
+    assert decision.desired == 4
+    doubled = ModelObservation("m", 0, 0, 100, 40.0, None, 4, 0, prompt_tokens_per_s=40_000.0)
+    for t in range(181, 360):
+        state, decision = dynamo.decide(state, doubled, float(t))
+        assert decision.desired == 4
+    # At 360 the interval's mean is 40 requests/s: decode ceil(40 x 250 / 1,600) = ceil(6.25) = 7.
+    state, decision = dynamo.decide(state, doubled, 360.0)
+    assert decision.desired == 7
 
 
 def test_oracle_need_and_lookahead_worked_numbers() -> None:
