@@ -117,7 +117,7 @@ class ScalerState:
     last_busy_at: float | None = None  # last tick with a request queued, running or arriving
     forecast: ForecastState = field(default_factory=ForecastState)
     prompts: PromptSpread = field(default_factory=PromptSpread)  # prompt sizes' spread over minutes (work model)
-    hold_s: float | None = None  # a request's time in service, learned while nothing queues (`learn_hold`)
+    hold: LittleLaw = field(default_factory=lambda: LittleLaw())  # a request's time in service (`learn_hold`)
     drift: RateDrift = field(default_factory=RateDrift)  # how far the rate moves over a cold start (work model)
 
 
@@ -214,19 +214,42 @@ def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: Foreca
     return demand
 
 
-def learn_hold(hold_s: float | None, obs: ModelObservation, last_t: float | None, now: float,
-               time_constant_s: float = 300.0) -> float | None:
-    """The time a request spends in service (running), smoothed over minutes: running / arrivals (Little's law),
-    learned only at ticks with nothing queued, when arrivals and completions balance. Under a backlog running is
-    the batch's cap and arrivals outrun completions, so the ratio there says nothing about a request.
-    Worked: 60 running at 12 rps with nothing queued -> 5 s (the first sample is taken as is)."""
-    if obs.queued_at_gateways + obs.waiting > 0 or obs.arrivals_per_s <= 0 or obs.running <= 0:
-        return hold_s
-    sample = obs.running / obs.arrivals_per_s
-    if hold_s is None or last_t is None or now <= last_t:
-        return sample if hold_s is None else hold_s
-    keep = math.exp(-(now - last_t) / time_constant_s)
-    return keep * hold_s + (1.0 - keep) * sample
+@dataclass(frozen=True, slots=True)
+class LittleLaw:
+    """A request's time in service by Little's law, W = L / lambda, as a ratio of averages: requests running and
+    arriving, each averaged over minutes (time constant 300 s) at the ticks that qualify (`learn_hold`).
+
+    The ratio of averages, not the average of per-tick ratios: where the rate jumps (an on/off burst), running
+    lags arrivals by a request's time in service, and per-tick ratios at the edges swing from near 0 to many
+    times W; over the averages the two edges cancel. Worked: 60 running at 12 rps, then 0 at 0 -> 5 s.
+    """
+
+    running: float = 0.0
+    arrivals_per_s: float = 0.0
+    t: float | None = None
+
+    @property
+    def hold_s(self) -> float | None:
+        return self.running / self.arrivals_per_s if self.arrivals_per_s > 0 and self.running > 0 else None
+
+    def add(self, running: float, arrivals_per_s: float, now: float, time_constant_s: float = 300.0) -> LittleLaw:
+        # Both averages start from nothing (a first sample counts for one second): the ratio needs no prior.
+        dt = 1.0 if self.t is None else now - self.t
+        if dt <= 0:
+            return self
+        keep = math.exp(-dt / time_constant_s)
+        return LittleLaw(keep * self.running + (1 - keep) * running,
+                         keep * self.arrivals_per_s + (1 - keep) * arrivals_per_s, now)
+
+
+def learn_hold(hold: LittleLaw, obs: ModelObservation, samples: Sequence[Sample], now: float) -> LittleLaw:
+    """`hold` with this tick's running and arrivals added, when Little's law holds for them: nothing queued now nor
+    in the window's samples. Under a backlog running is the batch's cap and arrivals outrun completions; just after
+    one, the backlog's requests are still in service, so running says nothing about a request yet. Idle ticks (no
+    arrivals, nothing running) count: they are part of the averages. Worked: 60 running at 12 rps -> 5 s."""
+    if obs.queued_at_gateways + obs.waiting > 0 or any(x.queued > 0 for x in samples):
+        return hold
+    return hold.add(obs.running, obs.arrivals_per_s, now)
 
 
 def backlog_concurrency(spec: ScalerSpec, samples: Sequence[Sample], hold_s: float | None) -> float:
@@ -452,7 +475,8 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     samples = window_samples(state.samples, obs, now, s.stable_window_s)
     fstate = observe_rate(state.forecast, obs.arrivals_per_s, now, spec.forecast)
     prompts = state.prompts.add(obs.arrivals_per_s, obs.prompt_tokens_per_s, obs.prompt_tokens_sq_per_s, now)
-    hold_s = learn_hold(state.hold_s, obs, state.samples[-1].t if state.samples else None, now)
+    hold = learn_hold(state.hold, obs, samples, now)
+    hold_s = hold.hold_s
     history_s = now - samples[0].t
     warming = history_s < s.panic_window_s
     # A gateway's first rates cover less than its window (0 before its second sample): a fresh scaler's first
@@ -481,7 +505,7 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     new_state = replace(state, desired=clamped, samples=samples, panic_over_at=panic_over_at,
                         panic_max=step.panic_max, up_since=step.up_since, down_since=step.down_since,
                         down_max=step.down_max, last_busy_at=last_busy_at, forecast=fstate,
-                        prompts=prompts, hold_s=hold_s, drift=drift)
+                        prompts=prompts, hold=hold, drift=drift)
     return new_state, ReplicaDecision(desired=clamped, panic=panic_over_at is not None,
                                       forecast_rps=demand.forecast_rps, reason=reason,
                                       stable_desired=demand.stable_desired, panic_desired=demand.panic_desired,

@@ -9,7 +9,7 @@ simulator (`test_sim_*.py`) run this same function.
 Registry (`fleet_helpers.write_registry`): model m, target 4 ongoing requests per replica, 0..4 replicas,
 stable window 20 s, panic window 6 s (threshold 2x), no scale-down delay, scale to zero after 30 s idle,
 model load 5 s; pool gpu sells one-L4 nodes (on-demand $0.80/h) that boot in 30 s. Planner: empty nodes go
-after 120 s. Loop: drain notice 2 s, start back-off 5 s doubling.
+after 30 s (the planner's 120 s grace, cut to the pool's boot). Loop: drain notice 2 s, start back-off 5 s doubling.
 """
 
 from __future__ import annotations
@@ -133,10 +133,11 @@ def test_from_zero_to_a_request_and_back_to_zero(tmp_path: Path) -> None:
     assert run.desired(89) == 1 and run.desired(90) == 0
     assert any(e.kind is EventKind.REPLICA_DRAIN for e in run.ticks[90].events)
     assert run.when(BeginStop) == [92] and run.when(Unpublish) == [93]
-    # The node's 120 s empty-node grace counts from the drain (90): it is released at 210.
+    # The node's empty-node grace counts from the drain (90); it is the planner's 120 s, cut to the pool's 30 s boot
+    # (keeping an empty node longer than a new one takes to boot costs more than buying again): released at 120.
     for t in range(94, 215):
         run.tick(t)
-    assert run.when(DeleteNode) == [210] and run.world.nodes == {}
+    assert run.when(DeleteNode) == [120] and run.world.nodes == {}
 
 
 def test_a_burst_panics_up_at_once_and_never_down_while_it_lasts(tmp_path: Path) -> None:
@@ -183,8 +184,8 @@ def test_a_flash_crowd_on_an_empty_fleet_buys_its_size_in_two_ticks(tmp_path: Pa
 def test_a_drain_holds_the_stop_until_the_notice_and_the_node_until_the_stop_ends(tmp_path: Path) -> None:
     # Two replicas (min 1) serving 8, their target; at 80 the load goes. The stable window (20 s) averages 4 by 89:
     # 1 replica. The one going drains: its stop begins 2 s later (91) and, held here (requests in flight), ends only
-    # when the world says so. Its node's empty-node grace (120 s) runs from the drain, but the node is not deleted
-    # while the replica drains on it (at 211 the grace is over); it goes at the first tick after the stop ends.
+    # when the world says so. Its node's empty-node grace (30 s) runs from the drain, but the node is not deleted
+    # while the replica drains on it (at 119 the grace is over); it goes at the first tick after the stop ends.
     run = Run(load_test_registry(tmp_path, min_replicas=1, node_boot_s=BOOT_S))
     for t in range(0, 80):
         run.tick(t, in_flight=8)

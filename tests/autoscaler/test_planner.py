@@ -460,6 +460,19 @@ def test_a_node_released_as_empty_is_not_room_for_a_consolidation_in_the_same_ti
     assert bought(actions) == [("east:l40s-1:on_demand/a", "1")]
 
 
+def test_a_replica_stopped_this_tick_drains_before_its_node_goes_even_with_no_grace(tmp_path: Path) -> None:
+    # Grace 0: the node whose last replica the scale-down stops is not deleted in the same tick (that would cut the
+    # drain); it goes once the replica has left.
+    snap = registry(tmp_path)
+    n1 = node("n1", "east:l40s-1:on_demand:a", price=2.0)
+    r1 = replica("r1", "steady", "n1")
+    no_grace = PlannerSettings(empty_node_grace_s=0.0, consolidation_enabled=False)
+    state, actions = plan(snap, {"steady": 0}, nodes=(n1,), replicas=(r1,), settings=no_grace)
+    assert [type(a).__name__ for a in actions] == ["StopReplica"]
+    _, actions = plan(snap, {"steady": 0}, nodes=(n1,), state=state, settings=no_grace, now=T0 + 3)
+    assert [type(a).__name__ for a in actions] == ["DeleteNode"]
+
+
 def test_an_empty_node_is_no_room_for_a_consolidation(tmp_path: Path) -> None:
     # "b" (l40s-4, $7.00) has just been emptied by a scale-down (its replicas drain, out of the planner's view)
     # and waits out the empty-node grace; "a" (l40s-4, $7.00, one steady replica) would fit in b's GPUs. Moving

@@ -11,7 +11,7 @@ import pytest
 
 from kvgate.autoscaler.forecast import ForecastState
 from kvgate.autoscaler.scaler import (ModelObservation, RateBounds, Sample, ScalerSpec, ScalerState, arrival_dispersion,
-                                      backlog_concurrency, backlog_drain_rps, decide_replicas, learn_hold,
+                                      LittleLaw, backlog_concurrency, backlog_drain_rps, decide_replicas, learn_hold,
                                       measure_demand)
 from kvgate.autoscaler.sim.baselines import StaticPolicy
 from kvgate.autoscaler.sim.compare import build_fleet
@@ -117,10 +117,39 @@ def test_a_backlog_counts_as_work_to_finish_within_a_cold_start() -> None:
 
 def test_the_hold_time_is_learned_only_while_nothing_queues() -> None:
     obs = _obs(12.0, 2000.0, running=60)
-    assert learn_hold(None, obs, None, 0.0) == pytest.approx(5.0)  # Little: 60 running / 12 rps
-    assert learn_hold(5.0, replace(obs, queued_at_gateways=3, running=64), 0.0, 1.0) == 5.0  # a backlog teaches nothing
-    moved = learn_hold(5.0, replace(obs, running=120), 0.0, 300.0)  # 10 s now; one time constant later
-    assert moved == pytest.approx(5.0 * math.exp(-1) + 10.0 * (1 - math.exp(-1)))
+    clean = [Sample(0.0, 60.0, 12.0)]
+    first = learn_hold(LittleLaw(), obs, clean, 0.0)
+    assert first.hold_s == pytest.approx(5.0)  # Little: 60 running / 12 rps
+    queued = replace(obs, queued_at_gateways=3, running=64)
+    assert learn_hold(first, queued, clean, 1.0) == first  # a backlog teaches nothing
+    # Nor the minute after one (its requests are still in service), while a queued sample is in the window.
+    assert learn_hold(first, replace(obs, running=120), [Sample(0.5, 70.0, 12.0, queued=10.0)], 1.0) == first
+    # Ratio of averages, from nothing: a time constant (300 s) at 60 running / 12 rps, then one at 120 / 12. Each
+    # average is (1 - e^-1) x (the second stretch + e^-1 x the first): W = (120 + 60 e^-1) / (12 (1 + e^-1)) = 8.66 s.
+    hold = LittleLaw()
+    for t in range(300):
+        hold = learn_hold(hold, obs, clean, float(t))
+    for t in range(300, 600):
+        hold = learn_hold(hold, replace(obs, running=120), clean, float(t))
+    e = math.exp(-1)
+    assert hold.hold_s == pytest.approx((120 + 60 * e) / (12 * (1 + e)), rel=0.01)
+
+
+def test_on_off_edges_cancel_in_the_hold_time() -> None:
+    # On/off traffic: 12 rps held 5 s each (60 running) for 60 s, then off: running drains over 5 s while arrivals
+    # are already 0 (a per-tick ratio would read 60 / 0 or skip), then 60 s idle, then on again with running
+    # catching up over 5 s (ratios near 0). The averages see 60 x 60 + a drain of 150 running-seconds and an
+    # arrival-seconds total of 12 x 60 ... both edges: W stays within 10% of 5 s.
+    hold, t = LittleLaw(), 0.0
+    for _cycle in range(5):
+        for k in range(60):
+            ramp = min(1.0, (k + 1) / 5)
+            hold = hold.add(60.0 * ramp, 12.0, t)
+            t += 1
+        for k in range(60):
+            hold = hold.add(max(0.0, 60.0 * (1 - (k + 1) / 5)), 0.0, t)
+            t += 1
+    assert hold.hold_s == pytest.approx(5.0, rel=0.1)
 
 
 def test_slots_are_sized_by_erlang_c_not_a_fraction_of_the_batch() -> None:
