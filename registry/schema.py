@@ -336,6 +336,10 @@ class GpuPerformance(_Strict):
                                                          "over a full batch (each sequence gets this / max_batch).")
     max_batch: int | None = Field(default=None, ge=1, description="Sequences decoded at once on this kind; "
                                                                   "unset: engine.max_running_requests.")
+    kv_cache_tokens: int | None = Field(default=None, ge=1,
+                                        description="Tokens of KV cache one replica holds on this kind: the "
+                                                    "simulator's prefix cache for traces with block hashes; unset: "
+                                                    "no prefix cache.")
 
 
 class Performance(_Strict):

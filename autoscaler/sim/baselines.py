@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 from kvgate.autoscaler.scaler import ModelObservation, ScalerSpec, ScalerState, decide_replicas
 from kvgate.autoscaler.sim.records import SimDecision
 from kvgate.autoscaler.sim.service import ServiceModel
-from kvgate.autoscaler.sim.traces import Trace
+from kvgate.autoscaler.sim.traces import Trace, least_prefill_tokens
 
 _EPS = 1e-9
 
@@ -387,13 +387,14 @@ def oracle_need(trace: Trace, service: ServiceModel, utilization: float, *, wind
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
     seconds = int(trace.duration_s + tail_s) + 2
     events: list[tuple[float, int]] = []
-    for request in trace.requests:
-        end = request.arrival_s + service.prefill_s(request.input_tokens) + service.decode_s(request.output_tokens)
+    prompt = least_prefill_tokens(trace)  # after prefixes earlier requests share, where the trace says
+    for request, tokens in zip(trace.requests, prompt):
+        end = request.arrival_s + service.prefill_s(tokens) + service.decode_s(request.output_tokens)
         events += [(request.arrival_s, 1), (end, -1)]
     events.sort()  # at equal times a departure (-1) comes first: the slot is free for the arrival
     prefill = [0.0] * seconds
-    for request in trace.requests:
-        prefill[min(seconds - 1, int(request.arrival_s))] += service.prefill_s(request.input_tokens)
+    for request, tokens in zip(trace.requests, prompt):
+        prefill[min(seconds - 1, int(request.arrival_s))] += service.prefill_s(tokens)
     peak, area = [0.0] * seconds, [0.0] * seconds
     level = index = 0
     for second in range(seconds):

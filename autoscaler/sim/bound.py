@@ -18,7 +18,9 @@ cheapest placement. What it keeps of the fleet and the service model (`service.p
   prefill and decode: over a window i..j, the slot-time of those requests within `slot_horizon_s` of the SLO
   fits in the slot-capacity of buckets i..j + ceil((SLO + slot_horizon_s) / bucket_s); over the whole run,
   all of it up to the run's end fits in the run's slot-capacity;
-- a request whose prefill alone takes longer than the SLO on the fastest placement never meets it.
+- a request whose prefill alone takes longer than the SLO on the fastest placement never meets it;
+- with block hashes (Mooncake), a prompt prefills at least what no earlier prompt shared of it
+  (`traces.least_prefill_tokens`: one unlimited cache for all replicas), so the bound holds under any cache.
 Which requests meet the SLO is the LP's choice, bucket by bucket: serving y of a bucket's n requests costs at
 least the y cheapest (a convex curve the LP sees through tangent lines, each below it).
 
@@ -40,7 +42,7 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
 from kvgate.autoscaler.sim.service import Placement
-from kvgate.autoscaler.sim.traces import Trace
+from kvgate.autoscaler.sim.traces import Trace, least_prefill_tokens
 
 TANGENTS_PER_BUCKET = 8  # tangent lines under each bucket's cost curve: more is tighter and larger
 
@@ -74,7 +76,7 @@ class _Costs:
 def _costs(trace: Trace, placements: Sequence[Placement], slo_s: float, slot_horizon_s: float,
            end_s: float) -> _Costs:
     arrival = np.array([r.arrival_s for r in trace.requests])
-    tokens_in = np.array([r.input_tokens for r in trace.requests], dtype=float)
+    tokens_in = np.array(least_prefill_tokens(trace), dtype=float)  # a prefix cache can only save prefill
     decode_tokens = np.array([max(0, r.output_tokens - 1) for r in trace.requests], dtype=float)
     inf = np.full(len(arrival), np.inf)
     prefill, slot_window, slot_total, fastest_prefill_s = inf.copy(), inf.copy(), inf.copy(), inf.copy()

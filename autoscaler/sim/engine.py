@@ -44,8 +44,8 @@ from kvgate.autoscaler.reconciler import Fleet
 from kvgate.autoscaler.scaler import ModelObservation
 from kvgate.autoscaler.sim.nodes import SimNode
 from kvgate.autoscaler.sim.records import FleetSetup, Policy, PolicyStep, RunResult, Scenario, TimelinePoint
-from kvgate.autoscaler.sim.service import Placement, choose_placement
-from kvgate.autoscaler.sim.traces import Trace
+from kvgate.autoscaler.sim.service import Placement, PrefixCache, choose_placement
+from kvgate.autoscaler.sim.traces import Request, Trace
 from kvgate.providers.base import NodeState, ReplicaHandle, ReplicaState
 from kvgate.registry.schema import CapacityType
 from kvgate.registry.snapshot import Snapshot
@@ -70,6 +70,7 @@ class _Replica:
     max_batch: int = 0  # copied from the placement's service model: read on every dispatch
     node: SimNode | None = None  # the node it runs on (node planning only; then the node is charged)
     handle: str = ""  # the planner's replica id (node planning only)
+    cache: PrefixCache | None = None  # its prefix cache, for traces with block hashes (`_Run.add_replica`)
 
     def __post_init__(self) -> None:
         self.max_batch = self.placement.service.max_batch
@@ -109,6 +110,7 @@ class _Run:
         self.outcomes: list[Outcome] = []  # what the last tick's actions came to, for the next decision
         self.placement_of = {p.key: p for p in fleet.placements}
         self.policy_state: Any = policy.initial_state()
+        self.caching = trace.block_tokens > 0
         self.last_desired: int | None = None  # the count of the last tick, to count scaling actions
 
     # ---------------------------------------------------------------------------------------- events
@@ -131,8 +133,10 @@ class _Run:
             if next_arrival <= next_event:
                 self.queue.append(i)
                 self.arrivals_per_second[int(now)] += 1
-                self.prompt_tokens_per_second[int(now)] += requests[i].input_tokens
-                self.prompt_squares_per_second[int(now)] += requests[i].input_tokens ** 2
+                # What the gateway counts: the prompt less the longest prefix a ready replica holds.
+                uncached = self.uncached_tokens(requests[i], self.best_hold(requests[i]))
+                self.prompt_tokens_per_second[int(now)] += uncached
+                self.prompt_squares_per_second[int(now)] += uncached ** 2
                 i += 1
                 self.dispatch(now)
                 continue
@@ -203,23 +207,48 @@ class _Run:
         while self.queue:
             if self.ready is None:  # rebuilt only after a replica changed state: rare next to requests
                 self.ready = [r for r in self.replicas.values() if r.state == "ready" and not r.draining]
+            index = self.queue[0]
+            request = self.trace.requests[index]
             best: _Replica | None = None
-            best_free_at = math.inf
+            best_key = (math.inf, math.inf)
             for replica in self.ready:
-                if replica.prefill_free_at < best_free_at and len(replica.in_flight) < replica.max_batch:
-                    best, best_free_at = replica, replica.prefill_free_at
+                if len(replica.in_flight) >= replica.max_batch:
+                    continue
+                # The replica that gives the first token soonest (its prefill queue, and the prefix it holds); among
+                # those as soon, the one whose prefill engine has been free longest.
+                first = max(now, replica.prefill_free_at)
+                if replica.cache is not None:
+                    held = replica.cache.match(request.blocks)
+                    first += replica.placement.service.prefill_s(self.uncached_tokens(request, held))
+                if (first, replica.prefill_free_at) < best_key:
+                    best, best_key = replica, (first, replica.prefill_free_at)
             if best is None:
                 return
-            index = self.queue.popleft()
-            request = self.trace.requests[index]
+            self.queue.popleft()
             service = best.placement.service
-            first = max(now, best.prefill_free_at) + service.prefill_s(request.input_tokens)
+            held = best.cache.match(request.blocks) if best.cache is not None else 0
+            first = max(now, best.prefill_free_at) + service.prefill_s(self.uncached_tokens(request, held))
+            if best.cache is not None:
+                best.cache.insert(request.blocks)
             best.prefill_free_at = first
             best.in_flight.add(index)
             self.holder[index] = best.id
             self.first_token_at[index] = first
             self.ttft[index] = first - request.arrival_s
             self.push(first + service.decode_s(request.output_tokens), _FREE, index, self.attempt[index])
+
+    def uncached_tokens(self, request: Request, held_blocks: int) -> int:
+        """The prompt tokens left to prefill after `held_blocks` cached blocks (at least one: the last token's
+        logits are always computed)."""
+        return max(1, request.input_tokens - held_blocks * self.trace.block_tokens)
+
+    def best_hold(self, request: Request) -> int:
+        """The longest prefix of `request` any ready replica holds, in blocks (what the router predicts)."""
+        if not self.caching:
+            return 0
+        if self.ready is None:
+            self.ready = [r for r in self.replicas.values() if r.state == "ready" and not r.draining]
+        return max((r.cache.match(request.blocks) for r in self.ready if r.cache is not None), default=0)
 
     def finish(self, now: float, index: int, attempt: int) -> None:
         if attempt != self.attempt[index]:
@@ -279,6 +308,8 @@ class _Run:
         that becomes ready at `replica.ready_at`."""
         self.next_replica += 1
         self.replicas[replica.id] = replica
+        if self.caching and replica.placement.service.kv_cache_tokens:
+            replica.cache = PrefixCache(replica.placement.service.kv_cache_tokens // self.trace.block_tokens)
         if warm:
             replica.state = "ready"
             self.ready = None

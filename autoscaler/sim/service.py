@@ -7,8 +7,13 @@ A replica of a model on one GPU kind (figures from the registry's `Model.spec.pe
 - decode is shared by the batch: each sequence gets `decode_tokens_per_s / max_batch` tokens per second
   whatever the batch size (the full-batch rate: pessimistic when the batch is small, exact when full).
 
-This is a stand-in for a continuous-batching engine that ignores prefill-decode interference and
-prefix caching; it is the same for every policy, so the comparison between policies is fair.
+- with `kv_cache_tokens` set and a trace with block hashes (Mooncake), a replica keeps a prefix cache of that
+  many tokens' blocks, least recently used out first (`PrefixCache`): a prompt prefills only the blocks after the
+  longest prefix its replica holds, and the gateway sends a request to the replica that gives it its first token
+  soonest (prefix held and prefill queue together).
+
+This is a stand-in for a continuous-batching engine that ignores prefill-decode interference; it is the same for
+every policy, so the comparison between policies is fair.
 
 A `Placement` is one way to run a replica: a pool's offer (spot or on-demand), the replica's share of
 the node price (gpu_count of the replica / gpu_count of the node: consolidation packs nodes), and the
@@ -18,6 +23,7 @@ conservative case).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvgate.registry.schema import CapacityType, ModelDoc, Offer, PoolDoc
@@ -34,6 +40,7 @@ class ServiceModel:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float  # summed over a full batch
     max_batch: int
+    kv_cache_tokens: int = 0  # the prefix cache's size; 0: none
 
     def prefill_s(self, input_tokens: int) -> float:
         return input_tokens / self.prefill_tokens_per_s
@@ -48,10 +55,38 @@ def service_model(model: ModelDoc, gpu_kind: str) -> ServiceModel:
     for entry in model.spec.performance.gpu_kinds:
         if entry.gpu_kind == gpu_kind:
             return ServiceModel(gpu_kind, entry.prefill_tokens_per_s, entry.decode_tokens_per_s,
-                                entry.max_batch or model.spec.engine.max_running_requests)
+                                entry.max_batch or model.spec.engine.max_running_requests, entry.kv_cache_tokens or 0)
     known = [entry.gpu_kind for entry in model.spec.performance.gpu_kinds]
     raise SimConfigError(f"Model/{model.metadata.name} has no spec.performance.gpu_kinds entry for {gpu_kind!r} "
                          f"(has {known or 'none'}); add prefill_tokens_per_s and decode_tokens_per_s for it")
+
+
+class PrefixCache:
+    """One replica's prefix cache: prompt blocks (hash ids) in least-recently-used order, at most `capacity` of them.
+    Mutable, owned by one simulated replica. Worked: capacity 2, prompts [1, 2] then [1, 3]: the second matches 1
+    block, and after it [2] is the one evicted (1 and 3 were used last)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, blocks: tuple[int, ...]) -> int:
+        """How many of `blocks`, from the first, the cache holds."""
+        held = 0
+        for block in blocks:
+            if block not in self._blocks:
+                break
+            held += 1
+        return held
+
+    def insert(self, blocks: tuple[int, ...]) -> None:
+        """A prompt was prefilled: its blocks are the most recently used (a prompt longer than the cache keeps its
+        last `capacity` blocks, which a later prompt cannot reuse without the first: harmless)."""
+        for block in blocks:
+            self._blocks[block] = None
+            self._blocks.move_to_end(block)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,16 @@ class Request:
     arrival_s: float  # seconds since the trace's first request
     input_tokens: int
     output_tokens: int
+    # The prompt's blocks of `Trace.block_tokens` tokens as hash ids, in order (Mooncake's hash_ids): two prompts
+    # sharing a first block share a prefix, the service model's prefix cache reuses it. () when the trace has none.
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Trace:
     name: str
     requests: tuple[Request, ...]  # sorted by arrival_s, none before 0.0
+    block_tokens: int = 0  # tokens a prompt block (`Request.blocks`) stands for; 0: no block hashes
 
     @property
     def duration_s(self) -> float:
@@ -49,15 +53,42 @@ class Trace:
     def slice(self, start_s: float, end_s: float) -> Trace:
         """The requests arriving in [start_s, end_s), shifted so the slice starts at 0."""
         kept = [r for r in self.requests if start_s <= r.arrival_s < end_s]
-        return _from_unsorted(f"{self.name}[{start_s:g}:{end_s:g}]", kept)
+        return _from_unsorted(f"{self.name}[{start_s:g}:{end_s:g}]", kept, self.block_tokens)
+
+    def next_block_id(self) -> int:
+        """One past the largest block id: an offset that makes a copy's blocks its own."""
+        return 1 + max((b for r in self.requests for b in r.blocks), default=-1)
 
 
-def _from_unsorted(name: str, requests: list[Request]) -> Trace:
+def _from_unsorted(name: str, requests: list[Request], block_tokens: int = 0) -> Trace:
     requests.sort(key=lambda r: r.arrival_s)
     if not requests:
-        return Trace(name, ())
+        return Trace(name, (), block_tokens)
     t0 = requests[0].arrival_s
-    return Trace(name, tuple(replace(r, arrival_s=r.arrival_s - t0) for r in requests))
+    return Trace(name, tuple(replace(r, arrival_s=r.arrival_s - t0) for r in requests), block_tokens)
+
+
+def least_prefill_tokens(trace: Trace) -> list[int]:
+    """Each request's prompt tokens less the longest prefix of blocks any earlier request had: what it prefills at
+    the least, with one cache of unlimited size shared by every replica. A trace without block hashes prefills
+    its whole prompts. The lower bound and the oracle's need curve use it; a real replica's cache holds less."""
+    if trace.block_tokens <= 0:
+        return [r.input_tokens for r in trace.requests]
+    seen: set[int] = set()
+    tokens = []
+    for request in trace.requests:
+        held = 0
+        for block in request.blocks:
+            if block not in seen:
+                break
+            held += 1
+        tokens.append(max(1, request.input_tokens - held * trace.block_tokens))
+        seen.update(request.blocks)
+    return tokens
+
+
+def _offset_blocks(request: Request, offset: int) -> Request:
+    return replace(request, blocks=tuple(b + offset for b in request.blocks)) if offset and request.blocks else request
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -95,8 +126,12 @@ def load_azure_csv(path: str | Path) -> Trace:
     return _from_unsorted(path.stem, requests)
 
 
+MOONCAKE_BLOCK_TOKENS = 512  # the Mooncake traces hash prompts in blocks of 512 tokens
+
+
 def load_mooncake_jsonl(path: str | Path, *, seed: int = 0) -> Trace:
-    """Mooncake FAST'25 trace: `timestamp` in ms, `input_length`, `output_length` per JSON line.
+    """Mooncake FAST'25 trace: `timestamp` in ms, `input_length`, `output_length` and, where present, `hash_ids`
+    (the prompt's 512-token blocks) per JSON line.
 
     Its timestamps are quantised to ~3 s buckets; requests sharing a timestamp are spread uniformly
     over the 3 s that follows (seeded), or they would all arrive in one instant.
@@ -111,13 +146,14 @@ def load_mooncake_jsonl(path: str | Path, *, seed: int = 0) -> Trace:
             try:
                 row = json.loads(text)
                 arrival = float(row["timestamp"]) / 1000.0 + rng.uniform(0.0, 3.0)
-                requests.append(Request(arrival, _tokens(row["input_length"]), _tokens(row["output_length"])))
+                blocks = tuple(int(b) for b in row.get("hash_ids", ()))
+                requests.append(Request(arrival, _tokens(row["input_length"]), _tokens(row["output_length"]), blocks))
             except KeyError as error:
                 raise TraceError(f"{path}:{line}: no field {error}; a Mooncake row has timestamp (ms), "
                                  "input_length and output_length") from None
             except (ValueError, TypeError) as error:
                 raise TraceError(f"{path}:{line}: {type(error).__name__}: {error}") from None
-    return _from_unsorted(path.stem, requests)
+    return _from_unsorted(path.stem, requests, MOONCAKE_BLOCK_TOKENS if any(r.blocks for r in requests) else 0)
 
 
 def _tokens(value: object) -> int:
@@ -133,13 +169,16 @@ def with_warmup(trace: Trace, warmup_s: float) -> Trace:
     A trace is a window cut out of continuous traffic, but a replay starts from an empty system: every
     window-based policy would first see no load and shed the fleet. The mirrored head gives the
     policies a history at the trace's own opening level and shape; the original starts at `warmup_s`
-    (score from there: `simulate(..., score_from_s=warmup_s)`).
+    (score from there: `simulate(..., score_from_s=warmup_s)`). The mirrored prompts' blocks are their own, so the
+    warm-up leaves no cache the scored trace could not have built itself.
     """
     if warmup_s <= 0:
         return trace
-    head = [replace(r, arrival_s=warmup_s - r.arrival_s) for r in trace.requests if 0 < r.arrival_s < warmup_s]
+    offset = trace.next_block_id()
+    head = [_offset_blocks(replace(r, arrival_s=warmup_s - r.arrival_s), offset)
+            for r in trace.requests if 0 < r.arrival_s < warmup_s]
     body = [replace(r, arrival_s=r.arrival_s + warmup_s) for r in trace.requests]
-    return Trace(trace.name, tuple(sorted(head + body, key=lambda r: r.arrival_s)))
+    return Trace(trace.name, tuple(sorted(head + body, key=lambda r: r.arrival_s)), trace.block_tokens)
 
 
 def compress_time(trace: Trace, factor: float) -> Trace:
@@ -147,7 +186,7 @@ def compress_time(trace: Trace, factor: float) -> Trace:
     if factor <= 0:
         raise TraceError(f"time compression must be > 0, got {factor}")
     return Trace(f"{trace.name}/t{factor:g}",
-                 tuple(replace(r, arrival_s=r.arrival_s / factor) for r in trace.requests))
+                 tuple(replace(r, arrival_s=r.arrival_s / factor) for r in trace.requests), trace.block_tokens)
 
 
 def scale_rate(trace: Trace, factor: float, *, seed: int = 0) -> Trace:
@@ -158,14 +197,17 @@ def scale_rate(trace: Trace, factor: float, *, seed: int = 0) -> Trace:
         return trace
     rng = random.Random(seed)
     whole, fraction = int(math.floor(factor)), factor - math.floor(factor)
+    # The k-th copy of each request has the k-th copy of every block: copies share prefixes as the originals do
+    # among themselves, not with each other (ten copies of one prompt would be nine free prefills).
+    offset = trace.next_block_id()
     out: list[Request] = []
     for request in trace.requests:
         copies = whole + (1 if rng.random() < fraction else 0)
         for copy in range(copies):
             # Copies land within 50 ms of the original: same burst structure, no exact ties.
             jitter = 0.0 if copy == 0 else rng.uniform(0.0, 0.05)
-            out.append(replace(request, arrival_s=request.arrival_s + jitter))
-    return _from_unsorted(f"{trace.name}/x{factor:g}", out)
+            out.append(_offset_blocks(replace(request, arrival_s=request.arrival_s + jitter), copy * offset))
+    return _from_unsorted(f"{trace.name}/x{factor:g}", out, trace.block_tokens)
 
 
 @dataclass(frozen=True)
