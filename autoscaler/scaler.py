@@ -209,8 +209,14 @@ def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: Foreca
     if spec.capacity is not None:
         work_desired, work_why = work_demand(spec.capacity, samples, prompts.c_s2, hold_s, demand.forecast_rps, s,
                                              spec.cold_start_s, now, drift_rps)
+        sizes_slots = hold_s is not None and spec.capacity.max_batch > 0
         demand = replace(demand, work_desired=bounds.bound(work_desired), work_why=work_why,
-                         work_sizes_slots=hold_s is not None and spec.capacity.max_batch > 0)
+                         work_sizes_slots=sizes_slots)
+        if sizes_slots:
+            # The work model sizes for the panic window's rate once a burst shows, and for the backlog: it is the
+            # panic's count too. Concurrency over a target would call a batch of long answers (decode-heavy: 24
+            # busy slots of 32 where the target is 16) a burst, and the scale-down delay would keep its count.
+            demand = replace(demand, panic_desired=demand.work_desired)
     return demand
 
 
@@ -325,7 +331,9 @@ def work_demand(capacity: ReplicaCapacity, samples: tuple[Sample, ...], c_s2: fl
     rate = max(burst_rps, forecast_rps or 0.0) + DRIFT_SIGMAS * drift_rps + backlog_rps
     load = PromptLoad(rate, _mean([x.prompt_tokens_per_s for x in samples]) / stable_rps, c_s2)
     prefill = prefill_replicas(capacity, load, c_a2=c_a2, limit=scaling.max_replicas + 1)
-    slots = 0 if hold_s is None else slot_replicas(capacity, rate, hold_s, limit=scaling.max_replicas + 1)
+    slack_s = max(0.0, capacity.ttft_slo_s - load.mean_tokens / capacity.prefill_tokens_per_s)
+    slots = 0 if hold_s is None else slot_replicas(capacity, rate, hold_s, slack_s=slack_s,
+                                                   limit=scaling.max_replicas + 1)
     if max(prefill, slots) == 0:
         return 0, ""
     why = (f"work {rate:.1f} rps (c_a² {c_a2:.1f}): prefill {load.mean_tokens:.0f} tokens (c_s² {load.c_s2:.1f}) at "
@@ -389,12 +397,16 @@ def hold_while_warming(scaling: Scaling, state: ScalerState, current: int, histo
 
 def follow_panic(scaling: Scaling, state: ScalerState, demand: Demand, current: int, ready_replicas: int) -> Step:
     """In panic: the panic-window count at once (no up delay), never lower than the most wanted during
-    this panic nor than `current`. The delay timers restart."""
+    this panic nor than `current`. The delay timers restart. Once the work model sizes the slots, its count is
+    the panic's (`measure_demand`)."""
     held = state.panic_max if state.panic_over_at is not None else current
     panic_max = max(held, demand.panic_desired, demand.work_desired, current)
-    return Step(panic_max, f"panic: {demand.panic_conc:.1f} ongoing over {scaling.panic_window_s:g}s / target "
-                           f"{scaling.target_ongoing_requests:g} -> {demand.panic_desired}, ready {ready_replicas}; "
-                           "never down in panic", panic_max=panic_max)
+    if demand.work_sizes_slots:
+        why = f"{demand.work_why}, ready {ready_replicas}"
+    else:
+        why = (f"{demand.panic_conc:.1f} ongoing over {scaling.panic_window_s:g}s / target "
+               f"{scaling.target_ongoing_requests:g} -> {demand.panic_desired}, ready {ready_replicas}")
+    return Step(panic_max, f"panic: {why}; never down in panic", panic_max=panic_max)
 
 
 def follow_stable(spec: ScalerSpec, state: ScalerState, demand: Demand, current: int, now: float) -> Step:

@@ -32,7 +32,8 @@ short: llm-d's "simulate N − 1 before scaling down", in closed form.
 
 The batch slots are sized the same way (`slot_replicas`): a request holds a slot for its time in service h, so a
 rate λ keeps λ·h slots busy on average (Little's law), and the fleet needs the fewest replicas of `max_batch` slots
-for which Erlang's C, the chance that a request finds every slot taken, is under a tenth of the goal's misses. The
+for which the chance that a request waits for a slot longer than the SLO leaves it (the SLO less its prefill) is under
+a tenth of the goal's misses (Erlang's C and the M/M/c wait's exponential tail). The
 rate planned for is the current one plus one standard deviation of how far it moved over one cold start on this
 model's traffic (`RateDrift`): replicas ordered now serve the load of a cold start from now. One deviation was
 chosen against 2.33 (the 99% quantile) over every trace and shape of `loadtests/sim_matrix.py`: 2.33 bought
@@ -201,24 +202,31 @@ def prefill_replicas(capacity: ReplicaCapacity, load: PromptLoad, *, c_a2: float
     return servers
 
 
-# A request that finds every slot taken waits for a whole answer to end elsewhere, seconds past any TTFT SLO:
-# nearly every such wait is a miss, so slots get this small share of the goal's misses.
+# Slots get this small share of the goal's misses: a wait for a slot comes on top of the prefill queue's, which
+# has the rest.
 _SLOT_SHARE = 0.1
 
 
-def slot_replicas(capacity: ReplicaCapacity, rate: float, hold_s: float, *, limit: int = 10_000) -> int:
-    """The fewest replicas whose batch slots (`max_batch` each) leave a request waiting for one at most a tenth
-    of the goal's misses: Erlang's C over all slots, each held `hold_s` (Little's law: rate x hold_s busy on
-    average). 0 with no load or no batch size. This is the concurrency target made from the SLO instead of a
-    fraction of the batch: 32 requests/s held 4.5 s each is 144 busy slots on average; 5 replicas of 32 (160)
-    leave 13% waiting, 6 (192) 0.008%: 6, where a target of 16 a replica asks for 9.
+def slot_replicas(capacity: ReplicaCapacity, rate: float, hold_s: float, *, slack_s: float = 0.0,
+                  limit: int = 10_000) -> int:
+    """The fewest replicas whose batch slots (`max_batch` each) keep a request waiting for one longer than
+    `slack_s` (the SLO less its prefill) to at most a tenth of the goal's misses. Each slot is held `hold_s`
+    (Little's law: rate x hold_s busy on average); in the M/M/c queue over all N slots a request waits with
+    Erlang's C probability, and longer than t with C x exp(-(N - busy) t / hold_s): with many slots one frees
+    often, so a wait is short. 0 with no load or no batch size. The concurrency target made from the SLO instead
+    of a fraction of the batch: 32 requests/s held 4.5 s each is 144 busy slots; with no slack, 5 replicas of 32
+    (160) leave 13% waiting, 6 (192) 0.008%: 6, where a target of 16 a replica asks for 9. With 0.5 s of slack
+    5 leave 13% x exp(-16 x 0.5 / 4.5) = 2.2% waiting that long: still 6.
     """
     busy = rate * hold_s
     if busy <= 0 or capacity.max_batch <= 0:
         return 0
     allowed = _SLOT_SHARE * (1.0 - capacity.attainment)
     replicas = max(1, math.floor(busy / capacity.max_batch) + 1)
-    while replicas < limit and erlang_c(replicas * capacity.max_batch, busy) > allowed:
+    while replicas < limit:
+        slots = replicas * capacity.max_batch
+        if erlang_c(slots, busy) * math.exp(-(slots - busy) * slack_s / hold_s) <= allowed:
+            break
         replicas += 1
     return replicas
 
