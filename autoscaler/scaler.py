@@ -212,11 +212,6 @@ def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: Foreca
         sizes_slots = hold_s is not None and spec.capacity.max_batch > 0
         demand = replace(demand, work_desired=bounds.bound(work_desired), work_why=work_why,
                          work_sizes_slots=sizes_slots)
-        if sizes_slots:
-            # The work model sizes for the panic window's rate once a burst shows, and for the backlog: it is the
-            # panic's count too. Concurrency over a target would call a batch of long answers (decode-heavy: 24
-            # busy slots of 32 where the target is 16) a burst, and the scale-down delay would keep its count.
-            demand = replace(demand, panic_desired=demand.work_desired)
     return demand
 
 
@@ -397,16 +392,12 @@ def hold_while_warming(scaling: Scaling, state: ScalerState, current: int, histo
 
 def follow_panic(scaling: Scaling, state: ScalerState, demand: Demand, current: int, ready_replicas: int) -> Step:
     """In panic: the panic-window count at once (no up delay), never lower than the most wanted during
-    this panic nor than `current`. The delay timers restart. Once the work model sizes the slots, its count is
-    the panic's (`measure_demand`)."""
+    this panic nor than `current`. The delay timers restart."""
     held = state.panic_max if state.panic_over_at is not None else current
     panic_max = max(held, demand.panic_desired, demand.work_desired, current)
-    if demand.work_sizes_slots:
-        why = f"{demand.work_why}, ready {ready_replicas}"
-    else:
-        why = (f"{demand.panic_conc:.1f} ongoing over {scaling.panic_window_s:g}s / target "
-               f"{scaling.target_ongoing_requests:g} -> {demand.panic_desired}, ready {ready_replicas}")
-    return Step(panic_max, f"panic: {why}; never down in panic", panic_max=panic_max)
+    return Step(panic_max, f"panic: {demand.panic_conc:.1f} ongoing over {scaling.panic_window_s:g}s / target "
+                           f"{scaling.target_ongoing_requests:g} -> {demand.panic_desired}, ready {ready_replicas}; "
+                           "never down in panic", panic_max=panic_max)
 
 
 def follow_stable(spec: ScalerSpec, state: ScalerState, demand: Demand, current: int, now: float) -> Step:

@@ -164,19 +164,6 @@ def test_slots_are_sized_by_erlang_c_not_a_fraction_of_the_batch() -> None:
     assert slot_replicas(capacity, 32.0, 4.5, slack_s=3.0) == 5
 
 
-def test_long_answers_filling_half_the_batch_are_no_burst_once_work_sizes_the_slots() -> None:
-    """Decode-heavy: 20 requests/s held 20 s each keep 400 slots busy on 12 ready replicas. Concurrency over the
-    target (16 a replica) reads 400 / 16 = 25 replicas, over 2 x 12 ready: a panic, whose count the scale-down delay
-    would keep. Once the hold time is known, the work model's count is the panic's: 400 busy of 32 a replica with
-    the rate's noise -> 14 or 15, under 2 x 12: no panic."""
-    scaling = Scaling(min_replicas=1, max_replicas=40, target_ongoing_requests=16.0, forecast_enabled=False)
-    spec = ScalerSpec(scaling, cold_start_s=50.0, capacity=replace(L40S, max_batch=32))
-    state = ScalerState()
-    for t in range(61):
-        state, decision = decide_replicas(spec, state, _obs(20.0, 300.0, running=400, ready=12), float(t))
-    assert not decision.panic and 14 <= decision.desired <= 15, decision.reason
-
-
 def test_rate_drift_is_the_spread_of_the_rate_move_over_a_cold_start() -> None:
     drift = RateDrift()
     # The rate alternates 10 and 14 every 50 s; across a 50 s horizon it always moves by 4: sigma 4.
