@@ -1,8 +1,8 @@
 """How close the simulator's service model comes to a real `kvgate engine`: the same requests, the same arrival
 times, TTFT percentiles side by side.
 
-    .venv/bin/python loadtests/sim_calibrate.py                    # SmolLM2-135M on this CPU, ~5 min
-    .venv/bin/python loadtests/sim_calibrate.py --loads 0.3,0.6 --requests 120
+    .venv/bin/python loadtests/sim_calibrate.py                    # SmolLM2-135M on this CPU, ~8 min
+    .venv/bin/python loadtests/sim_calibrate.py --loads 0.3,0.6 --requests 40
 
 1. Starts one real engine (`builtin:smollm2-135m`, `--max-num-seqs` slots) and measures what the registry's
    `performance` entry would declare for it: prefill tokens/s (one long prompt at a time, TTFT of 1-token answers)
@@ -13,7 +13,8 @@ times, TTFT percentiles side by side.
 3. Replays the same trace through the simulator's service model (`autoscaler/sim/service.py`: prefill one request
    at a time, decode at the full batch's per-sequence rate) on one replica with the measured figures.
 Prints engine and simulator p50 / p90 / p99 TTFT per load and their ratios; writes
-loadtests/.work/sim_calibrate.json. The engine shares this box's 2 cores with the client: run it alone.
+loadtests/.work/sim_calibrate.json (after each load, so a run cut short keeps what it measured). The engine shares
+this box's 2 cores with the client: run it alone.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def quantiles(values: list[float]) -> dict:
 
 
 async def run(args: argparse.Namespace) -> dict:
+    result: dict = {"model": args.model, "rows": []}
     import aiohttp
 
     process, url = start_engine(["--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
@@ -133,7 +135,8 @@ async def run(args: argparse.Namespace) -> dict:
             mean_in = sum(r.input_tokens for r in probe.requests) / len(probe.requests)
             mean_out = sum(r.output_tokens for r in probe.requests) / len(probe.requests)
             capacity = 1.0 / (mean_in / figures["prefill_tokens_per_s"] + mean_out / figures["decode_tokens_per_s"])
-            rows = []
+            result.update(figures=figures, mean_prompt=mean_in, mean_answer=mean_out, capacity_rps=capacity)
+            rows = result["rows"]
             for i, load in enumerate(args.loads):
                 trace = draw_trace(load * capacity, args.requests, args, seed=100 + i)
                 engine = await replay(session, url, trace, seed=200 + i)
@@ -141,13 +144,13 @@ async def run(args: argparse.Namespace) -> dict:
                 row = {"load": load, "rate_rps": load * capacity, "requests": len(trace.requests),
                        "engine": quantiles(engine), "sim": quantiles(sim)}
                 rows.append(row)
+                Path(args.out).write_text(json.dumps(result, indent=1))
                 print(f"load {load:.0%} ({load * capacity:.2f} req/s): engine p50/p90/p99 "
                       + " / ".join(f"{row['engine'][k]:.3f}" for k in ("p50", "p90", "p99")) + " s; sim "
                       + " / ".join(f"{row['sim'][k]:.3f}" for k in ("p50", "p90", "p99")) + " s", flush=True)
     finally:
         stop_process_group(process)
-    return {"model": args.model, "figures": figures, "mean_prompt": mean_in, "mean_answer": mean_out,
-            "capacity_rps": capacity, "rows": rows}
+    return result
 
 
 def table(result: dict) -> str:
@@ -167,7 +170,7 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:smollm2-135m")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="the engine's batch (default 8)")
     parser.add_argument("--loads", default="0.3,0.6,0.85", help="fractions of the measured capacity")
-    parser.add_argument("--requests", type=int, default=150, help="requests per load")
+    parser.add_argument("--requests", type=int, default=80, help="requests per load (default 80)")
     parser.add_argument("--median-prompt", type=int, default=200)
     parser.add_argument("--median-answer", type=int, default=24)
     parser.add_argument("--prefill-probe-tokens", type=int, default=768)
@@ -180,7 +183,6 @@ def main() -> None:
 
     result = uvloop.run(run(args))
     print(table(result))
-    Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
 
 
