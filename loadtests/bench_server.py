@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtests.common import make_prompts, start_engine
+from loadtests.common import make_prompts, read_completion_stream, start_engine
 WORK = REPO / "loadtests" / ".work"
 
 
@@ -136,15 +136,7 @@ async def bench_http(args: argparse.Namespace, url: str, prompts: list[list[int]
                 data = await response.json()
                 end = time.perf_counter()
                 return Sample(end - start, end - start, data["usage"]["completion_tokens"])
-            count = 0
-            async for line in response.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and first is None:
-                    first = time.perf_counter()
-                if chunk.get("usage"):
-                    count = chunk["usage"]["completion_tokens"]
+            first, count = await read_completion_stream(response, time.perf_counter)
         return Sample(time.perf_counter() - start, first - start, count)
 
     connector = aiohttp.TCPConnector(limit=args.concurrency)

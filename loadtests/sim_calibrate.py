@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from loadtests.common import make_prompts, percentile, start_engine, stop_process_group  # noqa: E402
+from loadtests.common import (make_prompts, percentile, read_completion_stream, start_engine,  # noqa: E402
+                              stop_process_group)
 
 from kvgate.autoscaler.sim.baselines import StaticPolicy  # noqa: E402
 from kvgate.autoscaler.sim.engine import simulate  # noqa: E402
@@ -49,17 +50,9 @@ async def one(session, url: str, prompt: list[int], max_tokens: int) -> tuple[fl
     body = {"model": "calib", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, count = None, 0
     async with session.post(url + "/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and first is None:
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                count = chunk["usage"]["completion_tokens"]
+        first, count = await read_completion_stream(response, time.perf_counter)
     end = time.perf_counter()
     return (first or end) - start, end - start, count
 

@@ -211,23 +211,23 @@ class _Run:
             request = self.trace.requests[index]
             best: _Replica | None = None
             best_key = (math.inf, math.inf)
+            best_held = 0
             for replica in self.ready:
                 if len(replica.in_flight) >= replica.max_batch:
                     continue
                 # The replica that gives the first token soonest (its prefill queue, and the prefix it holds); among
                 # those as soon, the one whose prefill engine has been free longest.
+                held = replica.cache.match(request.blocks) if replica.cache is not None else 0
                 first = max(now, replica.prefill_free_at)
                 if replica.cache is not None:
-                    held = replica.cache.match(request.blocks)
                     first += replica.placement.service.prefill_s(self.uncached_tokens(request, held))
                 if (first, replica.prefill_free_at) < best_key:
-                    best, best_key = replica, (first, replica.prefill_free_at)
+                    best, best_key, best_held = replica, (first, replica.prefill_free_at), held
             if best is None:
                 return
             self.queue.popleft()
             service = best.placement.service
-            held = best.cache.match(request.blocks) if best.cache is not None else 0
-            first = max(now, best.prefill_free_at) + service.prefill_s(self.uncached_tokens(request, held))
+            first = max(now, best.prefill_free_at) + service.prefill_s(self.uncached_tokens(request, best_held))
             if best.cache is not None:
                 best.cache.insert(request.blocks)
             best.prefill_free_at = first
