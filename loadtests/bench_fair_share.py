@@ -50,6 +50,7 @@ WORK = ROOT / "loadtests" / ".work"
 MODEL = "m"
 NOISY_X, QUIET_X = 5.0, 0.2  # each tenant's offered load, in multiples of the fleet's capacity
 LEARN_S = 8.0  # the gateway learns what the replicas run at once within this (they report every 1 s)
+RUNS = ("alone", "fair", "fair-configured", "fifo")
 MODE_ROUTING = {"learned": "", "configured": "max_in_flight_per_replica: {batch},", "fifo": "fair_queueing: false,"}
 
 
@@ -217,13 +218,15 @@ def summarize(answers: list[Answer], tenant: str, duration_s: float, warmup_s: f
     came within the SLO, per second of the run (what it was served usefully; a backlog drained late is not)."""
     mine = [a for a in answers if a.tenant == tenant and a.sent_at >= warmup_s]
     ttfts = sorted(a.ttft_s * 1000 for a in mine if a.status == 200 and a.ttft_s is not None)
+    slowest = sorted((a for a in mine if a.status == 200 and a.ttft_s is not None), key=lambda a: -a.ttft_s)[:5]
     return {"sent": len(mine), "served": len(ttfts), "shed": sum(a.status in (429, 503) for a in mine),
+            "slowest": [{"sent_at_s": round(a.sent_at, 3), "ttft_ms": round(a.ttft_s * 1000, 1)} for a in slowest],
             "failed": sum(a.status not in (200, 429, 503) or (a.status == 200 and a.ttft_s is None) for a in mine),
             "good_per_s": sum(ttft <= slo_ms for ttft in ttfts) / max(duration_s - warmup_s, 1e-9),
             "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p99_ms": percentile(ttfts, 0.99)}
 
 
-def run_shape(shape: Shape, duration_s: float, seed: int, lockstep: bool) -> dict:
+def run_shape(shape: Shape, duration_s: float, seed: int, lockstep: bool, only: tuple[str, ...] = RUNS) -> dict:
     secret = secrets.token_urlsafe(32)
     keys = {"noisy": secrets.token_urlsafe(24), "quiet": secrets.token_urlsafe(24)}
     capacity = shape.capacity_per_s
@@ -232,6 +235,8 @@ def run_shape(shape: Shape, duration_s: float, seed: int, lockstep: bool) -> dic
              "fair-configured": ("configured", both), "fifo": ("fifo", both)}
     runs = {}
     for name, (mode, rates) in plans.items():
+        if name not in only:
+            continue
         sims = start_sims(shape)
         directory = WORK / f"fair-share-{shape.name}-{name}"
         write_registry(directory, shape, [url for _, url in sims], mode, secret, keys)
@@ -248,7 +253,7 @@ def run_shape(shape: Shape, duration_s: float, seed: int, lockstep: bool) -> dic
         print(f"  {shape.name:6s} {name:15s} quiet p99 {quiet['ttft_p99_ms'] or 0:8.1f} ms, "
               f"shed {quiet['shed']}", file=sys.stderr)
     alone_p99 = runs["alone"]["quiet"]["ttft_p99_ms"]
-    for name in ("fair", "fair-configured", "fifo"):
+    for name in set(runs) - {"alone"}:
         p99 = runs[name]["quiet"]["ttft_p99_ms"]
         runs[name]["quiet_p99_over_alone"] = p99 / alone_p99 if p99 and alone_p99 else None
     return {"shape": asdict(shape), "capacity_per_s": capacity, "warmup_s": shape.warmup_s, "runs": runs}
@@ -285,13 +290,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lockstep", action="store_true",
                         help="every request the shape's mean length (by default each draws from 0.5x to 1.5x it)")
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help=f"comma-separated, of {', '.join(RUNS)} (alone is always run: the others are judged "
+                             "against it)")
     parser.add_argument("--out", default=str(WORK / "bench_fair_share.json"))
     args = parser.parse_args()
     unknown = set(args.shapes.split(",")) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shape(s) {', '.join(sorted(unknown))}; choose from {', '.join(SHAPES)}")
+    only = ("alone", *args.runs.split(","))
+    if set(only) - set(RUNS):
+        parser.error(f"unknown run(s) {', '.join(sorted(set(only) - set(RUNS)))}; choose from {', '.join(RUNS)}")
     WORK.mkdir(parents=True, exist_ok=True)
-    results = [run_shape(SHAPES[name], args.duration_s, args.seed, args.lockstep) for name in args.shapes.split(",")]
+    results = [run_shape(SHAPES[name], args.duration_s, args.seed, args.lockstep, only)
+               for name in args.shapes.split(",")]
     report(results, args)
 
 

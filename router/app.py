@@ -91,7 +91,7 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
     app[PROMPT_WORK_KEY] = PromptWork()
     app[QUEUES_KEY] = WaitQueues(tracker.wait_for_replica,
                                  lambda model, depth: metrics.queue_depth.labels(model).set(depth))
-    app[GATES_KEY] = FlowGates(clock, tracker.capacity, on_change=_fair_queue_gauges(metrics))
+    app[GATES_KEY] = FlowGates(clock, tracker.capacity, on_change=_fair_queue_gauges(metrics), probes=tracker.probes)
     tracker.on_change(app[GATES_KEY].dispatch_all)
     app[SEQUENCE_KEY] = collections.Counter()
     app[OPENINGS_KEY] = CommonOpenings()

@@ -70,22 +70,30 @@ class FairShares:
         self.running -= 1
         self._note(record, now)
 
-    def may_start(self, tenant: str, capacity: float, now: float, past_reservation: bool = True) -> bool:
+    def may_start(self, tenant: str, capacity: float, now: float, past_reservation: bool = True,
+                  probes: int = 0) -> bool:
         """Whether a request of `tenant` (arrived) may start now within `capacity` (math.inf: always); with
-        `past_reservation` False, only into a place reserved for it (the gate is pacing those past theirs)."""
+        `past_reservation` False, only into a place reserved for it (the gate is pacing those past theirs).
+        `probes` of the capacity are places offered to learn whether a replica runs more (`router.capacity`):
+        only a tenant past its reservation takes one, and reservations are shares of the rest. A request in a
+        probe place waits behind a full batch unless the replica does run more; given to a light tenant's
+        request, that wait was its tail (`loadtests/bench_fair_share.py`, chat: quiet p99 1.40x alone)."""
         if self.running >= capacity:
             return False
         if not math.isfinite(capacity):
             return True
-        reserved = self.reservations(capacity, now)
+        shown = capacity - probes
+        reserved = self.reservations(shown, now)
         own = self._tenants[tenant]
         if own.running < reserved[tenant]:
-            return True
+            return self.running < shown
         if not past_reservation:
             return False
         held_back = sum(max(0.0, reserved[name] - record.running) for name, record in self._tenants.items()
                         if name != tenant and record.priority >= own.priority)
-        return self.running + held_back < capacity
+        # Places held back are places of the shown batch: while any is, the probes stay empty (a request sent on
+        # would run in a held-back place, the view preferring those, and the tenant it was held for would wait).
+        return self.running + held_back < (shown if held_back > 0 else capacity)
 
     def reservations(self, capacity: float, now: float) -> dict[str, float]:
         """Each active tenant's reservation: min(its fair share, peak demand + 1), its fair share being

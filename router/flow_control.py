@@ -61,10 +61,12 @@ class FlowGate:
     """The fair queue of one model, on one event loop (no locks: no await between a check and its change)."""
 
     def __init__(self, model: str, clock: Clock, capacity: Callable[[], float],
-                 on_change: Callable[[FlowGate], None] = lambda gate: None) -> None:
+                 on_change: Callable[[FlowGate], None] = lambda gate: None,
+                 probes: Callable[[], int] = lambda: 0) -> None:
         self.model = model
         self._clock = clock
         self._capacity = capacity
+        self._probes = probes  # how many of the capacity's places are probes (`router.capacity`)
         self._on_change = on_change
         self._queue = FairQueue()
         self.shares = FairShares()  # who runs and waits, and who may start next (router.fair_share)
@@ -144,11 +146,11 @@ class FlowGate:
         """Start as many waiting requests as may start (`FairShares.may_start`), in the fair queue's order:
         after a request arrives or ends, or when the capacity grew (a replica became ready, or showed it runs
         more)."""
-        capacity, now, changed = self._capacity(), self._clock.now(), False
+        capacity, probes, now, changed = self._capacity(), self._probes(), self._clock.now(), False
         burst = self._start_burst(capacity)
         while len(self._queue):
             past = len(self._before_first_token) < burst  # may a tenant past its reservation start one now
-            ticket = self._queue.pop(lambda flow: self.shares.may_start(flow.tenant, capacity, now, past))
+            ticket = self._queue.pop(lambda flow: self.shares.may_start(flow.tenant, capacity, now, past, probes))
             if ticket is None:
                 break
             self.shares.started(ticket.flow.tenant, now)
@@ -208,16 +210,19 @@ class FlowGates:
     """One `FlowGate` per model, made on first use."""
 
     def __init__(self, clock: Clock, capacity: Callable[[str], float],
-                 on_change: Callable[[FlowGate], None] = lambda gate: None) -> None:
+                 on_change: Callable[[FlowGate], None] = lambda gate: None,
+                 probes: Callable[[str], int] = lambda model: 0) -> None:
         self._clock = clock
         self._capacity = capacity
+        self._probes = probes
         self._on_change = on_change
         self._gates: dict[str, FlowGate] = {}
 
     def gate(self, model: str) -> FlowGate:
         gate = self._gates.get(model)
         if gate is None:
-            gate = self._gates[model] = FlowGate(model, self._clock, lambda: self._capacity(model), self._on_change)
+            gate = self._gates[model] = FlowGate(model, self._clock, lambda: self._capacity(model), self._on_change,
+                                                 lambda: self._probes(model))
         return gate
 
     def depth(self, model: str) -> int:

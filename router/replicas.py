@@ -46,7 +46,7 @@ from kvgate.router.outcomes import Answer, Learnt, text_chain
 from kvgate.router.prefix_index import PrefixIndex, PrefixIndexes
 from kvgate.router.health import (Ejection, after_check, after_request, newly_ejected, newly_unresponsive, readmitted,
                                   unresponsive)
-from kvgate.router.capacity import model_capacity
+from kvgate.router.capacity import RunCeiling, model_capacity, model_probes
 from kvgate.router.load_readers import LoadReport, watch_stream
 from kvgate.router.membership import (ModelKnobs, ReplicaSource, Unlisted, Upsert, drop_reason, judge_unlisted,
                                       member_sources, model_knobs, public_url, static_sources, upsert)
@@ -233,9 +233,18 @@ class ReplicaTracker:
 
     def capacity(self, model: str) -> float:
         """Requests `model`'s ready replicas run at once (`router.capacity`); math.inf while unknown."""
+        return model_capacity(self._ready_ceilings(model), self._per_replica(model))
+
+    def probes(self, model: str) -> int:
+        """How many of `capacity`'s places are probes (`router.capacity`)."""
+        return model_probes(self._ready_ceilings(model), self._per_replica(model))
+
+    def _ready_ceilings(self, model: str) -> list[RunCeiling]:
+        return [r.ceiling for r in self._of_model(model) if r.accepts_requests]
+
+    def _per_replica(self, model: str) -> int | None:
         knobs = self._snapshot.models.get(model) if self._snapshot is not None else None
-        per_replica = knobs.spec.routing.max_in_flight_per_replica if knobs is not None else None
-        return model_capacity((r.ceiling for r in self._of_model(model) if r.accepts_requests), per_replica)
+        return knobs.spec.routing.max_in_flight_per_replica if knobs is not None else None
 
     def url(self, replica_id: str) -> str:
         """Base URL of a tracked replica; raises KeyError for an unknown one."""

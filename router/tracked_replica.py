@@ -125,7 +125,8 @@ class TrackedReplica:
             kv_blocks_free=self.load.kv_blocks_free, kv_blocks_total=self.load.kv_blocks_total,
             block_size_tokens=self.load.block_size_tokens or self.block_size_tokens,
             adapters_loaded=self.load.adapters_loaded, max_loaded_adapters=self.max_loaded_adapters,
-            places=self.places)
+            places=self.places, probe=bool(self.holds_places and self.places_per_replica is None
+                                           and self.ceiling.probe()))
 
 
 class AttemptLease:

@@ -46,6 +46,9 @@ class ReplicaState:
     # The requests this gateway keeps in flight here while the model is saturated (fair queuing: what the
     # replica runs at once, configured or learned, `router.capacity`); math.inf where unknown or not held.
     places: float = math.inf
+    # One of those places is a probe (`router.capacity`): a request sent into it waits behind a full batch
+    # unless the replica runs more than it has shown.
+    probe: bool = False
     # Requests queued or running here: max(in_flight, num_waiting + num_running), set from those fields.
     # A max, not a sum: the gateway's own in-flight requests are also in the engine's counts once it has
     # seen them, so a sum counts them twice. `in_flight` is fresh (it rises the moment we route, so a
@@ -183,11 +186,13 @@ class ReplicaView:
     def candidates(self, model: str) -> tuple[ReplicaState, ...]:
         """Replicas of `model` that take new requests (healthy and not draining, sorted by id), and of those,
         when any has a place free (`places`: fair queuing holds the model to what its replicas run), only
-        those. A request the fair queue let go was granted a place; sent where every place is taken, it would
+        those, and those with a place in the batch they have shown before those with only the probe place
+        free. A request the fair queue let go was granted a place; sent where every place is taken, it would
         wait inside that replica behind whoever came first while another replica has room (the load bound
         alone allows it: 16 and 15 in flight of 16 each is within 1.25 x the mean)."""
         ready = tuple(r for r in self.replicas if r.model == model and r.accepts_requests)
-        free = tuple(r for r in ready if r.in_flight < r.places)
+        free = (tuple(r for r in ready if r.in_flight < r.places - r.probe)
+                or tuple(r for r in ready if r.in_flight < r.places))
         return free if free and len(free) < len(ready) else ready
 
     def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:

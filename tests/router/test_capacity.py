@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvgate.registry.tenant import TenantSpec
-from kvgate.router.capacity import RunCeiling, model_capacity
+from kvgate.router.capacity import RunCeiling, model_capacity, model_probes
 from kvgate.router.load_readers import LoadReport
 
 
@@ -43,7 +43,7 @@ def test_queued_at_its_most_its_batch_is_shown_and_held_but_probed_every_30_s() 
     held = ceiling.seen(LoadReport(num_running=12), 29.0)
     assert held.capacity() == 12
     probe = held.seen(LoadReport(num_running=12), 30.0)  # 30 s since it showed its batch: offered one more
-    assert probe.capacity() == 13
+    assert probe.capacity() == 13 and probe.probe() == 1 and held.probe() == 0
     assert queued(probe, 12, 31.0).capacity() == 12  # the same batch
     grown = probe.seen(LoadReport(num_running=13), 31.0)  # it ran the one more: probe on until it queues
     assert grown.capacity() == 14
@@ -56,6 +56,13 @@ def test_a_model_capacity_is_the_sum_or_unknown_while_any_replica_is() -> None:
     assert model_capacity([known, RunCeiling(8, False)], None) == math.inf
     assert model_capacity([], None) == math.inf
     assert model_capacity([RunCeiling(), RunCeiling()], 4) == 8  # the registry's figure wins
+
+
+def test_a_model_counts_its_probe_places() -> None:
+    held, probing = RunCeiling(8, True, full_at=0.0, probing=False), RunCeiling(8, True)
+    assert model_capacity([held, probing], None) == 17 and model_probes([held, probing], None) == 1
+    assert model_probes([RunCeiling(), probing], 4) == 0  # a configured batch is never probed
+    assert RunCeiling().probe() == 0  # nothing shown yet: no place is a probe (the capacity is unknown)
 
 
 @pytest.mark.parametrize("asked, given", [(None, 0), (3, 3), (-5, -5)])

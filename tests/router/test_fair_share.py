@@ -34,6 +34,36 @@ def test_a_light_tenants_peak_plus_one_is_held_back_from_a_heavy_one() -> None:
     assert all(start(shares, "light") for _ in range(4))  # its next four start at once
 
 
+def test_a_probe_place_goes_only_to_a_tenant_past_its_reservation() -> None:
+    # 16 places, one of them a probe (a request there waits behind a full batch unless the replica runs more)
+    shares = FairShares()
+    start(shares, "light")
+    shares.ended("light", 0.0)  # peak 1: reservation 2, nothing running
+    for _ in range(20):
+        shares.arrived("heavy", 1.0, 0.0)
+        if shares.may_start("heavy", 16, 0.0, probes=1):
+            shares.started("heavy", 0.0)
+    # the 15 shown, less the light tenant's 2: the probe stays empty while places of the batch are held back (a
+    # request sent on would run in one of those, and the light tenant's next would wait for the batch to free)
+    assert shares.tenants()["heavy"][0] == 13
+    for _ in range(2):
+        shares.arrived("light", 1.0, 0.0)
+        assert shares.may_start("light", 16, 0.0, probes=1)
+        shares.started("light", 0.0)
+    # 15 run, the batch shown: the light tenant's next place is held back still (peak 2 + 1), so no probe yet,
+    # and the light tenant does not take the probe either (its request would wait behind the full batch)
+    shares.arrived("light", 1.0, 0.0)
+    assert not shares.may_start("heavy", 16, 0.0, probes=1)
+    assert not shares.may_start("light", 16, 0.0, probes=1)
+    alone = FairShares()
+    for _ in range(20):
+        alone.arrived("heavy", 1.0, 0.0)
+        if alone.may_start("heavy", 16, 0.0, probes=1):
+            alone.started("heavy", 0.0)
+    assert alone.running == 16  # nothing held back: the shown 15 and the probe
+    assert shares.reservations(15, 0.0)["light"] == 4.0  # its peak of 3, plus 1
+
+
 def test_a_reservation_is_never_more_than_the_fair_share() -> None:
     shares = FairShares()
     for _ in range(30):

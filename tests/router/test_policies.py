@@ -115,6 +115,21 @@ def test_while_fair_queuing_holds_places_a_request_goes_where_one_is_free(policy
     assert choose(req, ReplicaView.of(full, indexes), knobs(RoutingPolicy.CACHE_AWARE)).replica_id == "a"
 
 
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_a_place_in_a_shown_batch_goes_before_a_probe_place(policy: RoutingPolicy) -> None:
+    # a has 16 in flight and a probe place (17); b has 15 of its 16: b's place is in a batch it has shown
+    replicas = [replace(replica("a", load=16), places=17.0, probe=True), replace(replica("b", load=15), places=16.0)]
+    indexes = PrefixIndexes(CHUNK)
+    req = request(HOT_SYSTEM)
+    indexes.record("a", req.prefix_hashes)
+    for seq in range(8):
+        assert choose(replace(req, request_seq=seq), ReplicaView.of(replicas, indexes), knobs(policy)).replica_id == "b"
+    # b full too: the probe place is the one place left
+    full = [replicas[0], replace(replicas[1], in_flight=16)]
+    assert all(choose(replace(req, request_seq=seq), ReplicaView.of(full, indexes), knobs(policy)).replica_id == "a"
+               for seq in range(8))
+
+
 def test_round_robin_cycles_in_replica_id_order() -> None:
     view = ReplicaView.of([replica("r2"), replica("r0"), replica("r1", load=9)])
     chosen = [choose(request("same", seq), view, knobs(RoutingPolicy.ROUND_ROBIN)).replica_id for seq in range(6)]
