@@ -10,8 +10,8 @@ times, TTFT percentiles side by side.
 2. For each load (a fraction of the capacity those figures imply), draws a seeded Poisson trace of prompts and
    answers of lognormal lengths, replays it to the engine at its arrival times (streamed, `ignore_eos`), and
    records each request's TTFT.
-3. Replays the same trace through the simulator's service model (`autoscaler/sim/service.py`: prefill one request
-   at a time, decode at the full batch's per-sequence rate) on one replica with the measured figures.
+3. Replays the same trace through the simulator's service model (`autoscaler/sim/batching.py`: engine steps of
+   chunked prefill beside decode, under the same step budget) on one replica with the measured figures.
 Prints engine and simulator p50 / p90 / p99 TTFT per load and their ratios; writes
 loadtests/.work/sim_calibrate.json (after each load, so a run cut short keeps what it measured). The engine shares
 this box's 2 cores with the client: run it alone.
@@ -68,7 +68,8 @@ async def measure_figures(session, url: str, args: argparse.Namespace) -> dict:
     # Decode after each first token: tokens beyond the first over the time from the first token to the last.
     decode_s = max(total - ttft for ttft, total, _ in results)
     decode = sum(count - 1 for _, _, count in results) / decode_s
-    return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode, "max_batch": args.max_num_seqs}
+    return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode, "max_batch": args.max_num_seqs,
+            "max_batch_tokens": args.max_num_batched_tokens}
 
 
 def lognormal(rng: random.Random, median: int, cap: int) -> int:
@@ -98,7 +99,8 @@ async def replay(session, url: str, trace: Trace, seed: int) -> list[float]:
 
 
 def simulated(trace: Trace, figures: dict) -> list[float]:
-    service = ServiceModel("cpu", figures["prefill_tokens_per_s"], figures["decode_tokens_per_s"], figures["max_batch"])
+    service = ServiceModel("cpu", figures["prefill_tokens_per_s"], figures["decode_tokens_per_s"], figures["max_batch"],
+                           max_batch_tokens=figures["max_batch_tokens"])
     fleet = FleetSetup("calib", (Placement("local", "cpu", CapacityType.ON_DEMAND, 0.0, 1, 0.0, service),),
                        min_replicas=1, max_replicas=1, on_demand_base=1, ttft_slo_s=1.0, initial_replicas=1,
                        tail_s=600.0)
@@ -115,6 +117,7 @@ async def run(args: argparse.Namespace) -> dict:
     import aiohttp
 
     process, url = start_engine(["--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
+                                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                  "--served-model-name", "calib", "--log-level", "warning"],
                                 WORK / "sim_calibrate-engine.log", ROOT)
     try:
@@ -162,6 +165,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin:smollm2-135m")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="the engine's batch (default 8)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the engine's step budget, and the service model's (default 2048)")
     parser.add_argument("--loads", default="0.3,0.6,0.85", help="fractions of the measured capacity")
     parser.add_argument("--requests", type=int, default=80, help="requests per load (default 80)")
     parser.add_argument("--median-prompt", type=int, default=200)

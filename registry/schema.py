@@ -328,7 +328,8 @@ class Slo(_Strict):
 
 class GpuPerformance(_Strict):
     """How fast one replica of the model runs on one GPU kind: the simulator's service model, and a
-    hint for capacity planning. Prefill runs one request at a time; decode is shared by the batch."""
+    hint for capacity planning. A replica runs in engine steps of `engine.max_batch_tokens`: prefill chunks beside
+    the batch's decode (the simulator's `autoscaler/sim/batching.py`)."""
 
     gpu_kind: str = Field(description="The GPU kind these figures are for, e.g. H100 (one of resources.gpu_kinds).")
     prefill_tokens_per_s: float = Field(gt=0, description="Prompt tokens one replica prefills per second.")

@@ -37,6 +37,7 @@ from kvgate.autoscaler.scaler import ModelObservation, ScalerSpec, ScalerState, 
 from kvgate.autoscaler.sim.records import SimDecision
 from kvgate.autoscaler.sim.service import ServiceModel
 from kvgate.autoscaler.sim.traces import Trace, least_prefill_tokens
+from kvgate.autoscaler.work import prefill_beside_decode
 
 _EPS = 1e-9
 
@@ -374,7 +375,13 @@ class OraclePolicy:
 def oracle_need(trace: Trace, service: ServiceModel, utilization: float, *, window_s: int = 0,
                 tail_s: float = 0.0) -> tuple[int, ...]:
     """Replicas each second needs: the more of ceil(concurrency / (max_batch x utilization)) (batch
-    slots) and ceil(prefill seconds arriving per second / utilization) (the one-at-a-time prefill).
+    slots) and ceil(prefill seconds arriving per second / utilization) (the prefill).
+
+    Both as the engine steps run them (`batching.py`): prefill at the rate left beside decode
+    (`work.prefill_beside_decode`), and a replica that spends a share r of its time prefilling decodes at 1 - r
+    of its speed, so the decode part of each request's hold, and with it the concurrency, is 1 / (1 - r) as long;
+    r is the prefill's share (at the bare rate: the decode's part of a step is what slows) of that second's fleet
+    at full-speed decode (one round: the concurrency recounted with holds that long).
 
     Concurrency is counted on unlimited replicas (each request busy from arrival to its last token,
     no queueing). With `window_s` 0 it is the peak within the second (never short of a slot); with
@@ -386,15 +393,36 @@ def oracle_need(trace: Trace, service: ServiceModel, utilization: float, *, wind
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
     seconds = int(trace.duration_s + tail_s) + 2
-    events: list[tuple[float, int]] = []
     prompt = least_prefill_tokens(trace)  # after prefixes earlier requests share, where the trace says
-    for request, tokens in zip(trace.requests, prompt):
-        end = request.arrival_s + service.prefill_s(tokens) + service.decode_s(request.output_tokens)
-        events += [(request.arrival_s, 1), (end, -1)]
-    events.sort()  # at equal times a departure (-1) comes first: the slot is free for the arrival
     prefill = [0.0] * seconds
     for request, tokens in zip(trace.requests, prompt):
         prefill[min(seconds - 1, int(request.arrival_s))] += service.prefill_s(tokens)
+    prefill = _centred_mean(prefill, max(10, window_s))
+    beside = service.prefill_tokens_per_s / prefill_beside_decode(service.prefill_tokens_per_s,
+                                                                  service.decode_tokens_per_s, service.max_batch,
+                                                                  service.max_batch_tokens)
+    capacity = service.max_batch * utilization
+    slowdown = [1.0] * seconds  # full-speed decode first; then as slow as that fleet's prefill share makes it
+    for _ in range(2):
+        slots = _concurrency(trace, prompt, service, slowdown, seconds, window_s)
+        need = [max(_ceil_div(busy, capacity), _ceil_div(work * beside, utilization))
+                for busy, work in zip(slots, prefill)]
+        slowdown = [1 / (1 - min(0.9, work / n)) if n else 1.0 for work, n in zip(prefill, need)]
+    return tuple(need)
+
+
+def _concurrency(trace: Trace, prompt: list[int], service: ServiceModel, slowdown: list[float], seconds: int,
+                 window_s: int) -> list[float]:
+    """Requests busy each second on unlimited replicas, each from arrival to its last token with its decode
+    `slowdown[its arrival second]` times as long: the peak within the second (`window_s` 0), else the mean over
+    the `window_s` seconds around it."""
+    events: list[tuple[float, int]] = []
+    for request, tokens in zip(trace.requests, prompt):
+        second = min(seconds - 1, int(request.arrival_s))
+        end = (request.arrival_s + service.prefill_s(tokens)
+               + service.decode_s(request.output_tokens) * slowdown[second])
+        events += [(request.arrival_s, 1), (end, -1)]
+    events.sort()  # at equal times a departure (-1) comes first: the slot is free for the arrival
     peak, area = [0.0] * seconds, [0.0] * seconds
     level = index = 0
     for second in range(seconds):
@@ -406,11 +434,7 @@ def oracle_need(trace: Trace, service: ServiceModel, utilization: float, *, wind
             top = max(top, level)
             index += 1
         peak[second], area[second] = top, integral + level * (second + 1 - t)
-    if window_s > 0:
-        peak = _centred_mean(area, window_s)
-    prefill = _centred_mean(prefill, max(10, window_s))
-    capacity = service.max_batch * utilization
-    return tuple(max(_ceil_div(slots, capacity), _ceil_div(work, utilization)) for slots, work in zip(peak, prefill))
+    return _centred_mean(area, window_s) if window_s > 0 else peak
 
 
 def _centred_mean(values: list[float], window_s: int) -> list[float]:

@@ -3,8 +3,10 @@
 Time is simulated: nothing sleeps and nothing reads a clock; one hour of the Azure trace replays in
 about a second. Events, in time order (ties in the order they were scheduled):
 - an arrival joins the gateway queue (one FIFO queue: the router's least-loaded choice over replicas);
-- the queue is dispatched whenever a ready replica has a free batch slot, to the replica whose prefill
-  engine frees up first; the request's first token comes when its prefill ends (`service.py`);
+- the queue is dispatched whenever a ready replica has a free batch slot, to the replica that would give
+  the request its first token soonest; each replica runs its requests in engine steps, chunked prefill
+  beside decode (`batching.py`): its first token comes at the end of the step that prefills the last of
+  its prompt, its last token some decode steps later;
 - a finished request frees its slot; a draining replica with nothing left is released;
 - a replica started at t becomes ready at t + cold start (node boot + model load);
 - a spot replica may be interrupted (seeded exponential lifetimes): it is gone at once, its requests
@@ -42,6 +44,7 @@ from kvgate.autoscaler.planner import (CreateNode, DeleteNode, PlannerInputs, Pl
                                        plan_nodes)
 from kvgate.autoscaler.reconciler import Fleet
 from kvgate.autoscaler.scaler import ModelObservation
+from kvgate.autoscaler.sim.batching import ReplicaBatch
 from kvgate.autoscaler.sim.nodes import SimNode
 from kvgate.autoscaler.sim.records import FleetSetup, Policy, PolicyStep, RunResult, Scenario, TimelinePoint
 from kvgate.autoscaler.sim.service import Placement, PrefixCache, choose_placement
@@ -51,7 +54,7 @@ from kvgate.registry.schema import CapacityType
 from kvgate.registry.snapshot import Snapshot
 
 # Event kinds, in the order they run when due at the same instant (frees before starts before ticks).
-_FREE, _READY, _NODE_UP, _PREEMPT, _NODE_PREEMPT, _STOP_DEADLINE, _TICK = range(7)
+_STEP, _READY, _NODE_UP, _PREEMPT, _NODE_PREEMPT, _STOP_DEADLINE, _TICK = range(7)
 # The gateway reports arrivals per second over this many seconds (router/observe does the same).
 _RATE_WINDOW_S = 10
 
@@ -66,7 +69,7 @@ class _Replica:
     draining: bool = False  # routers send it nothing new
     stop_by: float | None = None  # told to stop (nodes only): gone once idle, or at this deadline whatever it holds
     in_flight: set[int] = field(default_factory=set)
-    prefill_free_at: float = 0.0
+    batch: ReplicaBatch = field(init=False)  # what it runs, step by step
     max_batch: int = 0  # copied from the placement's service model: read on every dispatch
     node: SimNode | None = None  # the node it runs on (node planning only; then the node is charged)
     handle: str = ""  # the planner's replica id (node planning only)
@@ -74,6 +77,7 @@ class _Replica:
 
     def __post_init__(self) -> None:
         self.max_batch = self.placement.service.max_batch
+        self.batch = ReplicaBatch(self.placement.service)
 
 
 class _Run:
@@ -91,9 +95,7 @@ class _Run:
         self.next_replica = 0
         n = len(trace.requests)
         self.ttft = [math.nan] * n
-        self.attempt = [0] * n
         self.first_token_at = [math.inf] * n
-        self.holder = [-1] * n  # replica id holding each request
         self.arrivals_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
         self.prompt_tokens_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
         self.prompt_squares_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
@@ -154,8 +156,8 @@ class _Run:
 
     def handle(self, now: float, kind: int, a: int, b: int) -> None:
         """Run one due event (`push`'s kind and arguments)."""
-        if kind == _FREE:
-            self.finish(now, a, b)
+        if kind == _STEP:
+            self.step(now, a, b)
         elif kind == _READY:
             self.become_ready(now, a)
         elif kind == _PREEMPT:
@@ -212,30 +214,44 @@ class _Run:
             best: _Replica | None = None
             best_key = (math.inf, math.inf)
             best_held = 0
+            whole = max(1, request.input_tokens)
             for replica in self.ready:
                 if len(replica.in_flight) >= replica.max_batch:
                     continue
                 # The replica that gives the first token soonest (its prefill queue, and the prefix it holds); among
-                # those as soon, the one whose prefill engine has been free longest.
-                held = replica.cache.match(request.blocks) if replica.cache is not None else 0
-                first = max(now, replica.prefill_free_at)
+                # those as soon, the one running fewest.
+                held, tokens = 0, whole
                 if replica.cache is not None:
-                    first += replica.placement.service.prefill_s(self.uncached_tokens(request, held))
-                if (first, replica.prefill_free_at) < best_key:
-                    best, best_key, best_held = replica, (first, replica.prefill_free_at), held
+                    held = replica.cache.match(request.blocks)
+                    tokens = self.uncached_tokens(request, held)
+                key = (replica.batch.first_token_estimate(now, tokens), len(replica.in_flight))
+                if key < best_key:
+                    best, best_key, best_held = replica, key, held
             if best is None:
                 return
             self.queue.popleft()
-            service = best.placement.service
-            first = max(now, best.prefill_free_at) + service.prefill_s(self.uncached_tokens(request, best_held))
             if best.cache is not None:
                 best.cache.insert(request.blocks)
-            best.prefill_free_at = first
             best.in_flight.add(index)
-            self.holder[index] = best.id
-            self.first_token_at[index] = first
-            self.ttft[index] = first - request.arrival_s
-            self.push(first + service.decode_s(request.output_tokens), _FREE, index, self.attempt[index])
+            next_at = best.batch.admit(now, index, self.uncached_tokens(request, best_held), request.output_tokens)
+            if next_at is not None:
+                self.push(next_at, _STEP, best.id, best.batch.version)
+
+    def step(self, now: float, replica_id: int, version: int) -> None:
+        """A replica's event: a step ended, or a sequence's last token came (`batching.py`)."""
+        replica = self.replicas.get(replica_id)
+        if replica is None or version != replica.batch.version:
+            return  # gone, or the event moved since
+        done = replica.batch.advance(now)
+        for index in done.first_tokens:
+            self.first_token_at[index] = now
+            self.ttft[index] = now - self.trace.requests[index].arrival_s
+        if done.next_at is not None:
+            self.push(done.next_at, _STEP, replica.id, replica.batch.version)
+        if done.ended:
+            for index in done.ended:
+                replica.in_flight.discard(index)
+            self.freed(now, replica)
 
     def uncached_tokens(self, request: Request, held_blocks: int) -> int:
         """The prompt tokens left to prefill after `held_blocks` cached blocks (at least one: the last token's
@@ -250,13 +266,8 @@ class _Run:
             self.ready = [r for r in self.replicas.values() if r.state == "ready" and not r.draining]
         return max((r.cache.match(request.blocks) for r in self.ready if r.cache is not None), default=0)
 
-    def finish(self, now: float, index: int, attempt: int) -> None:
-        if attempt != self.attempt[index]:
-            return  # the replica that held it was interrupted; it was re-queued under a new attempt
-        replica = self.replicas.get(self.holder[index])
-        if replica is None or index not in replica.in_flight:
-            return
-        replica.in_flight.discard(index)
+    def freed(self, now: float, replica: _Replica) -> None:
+        """Requests on `replica` ended: their slots go to the queue, or a draining replica left idle stops."""
         if replica.in_flight or not replica.draining:
             self.dispatch(now)
         elif replica.stop_by is not None:
@@ -276,11 +287,11 @@ class _Run:
         start over elsewhere; ones already streaming are lost mid-answer (the client saw the first token)."""
         retry = sorted((i for i in replica.in_flight if self.first_token_at[i] > now), reverse=True)
         for index in retry:
-            self.attempt[index] += 1
             self.ttft[index] = math.nan
             self.first_token_at[index] = math.inf
             self.queue.appendleft(index)
         replica.in_flight.clear()
+        replica.batch.clear()
         self.release(now, replica)
         self.dispatch(now)
 
@@ -326,7 +337,6 @@ class _Run:
             return
         replica.state = "ready"
         self.ready = None
-        replica.prefill_free_at = now
         self.dispatch(now)
 
     def release(self, now: float, replica: _Replica) -> None:

@@ -74,11 +74,12 @@ def cheapest_node_plan(demand: Sequence[tuple[float, int]], end_s: float, model:
 
 def _offering_cost(series: list[tuple[float, float, int]], boot_s: float, usd_per_hour: float) -> tuple[float, float]:
     """(dollars, node-seconds) of one offering's node-count curve, each node kept through dips shorter than
-    `boot_s` and paying `boot_s` for every node added after the start."""
+    `boot_s` and paying `boot_s` for every node added after the start, or as much of it as falls after the start
+    (a boot before it is in the warm-up, which no run is charged for)."""
     if not series:
         return 0.0, 0.0
     node_s = 0.0
-    boots = 0
+    boot_paid_s = 0.0
     top = max(n for _, _, n in series)
     for level in range(1, top + 1):  # the k-th node of this offering: held where the count reaches k
         held: list[tuple[float, float]] = []
@@ -90,8 +91,8 @@ def _offering_cost(series: list[tuple[float, float, int]], boot_s: float, usd_pe
             else:
                 held.append((start, stop))
         node_s += sum(b - a for a, b in held)
-        boots += sum(1 for a, _ in held if a > series[0][0])  # the opening fleet is warm
-    return (node_s + boots * boot_s) * usd_per_hour / 3600.0, node_s + boots * boot_s
+        boot_paid_s += sum(min(boot_s, a - series[0][0]) for a, _ in held)  # the opening fleet is warm
+    return (node_s + boot_paid_s) * usd_per_hour / 3600.0, node_s + boot_paid_s
 
 
 class _Mixer:

@@ -2,18 +2,19 @@
 
 A replica of a model on one GPU kind (figures from the registry's `Model.spec.performance`):
 - it holds at most `max_batch` requests at once (a slot per request, from admission to last token);
-- prefill runs one request at a time, FIFO, at `prefill_tokens_per_s`: a request's first token comes
-  when its own prefill ends, so a burst admitted together queues for the prefill engine;
-- decode is shared by the batch: each sequence gets `decode_tokens_per_s / max_batch` tokens per second
-  whatever the batch size (the full-batch rate: pessimistic when the batch is small, exact when full).
+- it runs in engine steps (`batching.py`): each step decodes a token of every sequence past its prefill and
+  prefills up to the model's `engine.max_batch_tokens` less those, first come first served (chunked prefill);
+  a step takes max_batch / `decode_tokens_per_s` when anything decodes (decode is memory-bound: about the
+  same at any batch size) plus its prefill tokens / `prefill_tokens_per_s`. So prefill and decode interfere:
+  a burst of prompts queues for the prefill and lengthens every decoding sequence's steps meanwhile.
 
 - with `kv_cache_tokens` set and a trace with block hashes (Mooncake), a replica keeps a prefix cache of that
   many tokens' blocks, least recently used out first (`PrefixCache`): a prompt prefills only the blocks after the
   longest prefix its replica holds, and the gateway sends a request to the replica that gives it its first token
   soonest (prefix held and prefill queue together).
 
-This is a stand-in for a continuous-batching engine that ignores prefill-decode interference; it is the same for
-every policy, so the comparison between policies is fair.
+It is the same for every policy, so the comparison between policies is fair; `loadtests/sim_calibrate.py` sets it
+beside a real engine.
 
 A `Placement` is one way to run a replica: a pool's offer (spot or on-demand), the replica's share of
 the node price (gpu_count of the replica / gpu_count of the node: consolidation packs nodes), and the
@@ -41,6 +42,7 @@ class ServiceModel:
     decode_tokens_per_s: float  # summed over a full batch
     max_batch: int
     kv_cache_tokens: int = 0  # the prefix cache's size; 0: none
+    max_batch_tokens: int = 2048  # an engine step's token budget (chunked prefill: `batching.py`)
 
     def prefill_s(self, input_tokens: int) -> float:
         return input_tokens / self.prefill_tokens_per_s
@@ -55,7 +57,8 @@ def service_model(model: ModelDoc, gpu_kind: str) -> ServiceModel:
     for entry in model.spec.performance.gpu_kinds:
         if entry.gpu_kind == gpu_kind:
             return ServiceModel(gpu_kind, entry.prefill_tokens_per_s, entry.decode_tokens_per_s,
-                                entry.max_batch or model.spec.engine.max_running_requests, entry.kv_cache_tokens or 0)
+                                entry.max_batch or model.spec.engine.max_running_requests, entry.kv_cache_tokens or 0,
+                                model.spec.engine.max_batch_tokens)
     known = [entry.gpu_kind for entry in model.spec.performance.gpu_kinds]
     raise SimConfigError(f"Model/{model.metadata.name} has no spec.performance.gpu_kinds entry for {gpu_kind!r} "
                          f"(has {known or 'none'}); add prefill_tokens_per_s and decode_tokens_per_s for it")

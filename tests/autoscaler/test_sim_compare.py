@@ -44,7 +44,7 @@ def test_every_policy_is_scored_on_the_same_requests(azure_slice_comparison) -> 
         assert s.ttft_p50_s <= s.ttft_p99_s
         # The live planner's nodes for the replicas a run placed never cost less than the cheapest plan holding them
         # (no spot interruptions here, so no expected cost in the plan).
-        assert 0 < s.node_plan_usd <= s.cost_usd, s
+        assert 0 < s.node_plan_usd <= s.cost_usd * (1 + 1e-9), s  # equal where the planner did the cheapest
 
 
 def test_the_sweep_finds_each_baselines_cheapest_setting_meeting_the_goal() -> None:
@@ -62,11 +62,13 @@ def test_the_sweep_finds_each_baselines_cheapest_setting_meeting_the_goal() -> N
     assert swept[0].startswith("dynamo headroom=") and swept[1].startswith("kpa target=")
 
 
+@pytest.mark.timeout(600)  # the longest test in the suite: four policies and the oracle's search over an hour
 def test_issue_targets_hold_on_the_whole_azure_trace_at_ten_times_its_rate() -> None:
     """Issue 7's acceptance, as docs/benchmarks.md reports it: on the full Azure trace at 10x (193,660
     requests), kvgate reaches >= 99% TTFT-SLO attainment at <= 1.15x the oracle's GPU-hours, and uses
     fewer GPU-hours than the KPA-like and Ray-like baselines at equal or better attainment. The run is
-    seeded and deterministic; about 20 s on a 2-core box (static-peak left out: it bounds nothing here)."""
+    seeded and deterministic; about 2 minutes on a 2-core box, every replica's engine steps replayed
+    (static-peak left out: it bounds nothing here)."""
     trace = scale_rate(load_trace(AZURE), 10.0)
     comparison = run_comparison(trace, load_registry(EXAMPLES), "chat-70b",
                                 policies=("kvgate", "kpa", "ray-serve", "oracle"))

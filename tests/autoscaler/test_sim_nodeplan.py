@@ -52,6 +52,9 @@ def test_a_node_added_pays_its_boot_and_is_kept_through_a_dip_shorter_than_a_boo
     # A 300 s dip is longer than a boot: released, and bought back paying 240 s.
     long_dip = plan(setting, [(0.0, 4), (600.0, 2), (900.0, 4)], 1200.0)
     assert long_dip.usd == pytest.approx(GPUCLOUD * 1200 / 3600 + SPOT * (600 + 240 + 300) / 3600)
+    # Needed 100 s after scoring starts: the other 140 s of its boot fall in the warm-up, which no run pays for.
+    early = plan(setting, [(0.0, 2), (100.0, 4)], 700.0)
+    assert early.usd == pytest.approx(GPUCLOUD * 700 / 3600 + SPOT * (600 + 100) / 3600)
 
 
 def test_a_stockout_stops_purchases_but_not_the_nodes_held(setting) -> None:

@@ -152,6 +152,7 @@ def test_placements_are_cheapest_first_and_respect_spot_and_gpu_kinds() -> None:
     assert chat[0].cold_start_s == 240 + 90 and chat[1].cold_start_s == 90 + 90
     burst = placements(snapshot, "burst-8b")  # only the warm pool: 20 s pod start + 30 s load
     assert [(p.key, p.cold_start_s) for p in burst] == [("k8s-warm/l40s-x1/on_demand", 50.0)]
+    assert chat[0].service.max_batch_tokens == 2048  # engine.max_batch_tokens: the step budget
     on_demand = choose_placement(chat, spot=False, unavailable=frozenset())
     assert on_demand is not None and on_demand.key == "gpucloud/h100-80gb-x8/on_demand"
     assert choose_placement(chat, spot=True, unavailable=frozenset({chat[0].key})) == chat[1]
@@ -202,10 +203,12 @@ def test_a_request_at_zero_replicas_waits_for_the_cold_start() -> None:
     assert result.cold_starts == 1
 
 
-def test_prefill_is_one_request_at_a_time_on_a_replica() -> None:
+def test_prompts_that_arrive_together_prefill_in_engine_steps() -> None:
     trace = Trace("burst", tuple(Request(0.0, 500, 1) for _ in range(3)))
     result = simulate(trace, _fleet(_placement(max_batch=8)), StaticPolicy(1))
-    assert result.ttft_s == pytest.approx((0.5, 1.0, 1.5))  # 500 tokens at 1,000/s each, in turn
+    # The first starts a step of its own 500 tokens (0.5 s at 1,000/s); the next two join the step after, 1,000
+    # tokens within the 2,048 budget: their first tokens come together at 1.5 s (chunked prefill, as vLLM V1)
+    assert result.ttft_s == pytest.approx((0.5, 1.5, 1.5))
 
 
 def test_spot_interruptions_requeue_requests_and_are_replaced() -> None:
@@ -333,6 +336,7 @@ def test_oracle_need_and_lookahead_worked_numbers() -> None:
     need = oracle_need(trace, service, 1.0)
     # Slots: busy [0, 1.1) and [0.5, 1.6): two at once in seconds 0 and 1. Prefill: 0.2 s of work in
     # second 0, averaged over the 10 s around each second: a fraction of a replica, so 1 in seconds 0-5.
+    # (Prefilling 1% of the time, a replica decodes 1% slower: holds 1.11 s, the same seconds.)
     assert need[:3] == (2, 2, 1) and need[5] == 1 and need[15] == 0 and need[30] == 1
     oracle = OraclePolicy(need, cold_start_s=3.0)
     # At t=27 it looks at seconds 27..30: the request at 30 needs one replica started now.
