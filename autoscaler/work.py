@@ -97,8 +97,14 @@ def prefill_beside_decode(prefill_tokens_per_s: float, decode_tokens_per_s: floa
     requests/s (8 replicas: 10.7% of first tokens past the SLO by the model, 10.5% simulated; with the bare
     figure the model said 1.5%)."""
     step_s = max_batch / decode_tokens_per_s
-    budget = max(max_batch_tokens, max_batch + 1)  # as the simulator's steps (`sim/batching.py`)
+    budget = step_budget(max_batch_tokens, max_batch)
     return prefill_tokens_per_s * budget / (budget + prefill_tokens_per_s * step_s)
+
+
+def step_budget(max_batch_tokens: int, max_batch: int) -> int:
+    """An engine step's token budget: `max_batch_tokens`, with room for a prompt token beside a full batch's
+    decodes (the registry allows a budget below the batch)."""
+    return max(max_batch_tokens, max_batch + 1)
 
 
 @dataclass(frozen=True, slots=True)

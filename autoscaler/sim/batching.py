@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvgate.autoscaler.sim.service import ServiceModel
+from kvgate.autoscaler.work import step_budget
 
 _EPS = 1e-6  # of a decode step: the fractional clock's rounding (a step is 0.01-0.1 s, runs last hours)
 
@@ -53,9 +54,8 @@ class ReplicaBatch:
 
     def __init__(self, service: ServiceModel) -> None:
         self.decode_step_s = service.max_batch / service.decode_tokens_per_s
-        self.prefill_tokens_per_s = service.prefill_tokens_per_s
         self.prefill_s_per_token = 1 / service.prefill_tokens_per_s
-        self.budget = max(service.max_batch_tokens, service.max_batch + 1)  # room for a prompt token beside decodes
+        self.budget = step_budget(service.max_batch_tokens, service.max_batch)
         self.prefilling: deque[_Prompt] = deque()
         self.pending_tokens = 0  # prompt tokens waiting to be prefilled, all prompts
         self.decoding: list[tuple[float, int]] = []  # heap of (the decode step of its last token, request)
@@ -134,7 +134,7 @@ class ReplicaBatch:
 
     def _begin_step(self, now: float) -> float:
         self.step_chunk = min(self.pending_tokens, max(1, self.budget - len(self.decoding)))
-        took = (self.decode_step_s if self.decoding else 0.0) + self.step_chunk / self.prefill_tokens_per_s
+        took = (self.decode_step_s if self.decoding else 0.0) + self.step_chunk * self.prefill_s_per_token
         self.step_ends = now + took
         self.version += 1
         return self.step_ends
