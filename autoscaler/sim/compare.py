@@ -3,11 +3,8 @@
 `build_fleet` turns the registry into the engine's `FleetSetup`; `run_comparison` runs the policies
 and returns their `RunResult`s plus the summary metrics (`Summary`) the report prints.
 
-The oracle is searched, not guessed: `oracle_need` turns the trace's concurrency on unlimited
-replicas (the per-second peak, or its mean over 30 or 60 s) into replicas at a utilization u of
-the batch; for each curve a bisection finds the largest u (100%, 98%, ... 50%) whose run still meets
-the attainment goal (99%), and the cheapest passing run is the oracle: the cheapest perfect-foresight
-schedule of this family, not a proven optimum. Static-at-peak holds that curve's peak all along.
+The oracle is the best offline schedule the simulator finds, knowing the whole trace (`oracle.py`: a family
+of need curves, then cut block by block where its misses allow). Static-at-peak holds that curve's peak all along.
 
 Below every policy, the oracle included, is the lower bound (`bound.py`): the GPU-hours no schedule within the
 fleet's limits can go under while meeting the goal, or the reason none meets it (then no ratio is reported
@@ -27,10 +24,11 @@ from kvgate.autoscaler.fleet import cold_start_s
 from kvgate.autoscaler.scaler import ScalerSpec
 from kvgate.autoscaler.work import ReplicaCapacity
 from kvgate.autoscaler.sim.baselines import (DynamoPlannerPolicy, KpaPolicy, KvgatePolicy, LlmdSaturationPolicy,
-                                             OraclePolicy, RayServePolicy, StaticPolicy, oracle_need)
+                                             RayServePolicy, StaticPolicy)
 from kvgate.autoscaler.sim.engine import simulate
 from kvgate.autoscaler.sim.records import FleetSetup, Policy, RunResult, Scenario, Stockout
 from kvgate.autoscaler.sim.nodes import NodePlanning, node_planning
+from kvgate.autoscaler.sim.oracle import ATTAINMENT_GOAL, search_oracle
 from kvgate.autoscaler.sim.service import SimConfigError, placements
 from kvgate.autoscaler.sim.traces import Trace, with_warmup
 from kvgate.registry.schema import Scaling
@@ -41,9 +39,6 @@ if TYPE_CHECKING:
     from kvgate.autoscaler.sim.nodeplan import NodePlan
 
 POLICIES = ("kvgate", "kpa", "ray-serve", "llm-d", "dynamo", "static-peak", "oracle")
-ATTAINMENT_GOAL = 0.99
-ORACLE_WINDOWS_S = (0, 30, 60)  # concurrency smoothing the oracle search tries (0: per-second peak)
-ORACLE_UTILIZATIONS = tuple(round(1.0 - 0.02 * step, 2) for step in range(26))  # 100%, 98%, ... 50%
 
 
 @dataclass(frozen=True)
@@ -131,28 +126,25 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     if unknown:
         raise SimConfigError(f"unknown policies {unknown}; choose from {list(POLICIES)}")
     model = snapshot.model(model_name)
-    warm_trace = with_warmup(trace, warmup_s)
-    base = build_fleet(snapshot, model_name)
-    _check_stockouts(scenario, base, model_name)
     kvgate_knobs = _with_overrides(model.spec.scaling, kvgate_scaling or {})  # checked before the long part
-    # One cost rule for every policy, the oracle's search included: the live node planner places the replicas on
-    # simulated nodes, and whole nodes are charged from purchase to release (`nodes.py`).
-    bench = _Bench(warm_trace, base, model.spec.scaling, scenario, warmup_s, node_planning(snapshot, model_name))
-    oracle_result, need, oracle_rule = _search_oracle(bench)
+    bench = Bench.of(trace, snapshot, model_name, scenario, warmup_s)
+    base, warm_trace = bench.base, bench.trace
+    oracle = search_oracle(bench)
+    need = oracle.need
     fleet = bench.fleet_for(need)
     # kvgate's replica step is the live loop's (`decide.kvgate_replicas`), with the overrides, if any.
     live_cold_start_s = cold_start_s(snapshot, model)
     runners = _runners(bench, ScalerSpec(kvgate_knobs, live_cold_start_s, capacity=ReplicaCapacity.of(model)), need)
-    results = [oracle_result if name == "oracle" else bench.run(fleet, runners[name]) for name in policies]
+    results = [oracle.result if name == "oracle" else bench.run(fleet, runners[name]) for name in policies]
     if sweep:
         results += [_sweep(bench, fleet, runners[name]) for name in policies if name in SWEPT]
     summaries = tuple(replace(summarize(r, base.ttft_slo_s), node_plan_usd=node_plan(r, snapshot, bench).usd)
                       for r in results)
-    return Comparison(warm_trace.name, model_name, tuple(results), summaries, oracle_rule, bench.cold_start_s,
+    return Comparison(warm_trace.name, model_name, tuple(results), summaries, oracle.rule, bench.cold_start_s,
                       lower_bound(trace, snapshot, base))
 
 
-def node_plan(result: RunResult, snapshot: Snapshot, bench: _Bench) -> NodePlan:
+def node_plan(result: RunResult, snapshot: Snapshot, bench: Bench) -> NodePlan:
     """The cheapest node plan for the replicas `result`'s run placed on nodes over time (`nodeplan.py`), with the
     run's stockouts and spot interruption rate. Placed, not desired: a replica wanted for less than a node's
     boot was never held by any node, and a node the run bought for it and then gave up is the planner's cost."""
@@ -199,7 +191,7 @@ def _swept(policy: Any, factor: float) -> Any:
     return replace(policy, **{knob: value, "name": f"{policy.name} {knob}={value:.3g}"})
 
 
-def _sweep(bench: _Bench, fleet: FleetSetup, policy: Any) -> RunResult:
+def _sweep(bench: Bench, fleet: FleetSetup, policy: Any) -> RunResult:
     """The baseline at the setting of its knob that meets the goal most cheaply: bisection over `SWEEP_FACTORS`
     (attainment rises as the factor falls), as the oracle's search bisects utilization; where no setting meets
     it, the best-attaining one tried. Tuned on the very trace it is scored on: a stronger baseline than any one
@@ -231,7 +223,7 @@ def _check_stockouts(scenario: Scenario, base: FleetSetup, model_name: str) -> N
                                  f"{', '.join(keys)}")
 
 
-def _runners(bench: _Bench, kvgate: ScalerSpec, need: tuple[int, ...]) -> dict[str, Policy]:
+def _runners(bench: Bench, kvgate: ScalerSpec, need: tuple[int, ...]) -> dict[str, Policy]:
     """The policies that run here (the oracle's run is its search's); static at peak holds the need's peak.
     Baselines read the slowest placement's service figures, as kvgate's work model reads the slowest GPU kind's."""
     target, scaling = bench.scaling.target_ongoing_requests, bench.scaling
@@ -252,7 +244,7 @@ def _runners(bench: _Bench, kvgate: ScalerSpec, need: tuple[int, ...]) -> dict[s
 
 
 @dataclass(frozen=True)
-class _Bench:
+class Bench:
     """What every run of one comparison shares: the warmed-up trace, the model's fleet and scaling, the
     scenario; runs are scored from `warmup_s`."""
 
@@ -262,6 +254,17 @@ class _Bench:
     scenario: Scenario
     warmup_s: float
     nodes: NodePlanning | None = None  # set: every run places its replicas on nodes the planner buys
+
+    @classmethod
+    def of(cls, trace: Trace, snapshot: Snapshot, model_name: str, scenario: Scenario = Scenario(),
+           warmup_s: float = 600.0) -> Bench:
+        """`trace` with `warmup_s` of warm-up (`traces.with_warmup`), the model's fleet from `snapshot`, and its
+        nodes. One cost rule for every policy, the oracle's search included: the live node planner places the
+        replicas on simulated nodes, and whole nodes are charged from purchase to release (`nodes.py`)."""
+        base = build_fleet(snapshot, model_name)
+        _check_stockouts(scenario, base, model_name)
+        return cls(with_warmup(trace, warmup_s), base, snapshot.model(model_name).spec.scaling, scenario, warmup_s,
+                   node_planning(snapshot, model_name))
 
     @property
     def cold_start_s(self) -> float:
@@ -275,63 +278,3 @@ class _Bench:
         first = max(need[:int(self.cold_start_s) + 1], default=0)
         initial = min(self.scaling.max_replicas, max(self.scaling.min_replicas, first))
         return FleetSetup(**{**self.base.__dict__, "initial_replicas": initial, "nodes": self.nodes})
-
-    def try_oracle(self, window_s: int, utilization: float) -> _OracleTry:
-        """One oracle run on the need curve of (window, utilization)."""
-        need = tuple(min(self.scaling.max_replicas, n) for n in oracle_need(
-            self.trace, self.base.placements[0].service, utilization, window_s=window_s, tail_s=self.base.tail_s))
-        result = self.run(self.fleet_for(need), OraclePolicy(need, self.cold_start_s, self.scaling.min_replicas))
-        return _OracleTry(result, need, utilization, summarize(result, self.base.ttft_slo_s).slo_attainment)
-
-
-@dataclass(frozen=True)
-class _OracleTry:
-    """One run of the oracle search: the need curve at one utilization of the batch, and how it scored."""
-
-    result: RunResult
-    need: tuple[int, ...]  # replicas needed in each second of the (warmed-up) trace
-    utilization: float
-    attainment: float  # the run's TTFT-SLO attainment
-
-
-def _search_oracle(bench: _Bench) -> tuple[RunResult, tuple[int, ...], str]:
-    """The cheapest oracle run that meets the goal, its need curve and its rule (module docstring).
-
-    The need curve it keeps also sets every policy's warm start and the static peak.
-    """
-    best: tuple[RunResult, tuple[int, ...], str] | None = None
-    fallback: tuple[_OracleTry, str] | None = None  # the best attainment seen, and its curve
-    for window_s in ORACLE_WINDOWS_S:
-        curve = f"mean concurrency over {window_s} s" if window_s else "peak concurrency each second"
-        passing, failing = _bisect_utilization(bench, window_s)
-        if failing is not None and (fallback is None or failing.attainment > fallback[0].attainment):
-            fallback = (failing, curve)
-        if passing is not None and (best is None or passing.result.gpu_seconds < best[0].gpu_seconds):
-            best = (passing.result, passing.need, f"{curve} / {passing.utilization:.0%} of the batch")
-    if best is not None:
-        return best
-    # Some requests cannot meet the SLO on any fleet (a prompt whose prefill alone is longer than the
-    # SLO): keep the oracle's best try, and say so in its rule rather than refusing to compare.
-    assert fallback is not None
-    tried, curve = fallback
-    return tried.result, tried.need, (f"{curve} / {tried.utilization:.0%} of the batch; NOT meeting "
-                                      f"{ATTAINMENT_GOAL:.0%} (best {tried.attainment:.2%}: the SLO is out of reach "
-                                      "of the service model for some requests)")
-
-
-def _bisect_utilization(bench: _Bench, window_s: int) -> tuple[_OracleTry | None, _OracleTry | None]:
-    """Bisect over utilization (attainment falls as utilization rises): the try at the highest that meets
-    the goal, and the best-attaining try that did not (None where there is none)."""
-    low, high = 0, len(ORACLE_UTILIZATIONS) - 1
-    passing: _OracleTry | None = None
-    failing: _OracleTry | None = None
-    while low <= high:
-        middle = (low + high) // 2
-        tried = bench.try_oracle(window_s, ORACLE_UTILIZATIONS[middle])
-        if tried.attainment >= ATTAINMENT_GOAL:
-            passing, high = tried, middle - 1
-        else:
-            low = middle + 1
-            if failing is None or tried.attainment > failing.attainment:
-                failing = tried
-    return passing, failing
