@@ -63,7 +63,7 @@ def search_oracle(bench: Bench, goal: float = ATTAINMENT_GOAL) -> OracleSearch:
     best: OracleTry | None = None
     fallback: OracleTry | None = None  # the best attainment seen
     for window_s in WINDOWS_S:
-        passing, failing = _bisect_utilization(bench, window_s, goal)
+        passing, failing = bisect_utilization(bench, window_s, goal)
         if failing is not None and (fallback is None or failing.attainment > fallback.attainment):
             fallback = failing
         if passing is not None and (best is None or passing.result.gpu_seconds < best.result.gpu_seconds):
@@ -79,10 +79,12 @@ def search_oracle(bench: Bench, goal: float = ATTAINMENT_GOAL) -> OracleSearch:
                         "reach of the service model for some requests)")
 
 
-def try_need(bench: Bench, need: tuple[int, ...], rule: str) -> OracleTry:
-    """One oracle run on `need` (held to the fleet's limits)."""
+def try_need(bench: Bench, need: tuple[int, ...], rule: str, *, look_ahead_s: float | None = None) -> OracleTry:
+    """One oracle run on `need` (held to the fleet's limits), ordering each second's replicas one cold start ahead,
+    or `look_ahead_s` ahead (0: a policy that knows the present exactly and not the future)."""
     need = tuple(min(bench.scaling.max_replicas, n) for n in need)
-    result = bench.run(bench.fleet_for(need), OraclePolicy(need, bench.cold_start_s, bench.scaling.min_replicas))
+    ahead_s = bench.cold_start_s if look_ahead_s is None else look_ahead_s
+    result = bench.run(bench.fleet_for(need), OraclePolicy(need, ahead_s, bench.scaling.min_replicas))
     return OracleTry(result, need, rule, _attainment(result, bench.base.ttft_slo_s))
 
 
@@ -91,9 +93,10 @@ def _attainment(result: RunResult, slo_s: float) -> float:
     return sum(1 for t in result.ttft_s if t <= slo_s) / n if n else 1.0  # NaN (never served) compares False
 
 
-def _bisect_utilization(bench: Bench, window_s: int, goal: float) -> tuple[OracleTry | None, OracleTry | None]:
+def bisect_utilization(bench: Bench, window_s: int, goal: float = ATTAINMENT_GOAL, *,
+                       look_ahead_s: float | None = None) -> tuple[OracleTry | None, OracleTry | None]:
     """Bisect over utilization (attainment falls as utilization rises): the try at the highest that meets
-    the goal, and the best-attaining try that did not (None where there is none)."""
+    the goal, and the best-attaining try that did not (None where there is none). `look_ahead_s` as `try_need`'s."""
     curve = f"mean concurrency over {window_s} s" if window_s else "peak concurrency each second"
     low, high = 0, len(UTILIZATIONS) - 1
     passing: OracleTry | None = None
@@ -103,7 +106,7 @@ def _bisect_utilization(bench: Bench, window_s: int, goal: float) -> tuple[Oracl
         u = UTILIZATIONS[middle]
         need = oracle_need(bench.trace, bench.base.placements[0].service, u, window_s=window_s,
                            tail_s=bench.base.tail_s)
-        tried = try_need(bench, need, f"{curve} / {u:.0%} of a replica")
+        tried = try_need(bench, need, f"{curve} / {u:.0%} of a replica", look_ahead_s=look_ahead_s)
         if tried.attainment >= goal:
             passing, high = tried, middle - 1
         else:
