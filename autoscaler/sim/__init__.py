@@ -2,6 +2,6 @@
 
 traces and shapes (Azure/Mooncake loaders, rate scaling, synthetic shapes) -> engine (a discrete-event loop on
 simulated time: the service model of `service`, and each tick the live loop's own decision, `autoscaler.decide`,
-over simulated nodes, `nodes`) -> compare (kvgate's replica step and the baselines of `baselines`, the oracle
-search and the lower bound of `bound`, one table) -> report (table, JSON, PNG). `records` holds the types.
+over simulated nodes, `nodes`) -> compare (kvgate's replica step and the baselines of `baselines`, the oracle's
+search of `oracle` and the lower bound of `bound`, one table) -> report (table, JSON, PNG). `records` holds the types.
 """

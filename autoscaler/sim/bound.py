@@ -1,8 +1,7 @@
 """A lower bound on the GPU-hours any schedule of replicas needs to meet a TTFT-SLO attainment on a trace.
 
-The oracle (`compare.py`) is the cheapest run the simulator finds among a family of perfect-foresight
-schedules: a good yardstick, but not a bound, as a schedule outside the family may cost less. This module
-gives the bound: no policy, however it scales, spends fewer GPU-hours on the service model and meets the goal.
+The oracle (`oracle.py`) is the cheapest perfect-foresight run the simulator finds: a good yardstick, but not a
+bound, as a schedule it did not try may cost less. This module gives the bound: no policy, however it scales, spends fewer GPU-hours on the service model and meets the goal.
 
 It is a linear programme over time buckets of `bucket_s` (HiGHS through scipy), a relaxation of every schedule:
 replicas are fractional and may be anything when scoring starts, and each request's work is charged at the
