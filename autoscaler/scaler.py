@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kvgate.autoscaler.forecast import ForecastSettings, ForecastState, forecast_rate, observe_rate
-from kvgate.autoscaler.work import (DRIFT_SIGMAS, PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, prefill_replicas,
-                                    slot_replicas)
+from kvgate.autoscaler.work import (DRIFT_SIGMAS, PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, SlotHold,
+                                    prefill_replicas, slot_replicas)
 from kvgate.registry.schema import ModelDoc, Scaling
 
 # ceil(16.000000001 / 8) must be 2, not 3: float sums over a window drift in the last bits.
@@ -192,7 +192,7 @@ def window_samples(samples: tuple[Sample, ...], obs: ModelObservation, now: floa
 
 def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: ForecastState, bounds: RateBounds,
                    now: float, prompts: PromptSpread = PromptSpread(), hold_s: float | None = None,
-                   drift_rps: float = 0.0) -> Demand:
+                   drift_rps: float = 0.0, learned_prefill_per_replica_s: float = 0.0) -> Demand:
     """Average the windows and turn them (and the forecast, when on) into replica counts."""
     s = spec.scaling
     recent = [x for x in samples if x.t > now - s.panic_window_s]
@@ -208,7 +208,7 @@ def measure_demand(spec: ScalerSpec, samples: tuple[Sample, ...], fstate: Foreca
         demand = replace(demand, forecast_rps=forecast_rps, forecast_desired=forecast_desired)
     if spec.capacity is not None:
         work_desired, work_why = work_demand(spec.capacity, samples, prompts.c_s2, hold_s, demand.forecast_rps, s,
-                                             spec.cold_start_s, now, drift_rps)
+                                             spec.cold_start_s, now, drift_rps, learned_prefill_per_replica_s)
         sizes_slots = hold_s is not None and spec.capacity.max_batch > 0
         demand = replace(demand, work_desired=bounds.bound(work_desired), work_why=work_why,
                          work_sizes_slots=sizes_slots)
@@ -228,19 +228,22 @@ class LittleLaw:
     running: float = 0.0
     arrivals_per_s: float = 0.0
     t: float | None = None
+    prompt_tokens_per_replica_s: float = 0.0  # averaged the same way: the prefill each replica did meanwhile
 
     @property
     def hold_s(self) -> float | None:
         return self.running / self.arrivals_per_s if self.arrivals_per_s > 0 and self.running > 0 else None
 
-    def add(self, running: float, arrivals_per_s: float, now: float, time_constant_s: float = 300.0) -> LittleLaw:
+    def add(self, running: float, arrivals_per_s: float, now: float, time_constant_s: float = 300.0,
+            prompt_tokens_per_replica_s: float = 0.0) -> LittleLaw:
         # Both averages start from nothing (a first sample counts for one second): the ratio needs no prior.
         dt = 1.0 if self.t is None else now - self.t
         if dt <= 0:
             return self
         keep = math.exp(-dt / time_constant_s)
         return LittleLaw(keep * self.running + (1 - keep) * running,
-                         keep * self.arrivals_per_s + (1 - keep) * arrivals_per_s, now)
+                         keep * self.arrivals_per_s + (1 - keep) * arrivals_per_s, now,
+                         keep * self.prompt_tokens_per_replica_s + (1 - keep) * prompt_tokens_per_replica_s)
 
 
 def learn_hold(hold: LittleLaw, obs: ModelObservation, samples: Sequence[Sample], now: float) -> LittleLaw:
@@ -250,7 +253,8 @@ def learn_hold(hold: LittleLaw, obs: ModelObservation, samples: Sequence[Sample]
     arrivals, nothing running) count: they are part of the averages. Worked: 60 running at 12 rps -> 5 s."""
     if obs.queued_at_gateways + obs.waiting > 0 or any(x.queued > 0 for x in samples):
         return hold
-    return hold.add(obs.running, obs.arrivals_per_s, now)
+    return hold.add(obs.running, obs.arrivals_per_s, now,
+                    prompt_tokens_per_replica_s=obs.prompt_tokens_per_s / max(1, obs.ready_replicas))
 
 
 def backlog_concurrency(spec: ScalerSpec, samples: Sequence[Sample], hold_s: float | None) -> float:
@@ -301,7 +305,7 @@ def arrival_dispersion(samples: tuple[Sample, ...], stable_rps: float) -> float:
 
 def work_demand(capacity: ReplicaCapacity, samples: tuple[Sample, ...], c_s2: float, hold_s: float | None,
                 forecast_rps: float | None, scaling: Scaling, cold_start_s: float, now: float,
-                drift_rps: float = 0.0) -> tuple[int, str]:
+                drift_rps: float = 0.0, learned_prefill_per_replica_s: float = 0.0) -> tuple[int, str]:
     """The replicas the work needs (`autoscaler.work`): the most of what prefill needs and, once a request's time
     in service `hold_s` is learned, what the batch slots need; and why, in one phrase.
 
@@ -327,14 +331,15 @@ def work_demand(capacity: ReplicaCapacity, samples: tuple[Sample, ...], c_s2: fl
     load = PromptLoad(rate, _mean([x.prompt_tokens_per_s for x in samples]) / stable_rps, c_s2)
     prefill = prefill_replicas(capacity, load, c_a2=c_a2, limit=scaling.max_replicas + 1)
     slack_s = max(0.0, capacity.ttft_slo_s - load.mean_tokens / capacity.prefill_tokens_per_s)
-    slots = 0 if hold_s is None else slot_replicas(capacity, rate, hold_s, slack_s=slack_s,
-                                                   limit=scaling.max_replicas + 1)
+    hold = None if hold_s is None else SlotHold.for_load(capacity, hold_s, load, learned_prefill_per_replica_s)
+    slots = 0 if hold is None else slot_replicas(capacity, rate, hold, slack_s=slack_s, limit=scaling.max_replicas + 1)
     if max(prefill, slots) == 0:
         return 0, ""
     why = (f"work {rate:.1f} rps (c_a² {c_a2:.1f}): prefill {load.mean_tokens:.0f} tokens (c_s² {load.c_s2:.1f}) at "
            f"{capacity.prefill_tokens_per_s:g}/s, {capacity.attainment:.0%} within {capacity.ttft_slo_s:g}s -> {prefill}")
-    if hold_s is not None:
-        why += f"; slots {rate * hold_s:.0f} busy ({hold_s:.1f}s each) of {capacity.max_batch} a replica -> {slots}"
+    if hold is not None:
+        held = hold.at(slots) if isinstance(hold, SlotHold) else hold
+        why += f"; slots {rate * held:.0f} busy ({held:.1f}s each) of {capacity.max_batch} a replica -> {slots}"
     return max(prefill, slots), why
 
 
@@ -490,7 +495,7 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     current = state.desired if state.desired is not None else within_limits(
         s, obs.ready_replicas + obs.starting_replicas)
     demand = measure_demand(spec, samples, fstate, RateBounds.of(s, obs.ready_replicas), now, prompts, hold_s,
-                            drift.sigma())
+                            drift.sigma(), hold.prompt_tokens_per_replica_s)
 
     panic_over_at = next_panic_over_at(s, state.panic_over_at, demand.panic_desired, obs.ready_replicas,
                                        warming, now)

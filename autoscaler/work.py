@@ -33,7 +33,8 @@ short: llm-d's "simulate N − 1 before scaling down", in closed form.
 The batch slots are sized the same way (`slot_replicas`): a request holds a slot for its time in service h, so a
 rate λ keeps λ·h slots busy on average (Little's law), and the fleet needs the fewest replicas of `max_batch` slots
 for which the chance that a request waits for a slot longer than the SLO leaves it (the SLO less its prefill) is under
-a tenth of the goal's misses (Erlang's C and the M/M/c wait's exponential tail). The
+a tenth of the goal's misses (Erlang's C and the M/M/c wait's exponential tail), the hold taken at the count being
+sized: fewer replicas each prefill a larger share of their time and decode slower (`SlotHold`). The
 rate planned for is the current one plus one standard deviation of how far it moved over one cold start on this
 model's traffic (`RateDrift`): replicas ordered now serve the load of a cold start from now. One deviation was
 chosen against 2.33 (the 99% quantile) over every trace and shape of `loadtests/sim_matrix.py`: 2.33 bought
@@ -73,6 +74,7 @@ class ReplicaCapacity:
     ttft_slo_s: float
     attainment: float = 0.99
     max_batch: int = 0  # 0: unknown, slots are not sized
+    prefill_alone_tokens_per_s: float = 0.0  # the figure itself (no decode beside it); 0: decode never slows
 
     @classmethod
     def of(cls, model: ModelDoc) -> ReplicaCapacity | None:
@@ -85,7 +87,8 @@ class ReplicaCapacity:
                                                                   e.max_batch or spec.engine.max_running_requests,
                                                                   spec.engine.max_batch_tokens) for e in kinds),
                    ttft_slo_s=spec.slo.ttft_ms / 1000.0, attainment=spec.slo.ttft_attainment,
-                   max_batch=min(e.max_batch or spec.engine.max_running_requests for e in kinds))
+                   max_batch=min(e.max_batch or spec.engine.max_running_requests for e in kinds),
+                   prefill_alone_tokens_per_s=min(e.prefill_tokens_per_s for e in kinds))
 
 
 def prefill_beside_decode(prefill_tokens_per_s: float, decode_tokens_per_s: float, max_batch: int,
@@ -227,27 +230,72 @@ def prefill_replicas(capacity: ReplicaCapacity, load: PromptLoad, *, c_a2: float
 # Slots get this small share of the goal's misses: a wait for a slot comes on top of the prefill queue's, which
 # has the rest.
 _SLOT_SHARE = 0.1
+# A replica never prefills more than this share of its time in the slowdown model (past it, the prefill term has
+# long asked for more replicas).
+_MAX_PREFILL_SHARE = 0.9
 
 
-def slot_replicas(capacity: ReplicaCapacity, rate: float, hold_s: float, *, slack_s: float = 0.0,
+@dataclass(frozen=True, slots=True)
+class SlotHold:
+    """How long a request holds a batch slot on a fleet of n replicas: its prefill, then its decode, which runs
+    slower the larger the share of each replica's time the fleet's prefill takes (engine steps carry prompt chunks
+    beside every decode: `prefill_beside_decode`): decode_s / (1 - prefill_load / n).
+
+    The hold is learned by Little's law on the fleet as it ran, so its decode part is read back to full speed with
+    the prefill share it was learned at (`learned`). Without that, a count below the running fleet's was sized with
+    the running fleet's hold: ramp x10 in the simulator planned 16 replicas with 7.9 s holds for a fleet of 20, and
+    the 16, each prefilling a larger share, overflowed their slots within a minute.
+    """
+
+    prefill_s: float
+    decode_s: float  # the decode part at full speed
+    prefill_load: float = 0.0  # replicas' worth of prefill arriving (tokens/s over one replica's prefill alone)
+
+    @classmethod
+    def learned(cls, hold_s: float, prefill_s: float, learned_share: float, prefill_load: float = 0.0) -> SlotHold:
+        """From a hold learned while each replica prefilled `learned_share` of its time. Worked: 6 s learned at a
+        share of 0.5 with 0.2 s of prefill -> 2.9 s of decode at full speed; at a load of 4 replicas' prefill, 8
+        replicas hold 6 s again, 5 hold 0.2 + 2.9 / 0.2 = 14.7 s."""
+        share = min(_MAX_PREFILL_SHARE, max(0.0, learned_share))
+        return cls(min(prefill_s, hold_s), max(0.0, hold_s - prefill_s) * (1.0 - share), prefill_load)
+
+    @classmethod
+    def for_load(cls, capacity: ReplicaCapacity, hold_s: float, load: PromptLoad,
+                 learned_tokens_per_replica_s: float) -> SlotHold | float:
+        """The hold at the planned `load`, from `hold_s` learned while each replica prefilled
+        `learned_tokens_per_replica_s`; `hold_s` itself where the capacity has no prefill figure alone."""
+        alone = capacity.prefill_alone_tokens_per_s
+        if alone <= 0:
+            return hold_s
+        return cls.learned(hold_s, load.mean_tokens / capacity.prefill_tokens_per_s,
+                           learned_tokens_per_replica_s / alone, load.rate * load.mean_tokens / alone)
+
+    def at(self, replicas: int) -> float:
+        share = min(_MAX_PREFILL_SHARE, self.prefill_load / replicas) if replicas > 0 else _MAX_PREFILL_SHARE
+        return self.prefill_s + self.decode_s / (1.0 - share)
+
+
+def slot_replicas(capacity: ReplicaCapacity, rate: float, hold: float | SlotHold, *, slack_s: float = 0.0,
                   limit: int = 10_000) -> int:
     """The fewest replicas whose batch slots (`max_batch` each) keep a request waiting for one longer than
-    `slack_s` (the SLO less its prefill) to at most a tenth of the goal's misses. Each slot is held `hold_s`
-    (Little's law: rate x hold_s busy on average); in the M/M/c queue over all N slots a request waits with
-    Erlang's C probability, and longer than t with C x exp(-(N - busy) t / hold_s): with many slots one frees
-    often, so a wait is short. 0 with no load or no batch size. The concurrency target made from the SLO instead
-    of a fraction of the batch: 32 requests/s held 4.5 s each is 144 busy slots; with no slack, 5 replicas of 32
-    (160) leave 13% waiting, 6 (192) 0.008%: 6, where a target of 16 a replica asks for 9. With 0.5 s of slack
-    5 leave 13% x exp(-16 x 0.5 / 4.5) = 2.2% waiting that long: still 6.
+    `slack_s` (the SLO less its prefill) to at most a tenth of the goal's misses. Each slot is held `hold` seconds
+    (on n replicas, `hold.at(n)` for a `SlotHold`; Little's law: rate x hold busy on average); in the M/M/c queue
+    over all N slots a request waits with Erlang's C probability, and longer than t with
+    C x exp(-(N - busy) t / hold): with many slots one frees often, so a wait is short. 0 with no load or no batch
+    size. The concurrency target made from the SLO instead of a fraction of the batch: 32 requests/s held 4.5 s
+    each is 144 busy slots; with no slack, 5 replicas of 32 (160) leave 13% waiting, 6 (192) 0.008%: 6, where a
+    target of 16 a replica asks for 9. With 0.5 s of slack 5 leave 13% x exp(-16 x 0.5 / 4.5) = 2.2% waiting
+    that long: still 6.
     """
-    busy = rate * hold_s
-    if busy <= 0 or capacity.max_batch <= 0:
+    hold_at = hold.at if isinstance(hold, SlotHold) else (lambda _replicas: hold)
+    if rate <= 0 or capacity.max_batch <= 0 or hold_at(limit) <= 0:
         return 0
     allowed = _SLOT_SHARE * (1.0 - capacity.attainment)
-    replicas = max(1, math.floor(busy / capacity.max_batch) + 1)
+    replicas = max(1, math.floor(rate * hold_at(limit) / capacity.max_batch) + 1)  # the hold is least at most
     while replicas < limit:
-        slots = replicas * capacity.max_batch
-        if erlang_c(slots, busy) * math.exp(-(slots - busy) * slack_s / hold_s) <= allowed:
+        hold_s = hold_at(replicas)
+        busy, slots = rate * hold_s, replicas * capacity.max_batch
+        if slots > busy and erlang_c(slots, busy) * math.exp(-(slots - busy) * slack_s / hold_s) <= allowed:
             break
         replicas += 1
     return replicas

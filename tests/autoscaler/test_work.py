@@ -17,7 +17,7 @@ from kvgate.autoscaler.sim.baselines import StaticPolicy
 from kvgate.autoscaler.sim.compare import build_fleet
 from kvgate.autoscaler.sim.engine import simulate
 from kvgate.autoscaler.sim.shapes import ShapeSpec, shaped_trace
-from kvgate.autoscaler.work import (PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, erlang_c,
+from kvgate.autoscaler.work import (PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, SlotHold, erlang_c,
                                     prefill_beside_decode, prefill_replicas, slot_replicas, ttft_miss)
 from kvgate.registry import load_registry
 from kvgate.registry.schema import Scaling
@@ -172,6 +172,21 @@ def test_slots_are_sized_by_erlang_c_not_a_fraction_of_the_batch() -> None:
     # 13% x exp(-(160 - 144) x 0.5 / 4.5) = 2.2% past 0.5 s (still 6), and 3e-6 past 3 s (5 then).
     assert slot_replicas(capacity, 32.0, 4.5, slack_s=0.5) == 6
     assert slot_replicas(capacity, 32.0, 4.5, slack_s=3.0) == 5
+
+
+def test_a_slot_is_held_longer_on_fewer_replicas_as_their_prefill_slows_the_decode() -> None:
+    # Learned: 6 s holds while each replica prefilled half its time, 0.2 s of it its own prefill: 5.8 s of decode at
+    # half speed, 2.9 s at full. With 4 replicas' worth of prefill arriving, 8 replicas hold 6 s again, 5 replicas
+    # prefill 80% of the time: 0.2 + 2.9 / 0.2 = 14.7 s.
+    hold = SlotHold.learned(6.0, 0.2, 0.5, prefill_load=4.0)
+    assert hold.decode_s == pytest.approx(2.9)
+    assert hold.at(8) == pytest.approx(6.0) and hold.at(5) == pytest.approx(14.7)
+    assert hold.at(2) == pytest.approx(0.2 + 2.9 / 0.1)  # past 90% the prefill term has long asked for more
+    # Sized with the flat 6 s, 24 requests/s (144 busy) fit on 6 replicas of 32 (192 slots); slowed as 6 would run
+    # them (share 4/6: 8.9 s, 214 busy) they do not, and 7 (7.0 s, 167 busy of 224) do.
+    capacity = replace(L40S, max_batch=32)
+    assert slot_replicas(capacity, 24.0, 6.0) == 6
+    assert slot_replicas(capacity, 24.0, hold) == 7
 
 
 def test_rate_drift_is_the_spread_of_the_rate_move_over_a_cold_start() -> None:
