@@ -15,7 +15,6 @@ Writes loadtests/.work/sim_foresight.json. Seeded and simulated: the same on any
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "loadtests"))
 
 from kvgate.autoscaler.sim.compare import Bench  # noqa: E402
-from kvgate.autoscaler.sim.oracle import ATTAINMENT_GOAL, WINDOWS_S, OracleTry, bisect_utilization  # noqa: E402
+from kvgate.autoscaler.sim.oracle import WINDOWS_S, OracleTry, bisect_utilization  # noqa: E402
 from kvgate.registry import load_registry  # noqa: E402
-from sim_matrix import SOURCES, WARMUP_S, source_trace  # noqa: E402
+from sim_matrix import SOURCES, WARMUP_S, source_trace, write_rows  # noqa: E402
 
 
 def cheapest(bench: Bench, look_ahead_s: float | None) -> tuple[OracleTry | None, OracleTry | None]:
@@ -78,10 +77,7 @@ def main() -> None:
                       for r in (row["foresight"], row["present_only"])]
         print(f"| {name} x{scale:g} | {cells_text[0]} | {cells_text[1]} |", flush=True)
         print(f"  ({name} x{scale:g}: {time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"goal": ATTAINMENT_GOAL, "rows": rows}, indent=1))
-    print(f"wrote {out}", file=sys.stderr)
+    write_rows(Path(args.out), rows)
 
 
 if __name__ == "__main__":

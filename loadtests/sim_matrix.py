@@ -119,7 +119,11 @@ def main() -> None:
                 print(f"| {name} | {scale:g} | {s.policy} | {s.slo_attainment:.2%} | {s.gpu_hours:.1f} | "
                       f"{s.cost_usd:,.0f} | {ratios[0]} | {ratios[1]} | {ratios[2]} |", flush=True)
             print(f"  ({name} x{scale:g}: {time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    out = Path(args.out)
+    write_rows(Path(args.out), rows)
+
+
+def write_rows(out: Path, rows: list[dict]) -> None:
+    """The JSON both sim scripts write: the goal and one row per result."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"goal": ATTAINMENT_GOAL, "rows": rows}, indent=1))
     print(f"wrote {out}", file=sys.stderr)
