@@ -338,7 +338,7 @@ def work_demand(capacity: ReplicaCapacity, samples: tuple[Sample, ...], c_s2: fl
     why = (f"work {rate:.1f} rps (c_a² {c_a2:.1f}): prefill {load.mean_tokens:.0f} tokens (c_s² {load.c_s2:.1f}) at "
            f"{capacity.prefill_tokens_per_s:g}/s, {capacity.attainment:.0%} within {capacity.ttft_slo_s:g}s -> {prefill}")
     if hold is not None:
-        held = hold.at(slots) if isinstance(hold, SlotHold) else hold
+        held = hold.at(slots)
         why += f"; slots {rate * held:.0f} busy ({held:.1f}s each) of {capacity.max_batch} a replica -> {slots}"
     return max(prefill, slots), why
 

@@ -261,18 +261,24 @@ class SlotHold:
 
     @classmethod
     def for_load(cls, capacity: ReplicaCapacity, hold_s: float, load: PromptLoad,
-                 learned_tokens_per_replica_s: float) -> SlotHold | float:
+                 learned_tokens_per_replica_s: float) -> SlotHold:
         """The hold at the planned `load`, from `hold_s` learned while each replica prefilled
         `learned_tokens_per_replica_s`; `hold_s` itself where the capacity has no prefill figure alone."""
         alone = capacity.prefill_alone_tokens_per_s
         if alone <= 0:
-            return hold_s
+            return cls(hold_s, 0.0)  # nothing known of the prefill: the same hold at every count
         return cls.learned(hold_s, load.mean_tokens / capacity.prefill_tokens_per_s,
                            learned_tokens_per_replica_s / alone, load.rate * load.mean_tokens / alone)
 
     def at(self, replicas: int) -> float:
-        share = min(_MAX_PREFILL_SHARE, self.prefill_load / replicas) if replicas > 0 else _MAX_PREFILL_SHARE
-        return self.prefill_s + self.decode_s / (1.0 - share)
+        return self.prefill_s + self.decode_s * decode_slowdown(self.prefill_load, replicas)
+
+
+def decode_slowdown(prefill_load: float, replicas: int) -> float:
+    """How many times longer a decode takes on `replicas` sharing `prefill_load` replicas' worth of prefill: each
+    spends that share of its time prefilling (at most `_MAX_PREFILL_SHARE`) and decodes in the rest."""
+    share = min(_MAX_PREFILL_SHARE, prefill_load / replicas) if replicas > 0 else _MAX_PREFILL_SHARE
+    return 1.0 / (1.0 - share)
 
 
 def slot_replicas(capacity: ReplicaCapacity, rate: float, hold: float | SlotHold, *, slack_s: float = 0.0,
@@ -287,13 +293,14 @@ def slot_replicas(capacity: ReplicaCapacity, rate: float, hold: float | SlotHold
     target of 16 a replica asks for 9. With 0.5 s of slack 5 leave 13% x exp(-16 x 0.5 / 4.5) = 2.2% waiting
     that long: still 6.
     """
-    hold_at = hold.at if isinstance(hold, SlotHold) else (lambda _replicas: hold)
-    if rate <= 0 or capacity.max_batch <= 0 or hold_at(limit) <= 0:
+    if not isinstance(hold, SlotHold):
+        hold = SlotHold(hold, 0.0)
+    if rate <= 0 or capacity.max_batch <= 0 or hold.at(limit) <= 0:
         return 0
     allowed = _SLOT_SHARE * (1.0 - capacity.attainment)
-    replicas = max(1, math.floor(rate * hold_at(limit) / capacity.max_batch) + 1)  # the hold is least at most
+    replicas = max(1, math.floor(rate * hold.at(limit) / capacity.max_batch) + 1)  # the hold is least at most
     while replicas < limit:
-        hold_s = hold_at(replicas)
+        hold_s = hold.at(replicas)
         busy, slots = rate * hold_s, replicas * capacity.max_batch
         if slots > busy and erlang_c(slots, busy) * math.exp(-(slots - busy) * slack_s / hold_s) <= allowed:
             break

@@ -38,7 +38,7 @@ from kvgate.autoscaler.scaler import ModelObservation, ScalerSpec, ScalerState, 
 from kvgate.autoscaler.sim.records import SimDecision
 from kvgate.autoscaler.sim.service import ServiceModel
 from kvgate.autoscaler.sim.traces import Trace, least_prefill_tokens
-from kvgate.autoscaler.work import prefill_beside_decode
+from kvgate.autoscaler.work import decode_slowdown, prefill_beside_decode
 
 _EPS = 1e-9
 
@@ -412,7 +412,7 @@ def oracle_need(trace: Trace, service: ServiceModel, utilization: float, *, wind
     def needs(replicas: Sequence[int] | None) -> list[int]:
         """Each second's need with the decode slowed as `replicas` (None: not at all) would run it."""
         slowdown = ([1.0] * seconds if replicas is None else
-                    [1 / (1 - min(0.9, work / n)) if n else 1.0 for work, n in zip(prefill, replicas)])
+                    [decode_slowdown(work, n) if n else 1.0 for work, n in zip(prefill, replicas)])
         slots = _concurrency(trace, prompt, service, slowdown, seconds, window_s)
         return [max(_ceil_div(busy, capacity), _ceil_div(work * beside, utilization))
                 for busy, work in zip(slots, prefill)]

@@ -61,10 +61,8 @@ class Summary:
 
 def summarize(result: RunResult, slo_s: float) -> Summary:
     ttfts = sorted(math.inf if math.isnan(t) else t for t in result.ttft_s)
-    n = len(ttfts)
-    met = sum(1 for t in ttfts if t <= slo_s)
     hours = result.duration_s / 3600.0
-    return Summary(result.policy, n, met / n if n else 1.0, _quantile(ttfts, 0.50), _quantile(ttfts, 0.99),
+    return Summary(result.policy, len(ttfts), result.attainment(slo_s), _quantile(ttfts, 0.50), _quantile(ttfts, 0.99),
                    result.gpu_seconds / 3600.0, result.cost_usd, result.cold_starts,
                    result.scaling_actions / hours if hours else 0.0, result.preemptions, result.max_replicas)
 
@@ -202,7 +200,7 @@ def _sweep(bench: Bench, fleet: FleetSetup, policy: Any) -> RunResult:
     while low <= high:
         middle = (low + high) // 2
         result = bench.run(fleet, _swept(policy, SWEEP_FACTORS[middle]))
-        attainment = summarize(result, bench.base.ttft_slo_s).slo_attainment
+        attainment = result.attainment(bench.base.ttft_slo_s)
         if attainment >= ATTAINMENT_GOAL:
             passing, high = (attainment, result), middle - 1
         else:

@@ -85,12 +85,7 @@ def try_need(bench: Bench, need: tuple[int, ...], rule: str, *, look_ahead_s: fl
     need = tuple(min(bench.scaling.max_replicas, n) for n in need)
     ahead_s = bench.cold_start_s if look_ahead_s is None else look_ahead_s
     result = bench.run(bench.fleet_for(need), OraclePolicy(need, ahead_s, bench.scaling.min_replicas))
-    return OracleTry(result, need, rule, _attainment(result, bench.base.ttft_slo_s))
-
-
-def _attainment(result: RunResult, slo_s: float) -> float:
-    n = len(result.ttft_s)
-    return sum(1 for t in result.ttft_s if t <= slo_s) / n if n else 1.0  # NaN (never served) compares False
+    return OracleTry(result, need, rule, result.attainment(bench.base.ttft_slo_s))
 
 
 def bisect_utilization(bench: Bench, window_s: int, goal: float = ATTAINMENT_GOAL, *,

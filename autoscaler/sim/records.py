@@ -111,3 +111,8 @@ class RunResult:
     duration_s: float
     timeline: tuple[TimelinePoint, ...]
     max_replicas: int
+
+    def attainment(self, slo_s: float) -> float:
+        """The share of scored requests with a first token within `slo_s` (never served counts as a miss)."""
+        n = len(self.ttft_s)
+        return sum(1 for t in self.ttft_s if t <= slo_s) / n if n else 1.0  # NaN compares False
