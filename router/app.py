@@ -141,10 +141,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     upstream = UpstreamPool()
     app[PROXY_KEY] = Proxy(tracker, upstream, app[METRICS_KEY], app[CLOCK_KEY], app[QUEUES_KEY], app[PROMPT_WORK_KEY])
     await tracker.start(registry.current)
-    tenants = app[TENANTS_KEY]
+    tenants, metrics = app[TENANTS_KEY], app[METRICS_KEY]
     tenants.note_registry(registry.current)
+    metrics.note_registry(registry.current)
     subscribe: Callable[..., Callable[[], None]] | None = getattr(registry, "subscribe", None)
-    unsubscribe = [subscribe(tracker.update_registry), subscribe(tenants.note_registry)] if subscribe else []
+    unsubscribe = ([subscribe(tracker.update_registry), subscribe(tenants.note_registry),
+                    subscribe(metrics.note_registry)] if subscribe else [])
     try:
         yield
     finally:

@@ -33,12 +33,13 @@ from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_K
                          TRACKER_KEY, ADMITTED_KEY, LIMITER_KEY, METER_KEY)
 from kvgate.router.policies import RoutingKnobs
 from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
-from kvgate.router.proxy import REQUEST_ID_HEADER, TOKENS_USED_KEY, ProxyRequest
+from kvgate.router.metrics import TOKEN_KINDS, RouterMetrics
+from kvgate.router.proxy import REQUEST_ID_HEADER, STREAM_OUTCOME_KEY, TOKENS_USED_KEY, USAGE_KEY, ProxyRequest
 from kvgate.router.refusals import NO_MODEL, NO_TENANT, REFUSAL_MODEL_KEY, REFUSAL_TENANT_KEY, refusal_labels
 from kvgate.router.request_caps import check_prompt_size, check_sampling_caps, completion_budget
 from kvgate.router.tenants import PRIORITY_HEADER, flow_of, visible_names
 from kvgate.router.upstream import header_safe
-from kvgate.router.usage import tenant_label
+from kvgate.router.usage import answer_code, tenant_label
 
 log = logging.getLogger("kvgate.router")
 # Prompts longer than this (characters) are tokenized on a worker thread: 4,096 characters of new text take
@@ -221,10 +222,18 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     if drain.draining:
         raise no_capacity("this gateway is shutting down; retry on another", retry_after_s=1, code="draining")
     drain.in_flight += 1
+    response: web.StreamResponse | None = None
+    error: BaseException | None = None
     try:
-        return await _serve_inference(request, chat)
+        response = await _serve_inference(request, chat)
+        return response
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
         drain.in_flight -= 1
+        request.app[METRICS_KEY].answers.labels(request.get(REFUSAL_MODEL_KEY, NO_MODEL),
+                                                answer_code(response, error)).inc()
 
 
 def _request_id(request: web.Request) -> str:
@@ -313,6 +322,7 @@ async def _forward(request: web.Request, preq: ProxyRequest, tenant: TenantDoc |
             preq = replace(preq, on_first_token=functools.partial(gate.first_token, permit))
         with app[METER_KEY].metering(tenant, name, preq.request_id) as metered:  # its usage, however it ends
             response = metered.response = await app[PROXY_KEY].forward(request, preq)
+        _count_answer(app[METRICS_KEY], preq, response, app[CLOCK_KEY].now())
         return response
     finally:
         if permit is not None:
@@ -321,6 +331,19 @@ async def _forward(request: web.Request, preq: ProxyRequest, tenant: TenantDoc |
         if ADMITTED_KEY in request:  # settled with the answer's usage, where it reported one
             used = response.get(TOKENS_USED_KEY) if response is not None else None
             await app[LIMITER_KEY].release(request[ADMITTED_KEY], used)
+
+
+def _count_answer(metrics: RouterMetrics, preq: ProxyRequest, response: web.StreamResponse, now: float) -> None:
+    """A replica's answer, relayed whole: its time end to end, and its tokens by model and adapter."""
+    if response.status >= 300 or response.get(STREAM_OUTCOME_KEY, "success") != "success":
+        return
+    model, adapter = preq.route.model, preq.route.adapter or ""
+    metrics.e2e_seconds.labels(model).observe(now - preq.arrived_at)
+    usage = response.get(USAGE_KEY)
+    if usage is not None:
+        counts = (usage.prompt_tokens, usage.cached_tokens or 0, usage.completion_tokens)
+        for kind, count in zip(TOKEN_KINDS, counts, strict=True):
+            metrics.tokens.labels(model, adapter, kind).inc(count)
 
 
 # ------------------------------------------------------------------------------------ the rest
@@ -363,7 +386,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     metrics = request.app[METRICS_KEY]
-    metrics.set_replica_counts(request.app[TRACKER_KEY].replica_counts())
+    tracker = request.app[TRACKER_KEY]
+    metrics.set_replica_counts(tracker.replica_counts())
+    metrics.state_store_up.set(1 if tracker.store_reachable else 0)
     text, content_type = metrics.render()
     return web.Response(body=text, headers={"Content-Type": content_type})
 

@@ -5,14 +5,27 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvgate.exposition import CONTENT_TYPE_LATEST, exposition
+
+if TYPE_CHECKING:
+    from kvgate.registry.snapshot import Snapshot
 
 # Routing decisions take microseconds; the buckets reach 10 ms so a slow view build shows up.
 _DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2)
 # Time to first token: from 10 ms (a warm prefix hit) to a minute (a cold start behind the queue).
 _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A whole answer: from a short completion (50 ms) to a long generation behind a cold start (10 min).
+_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+# Between two streamed tokens: 1 ms (a small model on a GPU) to 2.5 s (a decode stalled behind long prefills).
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# `kvgate_router_answers_total{code}`: how each inference request ended for its client. A stream that broke after
+# its first byte went out as 200, so it has a code of its own, as has a client that left before the end.
+ANSWER_CODES = ("2xx", "4xx", "5xx", "stream_error", "client_gone")
+TOKEN_KINDS = ("prompt", "cached", "completion")  # `kvgate_router_tokens_total{kind}`, as router.usage counts them
 
 
 class _Labelled:
@@ -34,6 +47,11 @@ class _Labelled:
         """Drop one child, from the metric and from the lookup (a kept child would count unexported)."""
         self._children.pop(values, None)
         self._metric.remove(*values)
+
+    def remove_models(self, keep: Collection[str]) -> None:
+        """Drop every child whose first label (`model`) is not in `keep`."""
+        for values in [values for values in self._children if values[0] not in keep]:
+            self.remove(*values)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._metric, name)
@@ -67,6 +85,29 @@ class RouterMetrics:
             "kvgate_router_prefix_reported_prompt_tokens",
             "Prompt tokens of the responses that reported cached_tokens (theirs, else the gateway's estimate).",
             ["model"], registry=r)
+        self.answers = Counter("kvgate_router_answers", "Inference requests answered, by how they ended for the "
+                               "client: 2xx, 4xx, 5xx (the gateway's refusals included), stream_error (broke "
+                               "after the first byte), client_gone.", ["model", "code"], registry=r)
+        self.e2e_seconds = Histogram("kvgate_router_e2e_seconds",
+                                     "Request arrival to the answer's last byte, for answers a replica gave (2xx).",
+                                     ["model"], buckets=_E2E_BUCKETS_S, registry=r)
+        self.itl_seconds = Histogram("kvgate_router_itl_seconds",
+                                     "Time between two streamed output events (a token each, as engines stream).",
+                                     ["model"], buckets=_ITL_BUCKETS_S, registry=r)
+        # `adapter` "" for the base model: per model, sum by (model); per adapter, by (adapter).
+        self.tokens = Counter("kvgate_router_tokens", "Tokens of answers that reported usage, by model, adapter "
+                              "and kind (prompt, cached of prompt, completion).", ["model", "adapter", "kind"],
+                              registry=r)
+        self.prefix_estimated_prompt_tokens = Counter(
+            "kvgate_router_prefix_estimated_prompt_tokens",
+            "Prompt tokens of routed requests, the gateway's estimate: the predicted hit rate's denominator.",
+            ["model"], registry=r)
+        self.slo_ttft_seconds = Gauge("kvgate_router_slo_ttft_seconds", "Each model's TTFT SLO from the registry "
+                                      "(absent for a model without one).", ["model"], registry=r)
+        self.state_store_up = Gauge("kvgate_router_state_store_up",
+                                    "1 while the gateway's membership polls reach the state store, else 0.",
+                                    registry=r)
+        self.state_store_up.set(1)
         self.in_flight = Gauge("kvgate_router_in_flight", "Requests between arrival and response end.",
                                ["model"], registry=r)
         self.queue_depth = Gauge("kvgate_router_queue_depth", "Requests waiting for a replica of the model.",
@@ -81,6 +122,8 @@ class RouterMetrics:
                                              "Usage-log records dropped as its writer was behind (disk stalled).",
                                              registry=r)
         for name in ("requests", "decisions", "decision_seconds", "ttft_seconds", "prefix_predicted_tokens",
+                     "answers", "e2e_seconds", "itl_seconds", "tokens", "prefix_estimated_prompt_tokens",
+                     "slo_ttft_seconds",
                      "prefix_realised_tokens", "prefix_reported_prompt_tokens", "in_flight", "queue_depth",
                      "tenant_requests", "tenant_tokens", "fair_queue_depth", "fair_dispatched"):
             setattr(self, name, _Labelled(getattr(self, name)))
@@ -112,6 +155,31 @@ class RouterMetrics:
                                        "Requests sent on through the model's fair queue (at once or after a wait).",
                                        ["model", "tenant"], registry=r)
 
+    def note_registry(self, snapshot: Snapshot) -> None:
+        """Give every declared model its per-model series from the start, at zero (a rate or an alert then finds
+        a series before the first request), set its TTFT SLO, and drop the series of models no longer declared.
+        Called with each registry snapshot."""
+        models = snapshot.models
+        per_model = (self.ttft_seconds, self.e2e_seconds, self.itl_seconds, self.decision_seconds,
+                     self.prefix_predicted_tokens, self.prefix_realised_tokens, self.prefix_reported_prompt_tokens,
+                     self.prefix_estimated_prompt_tokens, self.in_flight, self.queue_depth)
+        for metric in (*per_model, self.answers, self.tokens, self.slo_ttft_seconds):
+            metric.remove_models({name for name in models if metric is not self.slo_ttft_seconds
+                                  or models[name].spec.slo.ttft_ms})
+        adapters = collections.defaultdict(list)
+        for name, adapter in snapshot.adapters.items():
+            adapters[adapter.spec.base_model].append(name)
+        for name, doc in models.items():
+            for metric in per_model:
+                metric.labels(name)
+            for code in ANSWER_CODES:
+                self.answers.labels(name, code)
+            for adapter in ("", *adapters[name]):
+                for kind in TOKEN_KINDS:
+                    self.tokens.labels(name, adapter, kind)
+            if doc.spec.slo.ttft_ms:
+                self.slo_ttft_seconds.labels(name).set(doc.spec.slo.ttft_ms / 1000)
+
     def retire_replicas(self, live: Collection[str], now: float, after_s: float) -> list[str]:
         """Remove the `requests` series of each replica the gateway no longer tracks (not in `live`) once it
         has been gone `after_s`, long enough for scrapes to read its last counts. With an autoscaler replacing
@@ -141,5 +209,6 @@ class RouterMetrics:
             self.replicas.labels(model, state).set(n)
 
     def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition text and its content type, without `_created` series."""
+        return exposition(self.registry), CONTENT_TYPE_LATEST
+

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import HttpVersion11, web
+from prometheus_client import Histogram
 
 from kvgate.clock import Clock
 from kvgate.registry.schema import Routing
@@ -349,8 +350,10 @@ class Proxy:
         """Pass the replica's bytes through `relay` to the client, from `chunk` on, until `[DONE]` or the end
         of its body. Raises what the reads and writes raise."""
         ttft_observed = False
+        itl = InterTokenClock(self.metrics.itl_seconds.labels(preq.route.model))
         while True:
             out = relay.feed(chunk)
+            itl.tokens_at(relay.token_events, self.clock.now())
             if relay.done:
                 await response.write_eof(out)  # the last events and the chunked terminator in one write
             elif out:
@@ -383,6 +386,7 @@ class Proxy:
                                                        cached_tokens, prompt_tokens))
         lesson = learnt.lesson
         self.metrics.prefix_predicted_tokens.labels(model).inc(lesson.predicted_tokens)
+        self.metrics.prefix_estimated_prompt_tokens.labels(model).inc(preq.route.estimated_prompt_tokens)
         if lesson.cached_tokens is not None:  # None: a replica that does not say (vLLM without
             # --enable-prompt-tokens-details), so the realised rate is over the prompts that did
             self.metrics.prefix_realised_tokens.labels(model).inc(lesson.cached_tokens)
@@ -422,6 +426,7 @@ class SseRelay:
         self.prompt_tokens: int | None = None
         self.tokens_used: int | None = None  # the last usage chunk's (vLLM's continuous usage is cumulative)
         self.usage: TokenUsage | None = None  # ... all of it
+        self.token_events = 0  # events that carried a token (text or a tool call's), for the inter-token latency
 
     def feed(self, data: bytes) -> bytes:
         """The whole events completed by `data`; keeps any partial one for the next call. Raises
@@ -448,6 +453,8 @@ class SseRelay:
                 self.done = self.first_token = True
             elif not self.first_token:
                 self.first_token = carries_output(data)
+            if _TOKEN_FIELD.search(data) is not None:
+                self.token_events += 1
             if b'"usage"' in data and b"prompt_tokens" in data:  # only a usage chunk: skip parsing the rest
                 try:
                     payload = json.loads(data)
@@ -464,6 +471,33 @@ class SseRelay:
 # where it is one. The role-only opening chunk ('"delta": {"role": "assistant", "content": ""}') does not.
 _OUTPUT_FIELD = re.compile(rb'"(?:content|text|reasoning_content|finish_reason)"\s*:\s*"[^"]'
                            rb'|"tool_calls"\s*:\s*\[\s*\{|"usage"\s*:\s*\{\s*"')
+
+
+# An event that carried generated text or a tool call's (not a finish reason or usage alone): one engine step's
+# token, as vLLM, SGLang and kvgate's engine stream them.
+_TOKEN_FIELD = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{')
+
+
+class InterTokenClock:
+    """Observes `kvgate_router_itl_seconds` for one relayed stream: the time from one token event to the next. Events
+    that arrive in one read share the time since the last read's evenly (the gateway cannot see them apart);
+    those of the first read that held tokens give no gap (nothing before them to measure from)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._seen = 0
+        self._last_at: float | None = None
+
+    def tokens_at(self, token_events: int, now: float) -> None:
+        """The stream's token events so far were `token_events` at `now`."""
+        new, self._seen = token_events - self._seen, token_events
+        if new <= 0:
+            return
+        if self._last_at is not None:
+            gap = (now - self._last_at) / new
+            for _ in range(new):
+                self._histogram.observe(gap)
+        self._last_at = now
 
 
 def carries_output(data: bytes) -> bool:

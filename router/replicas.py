@@ -506,6 +506,11 @@ class ReplicaTracker:
             counts[key] = counts.get(key, 0) + 1
         return counts
 
+    @property
+    def store_reachable(self) -> bool:
+        """False while membership polls fail to reach the state store (True without a store)."""
+        return not self._store_outage.ongoing
+
     def unlisted_for_s(self, replica_id: str) -> float | None:
         """How long a member has been kept since it left the membership list; None when it is listed (or
         static, or unknown)."""

@@ -31,7 +31,7 @@ from aiohttp import web
 from kvgate.clock import Clock
 from kvgate.openai_wire import ApiError
 from kvgate.registry.schema import TenantDoc
-from kvgate.router.metrics import RouterMetrics
+from kvgate.router.metrics import TOKEN_KINDS, RouterMetrics
 from kvgate.router.outcomes import TokenUsage
 from kvgate.router.proxy import STREAM_OUTCOME_KEY, USAGE_KEY
 from kvgate.router.usage_log import UsageLog
@@ -40,7 +40,6 @@ from kvgate.router.usage_log import UsageLog
 OPEN_TENANT = "_open"
 # How a request ended (the `outcome` label): every one but "success" is an error for the tenant.
 OUTCOMES = ("success", "upstream_4xx", "upstream_5xx", "stream_error", "gateway_error", "client_gone")
-TOKEN_KINDS = ("prompt", "cached", "completion")
 
 
 @dataclass(frozen=True)
@@ -84,6 +83,25 @@ def outcome_of(response: web.StreamResponse | None, error: BaseException | None)
     if response.status >= 500:
         return "upstream_5xx", response.status
     return ("upstream_4xx" if response.status >= 400 else "success"), response.status
+
+
+def answer_code(response: web.StreamResponse | None, error: BaseException | None) -> str:
+    """How an inference request ended for its client, `kvgate_router_answers_total{code}` (metrics.ANSWER_CODES):
+    `response` what the handler returned, `error` what it raised instead (a refusal, the client's cancellation)."""
+    if isinstance(error, ApiError | web.HTTPException):
+        status = error.status
+    elif isinstance(error, asyncio.CancelledError | ConnectionResetError):
+        return "client_gone"
+    elif error is not None or response is None:
+        return "5xx"  # a bug: the error middleware answers 500
+    else:
+        stream_outcome = response.get(STREAM_OUTCOME_KEY)
+        if stream_outcome == "client_gone":
+            return "client_gone"
+        if stream_outcome not in (None, "success"):
+            return "stream_error"
+        status = response.status
+    return "2xx" if status < 400 else "4xx" if status < 500 else "5xx"
 
 
 def tenant_label(tenant: TenantDoc | None) -> str:

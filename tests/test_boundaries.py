@@ -2,9 +2,9 @@
 
 | folder | may import (of ours) |
 | registry/ | nothing |
-| engine/ | registry, kvgate.v1, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire, kvgate.log_limit, kvgate.server_log |
-| router/ | registry, kvgate.v1, kvgate.state, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire, kvgate.log_limit, kvgate.server_log |
-| autoscaler/ | registry, providers, kvgate.state, kvgate.clock, kvgate.log_limit |
+| engine/ | registry, kvgate.v1, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire, kvgate.log_limit, kvgate.server_log, kvgate.exposition |
+| router/ | registry, kvgate.v1, kvgate.state, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire, kvgate.log_limit, kvgate.server_log, kvgate.exposition |
+| autoscaler/ | registry, providers, kvgate.state, kvgate.clock, kvgate.log_limit, kvgate.exposition |
 | providers/ | registry |
 | kvgate/ leaves (everything but cli.py and stack.py) | registry |
 """
@@ -21,18 +21,18 @@ REPO = Path(__file__).resolve().parents[1]
 # subpackage is `kvgate.<folder>`.
 SUBSYSTEMS = ("registry", "engine", "router", "autoscaler", "providers")
 LEAVES = ("kvgate.clock", "kvgate.state", "kvgate.v1", "kvgate.tokenizer", "kvgate.kv_blocks", "kvgate.openai_wire",
-          "kvgate.log_limit", "kvgate.server_log")
+          "kvgate.log_limit", "kvgate.server_log", "kvgate.exposition")
 # The engine and the gateway must tokenize and hash prompts identically (KV block events), so both
 # import the one tokenizer and block chain; both speak the one OpenAI wire shape (errors, JSON bodies); and both
-# limit their log lines alike (one per problem per interval).
+# limit their log lines alike (one per problem per interval), and both write /metrics alike (no `_created` series).
 SHARED_WITH_ENGINE = ("kvgate.tokenizer", "kvgate.kv_blocks", "kvgate.openai_wire", "kvgate.log_limit",
-                      "kvgate.server_log")
+                      "kvgate.server_log", "kvgate.exposition")
 ALLOWED = {
     "registry": {"kvgate.registry"},
     "engine": {"kvgate.engine", "kvgate.registry", "kvgate.v1", "kvgate.clock", *SHARED_WITH_ENGINE},
     "router": {"kvgate.router", "kvgate.registry", "kvgate.v1", "kvgate.state", "kvgate.clock", *SHARED_WITH_ENGINE},
     "autoscaler": {"kvgate.autoscaler", "kvgate.registry", "kvgate.providers", "kvgate.state", "kvgate.clock",
-                   "kvgate.log_limit"},
+                   "kvgate.log_limit", "kvgate.exposition"},
     "providers": {"kvgate.providers", "kvgate.registry", "kvgate.clock"},
     "kvgate-leaf": {"kvgate.registry", *LEAVES},
 }

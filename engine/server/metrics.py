@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvgate.engine.core import EngineStats
+from kvgate.exposition import exposition
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds. A tiny model on a CPU answers in a millisecond; a large prompt on a busy GPU in many seconds.
@@ -56,7 +57,7 @@ class ServerMetrics:
         self.requests_finished.labels(finish_reason=finish_reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return exposition(self.registry)
 
 
 class _EngineStatsCollector(Collector):

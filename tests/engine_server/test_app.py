@@ -216,6 +216,7 @@ async def test_metrics_expose_engine_state_and_latencies_from_the_injected_clock
                  "generated_tokens_total", "requests_aborted_total", "requests_waiting", "adapter_loads_total",
                  "adapter_evictions_total", "adapters_loaded"):
         assert f"kvgate_engine_{name}" in value
+    assert not [name for name in value if "_created" in name]  # no second series per counter (kvgate.exposition)
 
 
 # ------------------------------------------------------------------------------- disconnect, drain
