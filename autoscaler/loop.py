@@ -48,6 +48,7 @@ from kvgate.autoscaler.decide import (Action, BeginStop, CleanUp, CreateRefused,
                                       Retire, StartRefused, StopEnded, Tick, TickInputs, Unpublish, decide)
 from kvgate.autoscaler.fleet import member_record, node_statuses, pools_of, retired_record
 from kvgate.autoscaler.members import MemberPublisher
+from kvgate.autoscaler.metrics import Provisioning, Reading, provisioning
 from kvgate.autoscaler.observe import read_gateway_totals
 from kvgate.autoscaler.planner import CreateNode, DeleteNode, StartReplica
 from kvgate.autoscaler.reconciler import FaultHook, Fleet, Reconciler
@@ -63,6 +64,7 @@ from kvgate.autoscaler.scaler import ReplicaDecision
 from kvgate.autoscaler.status import (
     STATUS_COLLECTION,
     STATUS_ID,
+    AutoscalerStatus,
     Event,
     EventKind,
     ModelStatus,
@@ -126,6 +128,7 @@ class Autoscaler:
                                 backoff_max_s=s.backoff_max_s, planner=s.planner, id_prefix=self.id_prefix)
         self._task: asyncio.Task[None] | None = None
         self._store_outage = Outage()  # ticks in a row that could not reach the store
+        self._reached_store_at: float | None = None  # wall seconds of the last tick that reached the store
         self.is_leader = False
         self._reset_leadership()
 
@@ -144,6 +147,8 @@ class Autoscaler:
         self._last_tick: float | None = None
         self._fresh_term = True
         self._skipped = SkippedRecords(log)  # records written by a newer release: said once each
+        self._status: AutoscalerStatus | None = None  # the last status written, and what is still provisioning,
+        self._provisioning: tuple[Provisioning, ...] = ()  # for the metrics (`reading`)
 
     @property
     def providers(self) -> Mapping[str, Provider]:
@@ -156,6 +161,11 @@ class Autoscaler:
         """Run the loop in a background task. Idempotent."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self.run(), name=f"kvgate-autoscaler-{self.holder}")
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop's task runs (started and not ended)."""
+        return self._task is not None and not self._task.done()
 
     async def stop(self) -> None:
         """Stop ticking and release the lease (a standby takes over at once). Nodes and replicas keep
@@ -221,6 +231,7 @@ class Autoscaler:
             if note is not None:
                 log.warning("%s; acting as standby this tick, next try in %g s%s", exc, self.settings.interval_s, note)
             return TickReport(leader=False, error=str(exc))
+        self._reached_store_at = self._clock.wall()
         recovered = self._store_outage.recovered(self._clock.now())
         if recovered is not None:
             log.info("the state store answers again %s", recovered)
@@ -401,6 +412,13 @@ class Autoscaler:
         status = build_status(updated_at=wall, holder=self.holder, models=models, events=self._events,
                               nodes=nodes, cost_usd_total=self._cost_total)
         await self._store.put_record(STATUS_COLLECTION, STATUS_ID, status.to_json())
+        self._status, self._provisioning = status, provisioning(fleet)
+
+    def reading(self) -> Reading:
+        """What the metrics show of this copy now (`autoscaler.metrics`)."""
+        return Reading(leader=self.is_leader, store_up=not self._store_outage.ongoing,
+                       last_tick_at=self._reached_store_at, pools=tuple(sorted(self._snapshots.current.pools)),
+                       status=self._status, provisioning=self._provisioning)
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """`kvgate autoscaler` / `python -m kvgate.autoscaler`: the control loops, one active copy per cluster.
 
     kvgate autoscaler --registry DIR --state redis://host:6379/0 [--cluster NAME] [--interval-s 1]
-                      [--engine-pod-template FILE]
+                      [--engine-pod-template FILE] [--metrics-port PORT [--metrics-host HOST]]
 
 Run as many copies as you like for availability: they share a lease in the state store, one acts and
 the others wait, taking over within --lease-ttl-s of the active one dying (at once when it stops
@@ -20,9 +20,13 @@ import sys
 from pathlib import Path
 
 import yaml
+from aiohttp import web
 
 from kvgate.autoscaler.argtypes import positive_float
 from kvgate.autoscaler.loop import Autoscaler, AutoscalerSettings, default_holder, provider_factory_for
+from kvgate.autoscaler.metrics import autoscaler_registry
+from kvgate.autoscaler.metrics_server import (INSECURE_FLAG, METRICS_TOKEN_ENV, MetricsAccess, metrics_access,
+                                              metrics_app)
 from kvgate.clock import RealClock
 from kvgate.providers.k8s_pod_template import EnginePodTemplate, parse_engine_pod_template
 from kvgate.state import REDIS_PASSWORD_ENV, StateStoreError, open_state_store, redact_url
@@ -62,8 +66,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a Kubernetes pod template (YAML: metadata and spec) merged under the engine pods that "
                              "kubernetes pools create: image pull secrets, tolerations, affinity, resources, "
                              "security context... Read once at start (default: none)")
+    parser.add_argument("--metrics-port", type=port_number, default=None, metavar="PORT",
+                        help="serve /metrics (kvgate_autoscaler_*: leader, replicas desired and ready, nodes, cost, "
+                             "provisioning age) and /health on this port (default: no listener)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                        help=f"address for --metrics-port (default: %(default)s). Beyond loopback /metrics needs "
+                             f"${METRICS_TOKEN_ENV} (as the gateway's does), or {INSECURE_FLAG}")
+    parser.add_argument(INSECURE_FLAG, action="store_true",
+                        help="serve /metrics without a token on a --metrics-host beyond loopback (logged as a WARNING)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, not {port}")
+    return port
 
 
 def read_engine_pod_template(path: str) -> EnginePodTemplate:
@@ -111,9 +133,21 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"kvgate autoscaler: {exc}", file=sys.stderr)
         await store.close()
         return 2
+    access = metrics_access(args.metrics_host, os.environ.get(METRICS_TOKEN_ENV), args.insecure_open_metrics)
+    if args.metrics_port is not None and access.refusal is not None:
+        print(f"kvgate autoscaler: {access.refusal}", file=sys.stderr)
+        await store.close()
+        return 2
     factory = provider_factory_for(args.cluster, clock, engine_pod_template=pod_template)
     autoscaler = Autoscaler(watcher, store, clock, provider_factory=factory, settings=settings,
                             holder=args.holder or default_holder())
+    try:
+        listener = await start_metrics(args, access, autoscaler, clock)
+    except OSError as exc:
+        print(f"kvgate autoscaler: cannot listen on {args.metrics_host}:{args.metrics_port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        await store.close()
+        return 1
     log.info("kvgate autoscaler %s: cluster %r, registry %s (version %s), state %s%s", autoscaler.holder,
              args.cluster, args.registry, watcher.current.version, redact_url(args.state),
              f"; {holder} is active, waiting as standby" if holder else "")
@@ -127,6 +161,8 @@ async def serve(args: argparse.Namespace) -> int:
         await stop.wait()
     finally:
         await autoscaler.stop()
+        if listener is not None:
+            await listener.cleanup()
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
         for provider in autoscaler.providers.values():
@@ -135,6 +171,24 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("kvgate autoscaler %s stopped; lease released, nodes and replicas left running for the next "
              "autoscaler to adopt", autoscaler.holder)
     return 0
+
+
+async def start_metrics(args: argparse.Namespace, access: MetricsAccess, autoscaler: Autoscaler,
+                        clock: RealClock) -> web.AppRunner | None:
+    """The /metrics listener when --metrics-port asks for one (its runner, to clean up), else None."""
+    if args.metrics_port is None:
+        return None
+    registry = autoscaler_registry(autoscaler.reading, clock.wall)
+    runner = web.AppRunner(metrics_app(registry, access.token, lambda: autoscaler.running), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.metrics_host, args.metrics_port).start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    if access.notice is not None:
+        log.log(*access.notice)
+    return runner
 
 
 def main(argv: list[str] | None = None) -> int:

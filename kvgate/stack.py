@@ -197,6 +197,7 @@ async def serve(settings: UpSettings, clock: Clock | None = None) -> int:
         if not await _prepare_models(snapshot, settings.cache_dir, stop, clock):
             return 0 if stop.is_set() else 1
         running.autoscaler = _build_autoscaler(watcher, store, clock, settings)
+        _export_autoscaler_metrics(runner, running.autoscaler, clock)
         await running.autoscaler.start()
         running.progress = asyncio.create_task(_report_progress(store, snapshot, settings, clock),
                                                name="kvgate-up-progress")
@@ -331,6 +332,14 @@ async def _prepare_models(snapshot: Snapshot, cache_dir: Path | None, stop: asyn
             return False
         log.info("%s: model ready at %s (%.1f s)", name, path, clock.now() - started)
     return True
+
+
+def _export_autoscaler_metrics(runner: web.AppRunner, autoscaler: Autoscaler, clock: Clock) -> None:
+    """The embedded autoscaler's `kvgate_autoscaler_*` series on the gateway's /metrics: one scrape, one box."""
+    from kvgate.autoscaler.metrics import AutoscalerCollector
+    from kvgate.router.app_keys import METRICS_KEY
+
+    runner.app[METRICS_KEY].registry.register(AutoscalerCollector(autoscaler.reading, clock.wall))
 
 
 def _build_autoscaler(watcher: RegistryWatcher, store: MemoryStateStore, clock: Clock,

@@ -4,7 +4,7 @@
 | registry/ | nothing |
 | engine/ | registry, kvgate.v1, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire, kvgate.log_limit, kvgate.server_log, kvgate.exposition |
 | router/ | registry, kvgate.v1, kvgate.state, kvgate.clock, kvgate.tokenizer, kvgate.kv_blocks, kvgate.openai_wire, kvgate.log_limit, kvgate.server_log, kvgate.exposition |
-| autoscaler/ | registry, providers, kvgate.state, kvgate.clock, kvgate.log_limit, kvgate.exposition |
+| autoscaler/ | registry, providers, kvgate.state, kvgate.clock, kvgate.log_limit, kvgate.exposition, kvgate.openai_wire |
 | providers/ | registry |
 | kvgate/ leaves (everything but cli.py and stack.py) | registry |
 """
@@ -32,7 +32,7 @@ ALLOWED = {
     "engine": {"kvgate.engine", "kvgate.registry", "kvgate.v1", "kvgate.clock", *SHARED_WITH_ENGINE},
     "router": {"kvgate.router", "kvgate.registry", "kvgate.v1", "kvgate.state", "kvgate.clock", *SHARED_WITH_ENGINE},
     "autoscaler": {"kvgate.autoscaler", "kvgate.registry", "kvgate.providers", "kvgate.state", "kvgate.clock",
-                   "kvgate.log_limit", "kvgate.exposition"},
+                   "kvgate.log_limit", "kvgate.exposition", "kvgate.openai_wire"},
     "providers": {"kvgate.providers", "kvgate.registry", "kvgate.clock"},
     "kvgate-leaf": {"kvgate.registry", *LEAVES},
 }
