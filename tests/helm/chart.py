@@ -106,6 +106,15 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                                       "mountPath": "/data/usage"}}},
     "service-monitor": {"gateway": {"serviceMonitor": {"enabled": True, "interval": "15s", "scrapeTimeout": "10s",
                                                        "labels": {"release": "prometheus"}}}},
+    # Everything for a kube-prometheus-stack: monitors for gateways, autoscalers and engines (in two namespaces),
+    # the alert rules and the Grafana dashboard.
+    "observability": {"gateway": {"serviceMonitor": {"enabled": True, "interval": "30s",
+                                                     "labels": {"release": "prometheus"}}},
+                      "autoscaler": {"rbac": {"engineNamespaces": ["serving", "gpu-a"]}},
+                      "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
+                      "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "kvgate"}},
+                      "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {
+                          "kubernetes.io/metadata.name": "monitoring"}}}]}},
     "tuned": {"gateway": {"replicas": 4, "drainTimeoutSeconds": 120, "preStopSleepSeconds": 10,
                           "extraArgs": ["--member-grace-s", "300", "--max-body-bytes", "16777216"]},
               "autoscaler": {"intervalSeconds": 2, "leaseTtlSeconds": 20,

@@ -17,11 +17,12 @@ from pathlib import Path
 from tests.helm.chart import FULLNAME, NAMESPACE, VALUE_SETS, render, with_registry
 from tests.services import checkov_command
 
-SCANNED = ("defaults", "ingress-and-httproute", "gpu-engines", "external-redis", "usage-log", "usage-log-on-a-claim")
+SCANNED = ("defaults", "ingress-and-httproute", "gpu-engines", "external-redis", "usage-log", "usage-log-on-a-claim",
+           "observability")
 SHARED_SKIPS = {"CKV_K8S_11", "CKV_K8S_15", "CKV_K8S_43"}  # no CPU limit, IfNotPresent, tags (reasons in place)
 EXPECTED_SKIPS = {
     f"Deployment.{NAMESPACE}.{FULLNAME}-gateway": SHARED_SKIPS | {"CKV_K8S_35"},
-    f"Deployment.{NAMESPACE}.{FULLNAME}-autoscaler": SHARED_SKIPS | {"CKV_K8S_35", "CKV_K8S_38", "CKV_K8S_8", "CKV_K8S_9"},
+    f"Deployment.{NAMESPACE}.{FULLNAME}-autoscaler": SHARED_SKIPS | {"CKV_K8S_35", "CKV_K8S_38"},
     f"StatefulSet.{NAMESPACE}.{FULLNAME}-redis": SHARED_SKIPS | {"CKV_K8S_35"},
 }
 

@@ -13,6 +13,7 @@ import logging
 import pytest
 
 from kvgate import cli
+from kvgate.autoscaler.metrics_server import METRICS_TOKEN_ENV, metrics_access
 from kvgate.router.operator_access import plan_access
 from tests.helm.chart import FULLNAME, VALUE_SETS, containers, manifests, with_registry
 
@@ -72,6 +73,7 @@ def test_the_parsed_arguments_are_the_ones_the_chart_means() -> None:
     assert (autoscaler.cluster, autoscaler.interval_s, autoscaler.lease_ttl_s) == ("prod", 2.0, 20.0)
     assert autoscaler.engine_pod_template == "/etc/kvgate/engine/pod-template.yaml"
     assert autoscaler.holder == "$(POD_NAME)" and autoscaler.log_level == "DEBUG"
+    assert (autoscaler.metrics_host, autoscaler.metrics_port) == ("0.0.0.0", 9090)
     assert parsed["gateway/validate-registry"].sources == ["/etc/kvgate/registry"]
 
 
@@ -88,6 +90,20 @@ def test_the_gateway_would_start_on_its_address_with_tokens_from_its_environment
     assert all(level < logging.WARNING for level, _ in plan.notices)
     refused = plan_access(args.host, flag_token=None, environ={}, insecure_open=False)
     assert refused.refusal  # the check can fail: without the Secrets it would not start
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_the_autoscaler_would_serve_its_metrics_guarded_by_the_token_from_its_environment(value_set: str) -> None:
+    """`kvgate autoscaler` refuses to serve /metrics beyond loopback without a metrics token: the chart's, on 0.0.0.0,
+    gets the gateways' metrics token from its Secret, so it starts guarded and without a warning."""
+    [(_, autoscaler)] = [(w, c) for w, c in kvgate_containers(VALUE_SETS[value_set])
+                         if w.endswith("autoscaler/autoscaler")]
+    args = parse_kvgate(autoscaler["args"])
+    environ = {e["name"]: "from-a-secret" for e in autoscaler["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    access = metrics_access(args.metrics_host, environ.get(METRICS_TOKEN_ENV), args.insecure_open_metrics)
+    assert args.metrics_port and access.refusal is None and access.token == "from-a-secret"
+    assert not args.insecure_open_metrics
+    assert metrics_access(args.metrics_host, None, False).refusal  # without the Secret it would not start
 
 
 def test_an_argument_the_cli_does_not_know_is_caught() -> None:

@@ -2,10 +2,10 @@
 (kubernetes-validate, strict: unknown fields are errors), and each value set renders what it promises.
 
 kubernetes-validate knows the built-in kinds only. The CRD kinds the chart renders, the Gateway API
-HTTPRoute and prometheus-operator's ServiceMonitor, are checked against HTTPROUTE_V1 and SERVICEMONITOR_V1
-below: JSON Schemas written here from the gateway.networking.k8s.io/v1 HTTPRoute and monitoring.coreos.com/v1
-ServiceMonitor CRDs for the fields the chart uses (types, patterns, limits, no unknown fields), not the CRDs
-themselves. A cluster's own API server is the final word on them.
+HTTPRoute and prometheus-operator's ServiceMonitor, PodMonitor and PrometheusRule, are checked against the
+JSON Schemas below (CRD_SCHEMAS), written here from the gateway.networking.k8s.io/v1 and monitoring.coreos.com/v1
+CRDs for the fields the chart uses (types, patterns, limits, no unknown fields), not the CRDs themselves. A
+cluster's own API server is the final word on them.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import pytest
 import yaml
 
 import kvgate
+from kvgate.providers.base import replica_spec_for
+from kvgate.providers.k8s_manifests import LABEL_MODEL, DeploymentSettings, deployment_manifest
 from kvgate.providers.k8s_pod_template import parse_engine_pod_template
+from kvgate.registry import load_registry
 from tests.helm.chart import (
-    CHART, ENGINE_VALUES, FULLNAME, NAMESPACE, VALUE_SETS, containers, engine_pod_template, find, manifests,
-    with_registry,
+    CHART, ENGINE_VALUES, FULLNAME, NAMESPACE, REGISTRY_FILES, VALUE_SETS, containers, engine_pod_template, find,
+    manifests, with_registry,
 )
 
 K8S_VERSION = "1.30"  # the oldest Kubernetes the chart promises (Chart.yaml's kubeVersion allows older; 1.30 is tested)
@@ -89,11 +92,57 @@ SERVICEMONITOR_V1 = {
 }
 
 
+_RELABELING = {"type": "object", "additionalProperties": False, "properties": {
+    "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+    "separator": {"type": "string"}, "targetLabel": {"type": "string"}, "regex": {"type": "string"},
+    "modulus": {"type": "integer"}, "replacement": {"type": "string"},
+    "action": {"enum": ["replace", "keep", "drop", "hashmod", "labelmap", "labeldrop", "labelkeep"]}}}
+PODMONITOR_V1 = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PodMonitor"},
+        "metadata": HTTPROUTE_V1["properties"]["metadata"],
+        "spec": {"type": "object", "additionalProperties": False, "required": ["selector"], "properties": {
+            "selector": SERVICEMONITOR_V1["properties"]["spec"]["properties"]["selector"],
+            "namespaceSelector": SERVICEMONITOR_V1["properties"]["spec"]["properties"]["namespaceSelector"],
+            "podMetricsEndpoints": {"type": "array", "items": {
+                "type": "object", "additionalProperties": False, "properties": {
+                    "port": {"type": "string"}, "path": {"type": "string"}, "scheme": {"enum": ["http", "https"]},
+                    "interval": {"type": "string", "pattern": _PROM_DURATION},
+                    "scrapeTimeout": {"type": "string", "pattern": _PROM_DURATION},
+                    "authorization": {"type": "object", "additionalProperties": False, "properties": {
+                        "type": {"type": "string"}, "credentials": _SECRET_KEY}},
+                    "relabelings": {"type": "array", "items": _RELABELING}}}}}},
+    },
+}
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+PROMETHEUSRULE_V1 = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PrometheusRule"},
+        "metadata": HTTPROUTE_V1["properties"]["metadata"],
+        "spec": {"type": "object", "additionalProperties": False, "properties": {
+            "groups": {"type": "array", "items": {
+                "type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "interval": {"type": "string", "pattern": _PROM_DURATION},
+                    "rules": {"type": "array", "items": {
+                        "type": "object", "additionalProperties": False, "required": ["expr"],
+                        "oneOf": [{"required": ["alert"]}, {"required": ["record"]}], "properties": {
+                            "alert": {"type": "string"}, "record": {"type": "string"},
+                            "expr": {"type": ["string", "integer"]},
+                            "for": {"type": "string", "pattern": _PROM_DURATION},
+                            "keep_firing_for": {"type": "string", "pattern": _PROM_DURATION},
+                            "labels": _STRING_MAP, "annotations": _STRING_MAP}}}}}}}},
+    },
+}
+CRD_SCHEMAS = {"HTTPRoute": HTTPROUTE_V1, "ServiceMonitor": SERVICEMONITOR_V1, "PodMonitor": PODMONITOR_V1,
+               "PrometheusRule": PROMETHEUSRULE_V1}
+
+
 def validate(obj: dict[str, Any]) -> None:
-    if obj["kind"] == "HTTPRoute":
-        jsonschema.validate(obj, HTTPROUTE_V1)
-    elif obj["kind"] == "ServiceMonitor":
-        jsonschema.validate(obj, SERVICEMONITOR_V1)
+    if obj["kind"] in CRD_SCHEMAS:
+        jsonschema.validate(obj, CRD_SCHEMAS[obj["kind"]])
     else:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
@@ -129,8 +178,7 @@ def test_the_longest_release_name_helm_allows_gives_valid_distinct_names() -> No
     assert all(len(name) <= 63 for _, name in names), names
     assert all(len(name) <= 52 for kind, name in names if kind == "StatefulSet"), names
     for obj in objects:
-        if obj["kind"] not in ("HTTPRoute",):
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        validate(obj)
 
 
 def test_the_app_version_is_kvgates_version() -> None:
@@ -189,7 +237,7 @@ def test_the_gateway_listens_on_all_addresses_only_with_admin_and_metrics_tokens
         assert token["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-{name}", "key": name}
         secret = find(objects, "Secret", f"{FULLNAME}-{name}")
         assert re.fullmatch(r"[A-Za-z0-9+/=]{40,}", secret["data"][name])
-    assert not [o for o in objects if o["kind"] == "ServiceMonitor"]  # its CRD may be missing: opt in
+    assert not [o for o in objects if o["kind"] in CRD_SCHEMAS]  # their CRDs may be missing: opt in
 
 
 def test_tenants_api_key_secret_reaches_the_gateway_only_from_a_secret_the_user_names() -> None:
@@ -227,6 +275,81 @@ def test_the_service_monitor_check_catches_a_bad_monitor() -> None:
     monitor["spec"]["endpoints"][0]["bearerToken"] = "s3cret"  # a plain token field the chart must never write
     with pytest.raises(jsonschema.ValidationError):
         validate(monitor)
+
+
+def test_the_autoscaler_serves_metrics_on_the_pod_ip_with_the_metrics_token_from_its_secret() -> None:
+    for values, secret, key in (({}, f"{FULLNAME}-metrics-token", "metrics-token"),
+                                (VALUE_SETS["existing-secrets"], "kvgate-metrics", "scrape-token")):
+        objects = manifests(with_registry(values))
+        [container] = find(objects, "Deployment", f"{FULLNAME}-autoscaler")["spec"]["template"]["spec"]["containers"]
+        args = container["args"]
+        assert args[args.index("--metrics-host") + 1] == "0.0.0.0"
+        assert args[args.index("--metrics-port") + 1] == "9090"
+        assert not [arg for arg in args if "token" in arg]  # `ps` would show it
+        assert container["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
+        # /health takes no token (a probe cannot send one from a Secret); 200 while the control loop runs.
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/health", "port": "metrics"}
+        [token] = [e for e in container["env"] if e["name"] == "KVGATE_METRICS_TOKEN"]
+        assert token["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}  # the gateways' metrics token
+
+
+def test_the_autoscalers_admit_only_scrapes_of_their_metrics_port() -> None:
+    for values, peers in (({}, None), (VALUE_SETS["observability"], VALUE_SETS["observability"]["networkPolicy"]["metricsFrom"])):
+        policy = find(manifests(with_registry(values)), "NetworkPolicy", f"{FULLNAME}-autoscaler")
+        [rule] = policy["spec"]["ingress"]
+        assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+        assert rule.get("from") == peers
+
+
+def test_the_pod_monitors_scrape_every_autoscaler_copy_with_the_metrics_token() -> None:
+    objects = manifests(with_registry(VALUE_SETS["observability"]))
+    monitor = find(objects, "PodMonitor", f"{FULLNAME}-autoscaler")
+    pod = find(objects, "Deployment", f"{FULLNAME}-autoscaler")["spec"]["template"]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in [port["name"] for port in pod["spec"]["containers"][0]["ports"]]
+    assert (endpoint["path"], endpoint["interval"]) == ("/metrics", "30s")
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": f"{FULLNAME}-metrics-token",
+                                                                          "key": "metrics-token"}}
+
+
+def test_the_engine_pod_monitor_finds_the_engines_the_autoscaler_creates(tmp_path) -> None:
+    objects = manifests(with_registry(VALUE_SETS["observability"]))
+    monitor = find(objects, "PodMonitor", f"{FULLNAME}-engine")
+    # An engine Deployment as the autoscaler's Kubernetes provider writes it, for this release's cluster.
+    for name, text in REGISTRY_FILES.items():
+        (tmp_path / name).write_text(text)
+    spec = replica_spec_for(load_registry(tmp_path, environ={}).model("llama-8b"))
+    engine = deployment_manifest(spec, cluster="kvg", pool="k8s-gpu",
+                                 settings=DeploymentSettings(namespace="gpu-a", image=None, node_selector={}))
+    pod = engine["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["serving", "gpu-a"]}  # rbac.engineNamespaces
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in [port["name"] for port in pod["spec"]["containers"][0]["ports"]]
+    assert endpoint["path"] == "/metrics" and "authorization" not in endpoint  # an engine's /metrics is open
+    # Prometheus's name for the pod label kvgate.io/model becomes the series' `model`, as the dashboard filters.
+    [relabel] = endpoint["relabelings"]
+    assert relabel == {"sourceLabels": [f"__meta_kubernetes_pod_label_{re.sub('[^a-zA-Z0-9]', '_', LABEL_MODEL)}"],
+                       "targetLabel": "model"}
+    assert pod["metadata"]["labels"][LABEL_MODEL] == "llama-8b"
+
+
+def test_the_pod_monitor_check_catches_a_bad_monitor() -> None:
+    monitor = find(manifests(with_registry(VALUE_SETS["observability"])), "PodMonitor", f"{FULLNAME}-autoscaler")
+    monitor["spec"]["podMetricsEndpoints"][0]["bearerTokenSecret"] = {"name": "x", "key": "y"}  # not a PodMonitor field
+    with pytest.raises(jsonschema.ValidationError):
+        validate(monitor)
+
+
+def test_the_prometheus_rule_check_catches_a_bad_rule() -> None:
+    rule = find(manifests(with_registry(VALUE_SETS["observability"])), "PrometheusRule", f"{FULLNAME}-alerts")
+    rule["spec"]["groups"][0]["rules"][0]["for"] = "10 minutes"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(rule)
 
 
 def merged(*value_sets: dict[str, Any]) -> dict[str, Any]:
