@@ -12,7 +12,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.autoscaler.metrics import Provisioning, Reading, autoscaler_registry, families, render
 from kvgate.autoscaler.metrics_server import metrics_access
@@ -22,18 +21,8 @@ from kvgate.state import MemoryStateStore
 from kvgate.state.records import AutoscalerStatus, ModelStatus, NodeStatus
 from tests.autoscaler.fleet_helpers import load_test_registry, make_autoscaler, observe, write_registry
 from tests.eventually import eventually_sync
+from tests.metrics_text import samples, value
 from tests.services import free_loopback_port
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def samples(text: str) -> Samples:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(exported: Samples, name: str, **labels: str) -> float | None:
-    return exported.get((name, frozenset(labels.items())))
 
 
 def node(node_id: str, pool: str, state: str, price: float, capacity_type: str = "on_demand") -> NodeStatus:

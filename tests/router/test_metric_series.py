@@ -12,26 +12,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 from prometheus_client import Histogram
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.openai_wire import ApiError
 from kvgate.registry.loader import load_registry
 from kvgate.router.metrics import ANSWER_CODES, RouterMetrics
 from kvgate.router.proxy import STREAM_OUTCOME_KEY, InterTokenClock
 from kvgate.router.usage import answer_code
+from tests.metrics_text import samples, value
 from tests.router.sim_gateway import LONG_PROMPT, chat, drain_stream, gateway, hand_written_replica, write_registry
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def samples(text: str) -> Samples:
-    """(sample name, its labels) -> value, of an exposition text."""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(exported: Samples, name: str, **labels: str) -> float | None:
-    return exported.get((name, frozenset(labels.items())))
 
 
 async def scrape(url: str) -> str:
