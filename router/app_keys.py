@@ -37,7 +37,7 @@ class GatewaySettings:
     key_secret: bytes | None = field(default=None, repr=False)
     default_queue_wait_s: float = 30.0  # wait at zero replicas when the model sets no max_queue_wait_s
     dashboard_sample_interval_s: float = 2.0  # one history sample per this many seconds ...
-    dashboard_history_s: float = 600.0  # ... kept for this long (the dashboard's charts)
+    dashboard_history_s: float = 3600.0  # ... kept for this long (the dashboard's "last 1 h"; router.stats_history)
     gateway_id: str = ""  # names this gateway's observation records; "" -> hostname-pid
     observation_interval_s: float = 1.0  # how often observations go to the state store (with one)
     # The per-replica series of a replica that left (`kvgate_router_requests`, /admin/stats outcomes) are

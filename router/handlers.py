@@ -443,8 +443,18 @@ async def admin_stats(request: web.Request) -> web.Response:
 
 
 async def admin_history(request: web.Request) -> web.Response:
-    """The dashboard's time series (`router.dashboard.StatsHistory.series`); guarded as /admin/stats is."""
-    return web.json_response(request.app[DASHBOARD_KEY].history.series())
+    """The dashboard's time series (`router.stats_history.StatsHistory.series`), every range or the one
+    `?range_s=` names (400 for one not offered); guarded as /admin/stats is."""
+    history = request.app[DASHBOARD_KEY].history
+    given = request.query.get("range_s")
+    if given is None:
+        return web.json_response(history.series())
+    try:
+        return web.json_response(history.series(range_s=float(given)))
+    except ValueError:
+        offered = ", ".join(f"{span:g}" for span in history.ranges_s)
+        raise bad_request(f"range_s must be one of the history's ranges in seconds ({offered}), not {given!r}",
+                          param="range_s") from None
 
 
 async def dashboard(request: web.Request) -> web.Response:

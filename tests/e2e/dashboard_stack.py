@@ -76,10 +76,15 @@ class Stack:
             return await r.json()
 
     async def chat(self, session: aiohttp.ClientSession, content: str, model: str = MODEL,
-                   stream: bool = False) -> int:
-        body = {"model": model, "max_tokens": 4, "stream": stream,
-                "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]}
-        async with session.post(self.url + "/v1/chat/completions", json=body) as r:
+                   stream: bool = False, request_id: str | None = None) -> int:
+        """One chat completion; its status. A stream asks for the usage chunk, so its tokens count too."""
+        body: dict[str, Any] = {
+            "model": model, "max_tokens": 4, "stream": stream,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        headers = {"X-Request-Id": request_id} if request_id is not None else {}
+        async with session.post(self.url + "/v1/chat/completions", json=body, headers=headers) as r:
             await r.read()
             return r.status
 
@@ -107,7 +112,7 @@ async def write_autoscaler_status(store: MemoryStateStore, wall: float, desired:
 
 @contextlib.asynccontextmanager
 async def dashboard_stack(tmp_path: Path, *, num_replicas: int = 2, admin_token: str | None = None,
-                          sample_interval_s: float = 0.5,
+                          sample_interval_s: float = 0.5, history_s: float = 3600.0,
                           engines: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Stack]:
     """`num_replicas` simulated replicas ("sim-<i>" on node-a) plus `engines` ((url, grpc_target) of
     running `kvgate engine` processes, "engine-<i>" on node-b), all members of `MODEL`."""
@@ -127,7 +132,8 @@ async def dashboard_stack(tmp_path: Path, *, num_replicas: int = 2, admin_token:
         watcher = await RegistryWatcher.open(tmp_path, clock)
         tracker = ReplicaTracker(clock=clock, store=store, settings=TrackerSettings(
             poll_interval_s=0.25, health_interval_s=5.0, prefix_chunk_chars=64))
-        settings = GatewaySettings(admin_token=admin_token, dashboard_sample_interval_s=sample_interval_s)
+        settings = GatewaySettings(admin_token=admin_token, dashboard_sample_interval_s=sample_interval_s,
+                                   dashboard_history_s=history_s)
         runner = gateway_runner(build_app(settings, tracker, watcher, clock, store), shutdown_timeout_s=0.5)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
