@@ -20,9 +20,9 @@ What runs (each its own process, all on this machine):
 What it measures:
   every --sample-s  the gateway's RSS (/proc/PID/status VmRSS), its traced Python bytes (GET /admin/memory?top=0,
                     no snapshot), its CPU seconds, requests done and errors, the prefix index's entries / cap
-  at --baseline-s   POST /admin/memory/baseline (per-site totals of a tracemalloc snapshot; default: 15 minutes in,
+  at --baseline-s   POST /admin/memory/baseline (per-site totals of a tracemalloc snapshot; default: 62 minutes in,
                     or a third of a shorter run): after warm-up, with the prefix index at its cap and the
-                    dashboard's 10-minute history full
+                    dashboard's one-hour history full (it grows until then: router/stats_history.py)
   every --snapshot-s GET /admin/memory?top=25: the largest sites and the growth since the baseline; the last one,
                     at the end, is what the report names as the growth sites
 
@@ -32,7 +32,7 @@ sites that grew most, and JSON to --out (every sample, every snapshot, the summa
 beside it (soak_gateway.json -> soak_gateway.gateway.log).
 
     .venv/bin/python loadtests/soak_gateway.py --minutes 5                  # a check that it all works
-    nohup .venv/bin/python loadtests/soak_gateway.py --minutes 65 --out /tmp/soak.json > /tmp/soak.log 2>&1 &
+    nohup .venv/bin/python loadtests/soak_gateway.py --minutes 95 --out /tmp/soak.json > /tmp/soak.log 2>&1 &
 
 Questions:
   Does tracing change the figures?  Yes: tracemalloc keeps ~50 bytes per live block (reported as
@@ -415,13 +415,15 @@ async def _ready(url: str, proc) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=65.0, help="how long the load runs (default: 65)")
+    p.add_argument("--minutes", type=float, default=95.0,
+                   help="how long the load runs (default: 95: the dashboard's hour of history fills, then the "
+                        "slope's 30 minutes)")
     p.add_argument("--rate", type=float, default=35.0, help="requests per second offered, open loop (default: 35)")
     p.add_argument("--sample-s", type=float, default=10.0,
                    help="seconds between RSS / traced samples (default: 10)")
     p.add_argument("--baseline-s", type=float, default=None,
-                   help="when the tracemalloc baseline is taken, seconds in (default: 900, past the 10 minutes "
-                        "the dashboard's history takes to fill, or a third of a run shorter than 45 minutes)")
+                   help="when the tracemalloc baseline is taken, seconds in (default: 3720, past the hour the "
+                        "dashboard's history takes to fill, or a third of a shorter run)")
     p.add_argument("--snapshot-s", type=float, default=600.0,
                    help="seconds between tracemalloc snapshots after the baseline (default: 600)")
     p.add_argument("--trace-frames", type=int, default=1,
@@ -436,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="where the JSON goes (default: loadtests/.work/soak_gateway.json)")
     args = p.parse_args(argv)
     if args.baseline_s is None:
-        args.baseline_s = min(900.0, args.minutes * 60.0 / 3)
+        args.baseline_s = min(3720.0, args.minutes * 60.0 / 3)
     run(args)
 
 
