@@ -75,3 +75,6 @@ TENANTS_KEY = web.AppKey("kvgate_tenants", TenantAccess)  # API keys -> tenants 
 LIMITER_KEY = web.AppKey("kvgate_tenant_limits", TenantLimiter)  # tenants' rate limits (`router.admission`)
 METER_KEY = web.AppKey("kvgate_usage_meter", UsageMeter)  # per-tenant usage (`router.usage`)
 ADMITTED_KEY = web.RequestKey("kvgate_admitted", Admitted)  # an inference request's admission: its x-ratelimit-*
+# An inference request's answer from the proxy, set once it is whole, before the tenant's limits are settled: a client
+# that leaves during the settling still had its answer (kvgate_router_answers_total).
+ANSWERED_KEY = web.RequestKey("kvgate_answered", web.StreamResponse)

@@ -30,7 +30,7 @@ from kvgate.router.memory import install_memory_routes
 from kvgate.router.dashboard import dashboard_page
 from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
                          REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY,
-                         TRACKER_KEY, ADMITTED_KEY, LIMITER_KEY, METER_KEY)
+                         TRACKER_KEY, ADMITTED_KEY, ANSWERED_KEY, LIMITER_KEY, METER_KEY)
 from kvgate.router.policies import RoutingKnobs
 from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
 from kvgate.router.metrics import TOKEN_KINDS, RouterMetrics
@@ -232,8 +232,9 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         raise
     finally:
         drain.in_flight -= 1
-        request.app[METRICS_KEY].answers.labels(request.get(REFUSAL_MODEL_KEY, NO_MODEL),
-                                                answer_code(response, error)).inc()
+        answered = request.get(ANSWERED_KEY)  # a client that left while its limits were settled had its answer
+        code = answer_code(answered, None) if answered is not None else answer_code(response, error)
+        request.app[METRICS_KEY].answers.labels(request.get(REFUSAL_MODEL_KEY, NO_MODEL), code).inc()
 
 
 def _request_id(request: web.Request) -> str:
@@ -321,16 +322,16 @@ async def _forward(request: web.Request, preq: ProxyRequest, tenant: TenantDoc |
             app[METRICS_KEY].fair_dispatched.labels(model, fair.flow.tenant).inc()
             preq = replace(preq, on_first_token=functools.partial(gate.first_token, permit))
         with app[METER_KEY].metering(tenant, name, preq.request_id) as metered:  # its usage, however it ends
-            response = metered.response = await app[PROXY_KEY].forward(request, preq)
+            response = metered.response = request[ANSWERED_KEY] = await app[PROXY_KEY].forward(request, preq)
         _count_answer(app[METRICS_KEY], preq, response, app[CLOCK_KEY].now())
         return response
     finally:
         if permit is not None:
             gate.leave(permit)
         in_flight.dec()
-        if ADMITTED_KEY in request:  # settled with the answer's usage, where it reported one
-            used = response.get(TOKENS_USED_KEY) if response is not None else None
-            await app[LIMITER_KEY].release(request[ADMITTED_KEY], used)
+        if ADMITTED_KEY in request:  # settled with the answer's usage, where it reported one; shielded, so that a
+            used = response.get(TOKENS_USED_KEY) if response is not None else None  # client leaving now leaks no place
+            await asyncio.shield(app[LIMITER_KEY].release(request[ADMITTED_KEY], used))
 
 
 def _count_answer(metrics: RouterMetrics, preq: ProxyRequest, response: web.StreamResponse, now: float) -> None:

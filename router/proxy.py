@@ -134,6 +134,7 @@ class Proxy:
         self.recent_decisions = DecisionRing()
         self.outcomes_by_replica: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.prompt_work = prompt_work or PromptWork()  # what the autoscaler's work model reads (router.observations)
+        self._drains: set[asyncio.Task[None]] = set()  # streams' ends read after [DONE] (`_drain_after_done`)
 
     async def forward(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
         """Serve `preq`; raises ApiError (503 no capacity, 502/504) when no replica could answer."""
@@ -246,6 +247,8 @@ class Proxy:
         finally:
             if finished and upstream.at_eof:
                 upstream.release()  # a clean end: the connection goes back to the pool
+            elif finished and response.get(STREAM_OUTCOME_KEY) == "success":
+                self._drain_after_done(upstream)
             else:
                 upstream.close()  # cancelled, broken or abandoned: drop it, which aborts the upstream request
 
@@ -339,11 +342,26 @@ class Proxy:
             response[TOKENS_USED_KEY] = relay.tokens_used
         if relay.usage is not None:
             response[USAGE_KEY] = relay.usage
-        # What follows [DONE] is only the chunked terminator; reading it lets the connection return
-        # to the pool instead of being dropped. Bounded, as the client already has everything.
-        with contextlib.suppress(TimeoutError, UpstreamError):
-            await upstream.read_all(_DRAIN_AFTER_DONE_S)
         return response
+
+    def _drain_after_done(self, upstream: UpstreamResponse) -> None:
+        """What follows a stream's [DONE] is only the chunked terminator; reading it lets the connection return to
+        the pool instead of being dropped. Read in a task of its own, bounded, off the request's path: the client
+        has its whole answer, and a client that closes its connection at [DONE] (many do) would otherwise cancel
+        the handler here and have its complete answer counted as `client_gone`, its usage lost."""
+        async def drain() -> None:
+            try:
+                with contextlib.suppress(TimeoutError, UpstreamError):
+                    await upstream.read_all(_DRAIN_AFTER_DONE_S)
+            finally:
+                if upstream.at_eof:
+                    upstream.release()
+                else:
+                    upstream.close()
+
+        task = asyncio.create_task(drain(), name="kvgate-drain-after-done")
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
 
     async def _relay(self, response: web.StreamResponse, upstream: UpstreamResponse, chunk: bytes,
                      relay: SseRelay, preq: ProxyRequest, lease: AttemptLease) -> None:

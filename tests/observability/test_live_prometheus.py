@@ -193,10 +193,11 @@ def test_every_grafana_panel_query_returns_data_from_a_live_stack(stack: dict[st
     for panel, target in dashboard_targets(dashboard):
         expr = substitute(target["expr"])
         result = query(prometheus, expr)
-        values = [float(series["value"][1]) for series in result]
-        finite = [v for v in values if math.isfinite(v)]
+        values = {", ".join(f"{k}={v}" for k, v in sorted(series["metric"].items())): float(series["value"][1])
+                  for series in result}
+        finite = {labels: round(v, 4) for labels, v in values.items() if math.isfinite(v)}
         table.append({"panel": panel["title"], "ref": target["refId"], "expr": target["expr"],
-                      "series": len(result), "finite": len(finite), "values": [round(v, 4) for v in finite[:4]]})
+                      "series": len(result), "finite": len(finite), "values": finite})
         if not finite:
             empty.append(f"{panel['title']} [{target['refId']}]: {expr} -> {result}")
     ARTIFACTS.mkdir(exist_ok=True)

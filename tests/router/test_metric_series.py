@@ -99,6 +99,45 @@ async def test_inter_token_latency_is_the_time_between_streamed_tokens(tmp_path:
     assert value(exported, "kvgate_router_answers_total", model="m", code="2xx") == 1
 
 
+async def test_a_client_that_closes_at_done_had_its_whole_answer(tmp_path: Path) -> None:
+    """Many clients close their connection once they read [DONE]. The replica here sends the stream's end (the
+    chunked terminator) 0.5 s after [DONE]: the client is gone by then, and the answer still counts as a whole one
+    (2xx, success, its tokens), not `client_gone`. It counted as gone while the gateway read that end in the
+    request's own handler."""
+    async def answer(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+        usage = {"id": "x", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}}
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: " + json.dumps(usage).encode()
+                             + b"\n\ndata: [DONE]\n\n")
+        await asyncio.sleep(0.5)
+        await response.write_eof()
+        return response
+
+    async with hand_written_replica(chat_completions=answer) as url:
+        async with gateway(tmp_path, num_replicas=0, other_urls=(url,)) as gw:
+            host, port = gw.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = json.dumps(chat("hello", stream=True)).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            received = b""
+            while b"[DONE]" not in received:
+                received += await asyncio.wait_for(reader.read(65536), 5)
+            writer.close()  # at [DONE], before the replica's stream has ended
+            await asyncio.sleep(1.0)
+            exported = samples(await scrape(gw.url))
+    assert b" 200 " in received.split(b"\r\n")[0]
+    assert value(exported, "kvgate_router_answers_total", model="m", code="2xx") == 1
+    assert value(exported, "kvgate_router_answers_total", model="m", code="client_gone") == 0
+    assert [key for key in exported if key[0] == "kvgate_router_requests_total"
+            and ("outcome", "client_gone") in key[1]] == []
+    assert value(exported, "kvgate_router_tenant_requests_total", tenant="_open", model="m", outcome="success") == 1
+    assert value(exported, "kvgate_router_tokens_total", model="m", adapter="", kind="completion") == 1
+
+
 def test_events_read_together_share_the_time_since_the_last_read() -> None:
     histogram = Histogram("itl", "", buckets=(0.01, 0.1, 1.0))
     clock = InterTokenClock(histogram)
