@@ -129,6 +129,7 @@ class Autoscaler:
         self._task: asyncio.Task[None] | None = None
         self._store_outage = Outage()  # ticks in a row that could not reach the store
         self._reached_store_at: float | None = None  # wall seconds of the last tick that reached the store
+        self._lease_renewed_at: float | None = None  # monotonic seconds of the last tick that held the lease
         self.is_leader = False
         self._reset_leadership()
 
@@ -235,6 +236,8 @@ class Autoscaler:
         recovered = self._store_outage.recovered(self._clock.now())
         if recovered is not None:
             log.info("the state store answers again %s", recovered)
+        if held:
+            self._lease_renewed_at = self._clock.now()
         if not held:
             if self.is_leader:
                 log.warning("lost the autoscaler lease to %s", await self._holder_or_unknown())
@@ -249,6 +252,8 @@ class Autoscaler:
         try:
             return await self._lead(events)
         except (StateStoreError, ProviderError, ClaimConflict) as exc:
+            if isinstance(exc, StateStoreError):  # the store failed mid-tick: down, as far as the metrics go
+                self._store_outage.failed(self._clock.now())
             log.warning("autoscaler tick abandoned: %s", exc)
             return TickReport(leader=True, events=tuple(events), error=str(exc))
         except Exception as exc:  # a bug must not end the control loop; the next tick starts afresh
@@ -415,10 +420,16 @@ class Autoscaler:
         self._status, self._provisioning = status, provisioning(fleet)
 
     def reading(self) -> Reading:
-        """What the metrics show of this copy now (`autoscaler.metrics`)."""
-        return Reading(leader=self.is_leader, store_up=not self._store_outage.ongoing,
+        """What the metrics show of this copy now (`autoscaler.metrics`). A leader that has not renewed its lease
+        within its TTL (the store is unreachable) no longer says it leads, nor shows its last fleet: another copy
+        may hold the lease by now, and the fleet has moved on."""
+        renewed = self._lease_renewed_at
+        leading = (self.is_leader and renewed is not None
+                   and self._clock.now() - renewed < self.settings.lease_ttl_s)
+        return Reading(leader=leading, store_up=not self._store_outage.ongoing,
                        last_tick_at=self._reached_store_at, pools=tuple(sorted(self._snapshots.current.pools)),
-                       status=self._status, provisioning=self._provisioning)
+                       status=self._status if leading else None,
+                       provisioning=self._provisioning if leading else ())
 
     # -- helpers ---------------------------------------------------------------------------------
 

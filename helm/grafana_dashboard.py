@@ -57,10 +57,10 @@ def rate(metric: str, selector: str = MODEL, by: str = "model") -> str:
     return f"sum by ({by}) (rate({metric}{{{selector}}}{RATE}))"
 
 
-def quantiles(metric: str) -> tuple[Query, ...]:
+def quantiles(metric: str, selector: str = MODEL) -> tuple[Query, ...]:
     """p50, p90 and p99 of a histogram, per model, from buckets summed over gateways."""
     return tuple(
-        Query(f"histogram_quantile({q}, sum by (le, model) (rate({metric}_bucket{{{MODEL}}}{RATE})))",
+        Query(f"histogram_quantile({q}, sum by (le, model) (rate({metric}_bucket{{{selector}}}{RATE})))",
               f"p{round(q * 100)} {{{{model}}}}")
         for q in (0.5, 0.9, 0.99))
 
@@ -101,10 +101,11 @@ TRAFFIC = [
 ]
 
 LATENCY = [
-    Panel("Time to first token", "s",
-          "Request arrival at the gateway to the first output token sent to the client, with the model's TTFT "
-          "SLO from the registry (no line for a model without one).",
-          quantiles("kvgate_router_ttft_seconds")
+    Panel("Time to first token (streamed)", "s",
+          "Request arrival at the gateway to the first output token sent to the client, for streamed answers "
+          "(a non-streamed answer's first token comes with its whole body: see End-to-end latency), with the "
+          "model's TTFT SLO from the registry (no line for a model without one).",
+          quantiles("kvgate_router_ttft_seconds", f'stream="true", {MODEL}')
           + (Query(f"max by (model) (kvgate_router_slo_ttft_seconds{{{MODEL}}})", "SLO {{model}}"),)),
     Panel("Inter-token latency", "s",
           "Time between two streamed output events at the gateway (kvgate_router_itl_seconds).",

@@ -80,11 +80,12 @@ def collect_totals(metrics: RouterMetrics, model_names: Iterable[str], prompt_to
                            if key[1] != "no_replica"})
     answers = _by_model(counter_totals(metrics.answers, "model", "code"))
     refused = _by_model(counter_totals(metrics.refused_requests, "model", "reason"))
-    ttft: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
-    for metric in metrics.ttft_seconds.collect():
+    by_bound: dict[str, collections.Counter[float]] = collections.defaultdict(collections.Counter)
+    for metric in metrics.ttft_seconds.collect():  # streamed answers and not, summed
         for s in metric.samples:
             if s.name.endswith("_bucket"):
-                ttft[s.labels["model"]].append((float(s.labels["le"]), s.value))
+                by_bound[s.labels["model"]][float(s.labels["le"])] += s.value
+    ttft = {model: sorted(bounds.items()) for model, bounds in by_bound.items()}
     for model, retired in metrics.retired_requests.items():  # replicas gone, their series removed
         requests[model] += retired
     names = set(model_names) | set(requests) | set(decisions) | set(ttft) | set(answers) | set(refused)

@@ -122,7 +122,8 @@ async def expect_within_limit(request: web.Request) -> web.StreamResponse | None
     """`Expect: 100-continue`: a body its Content-Length puts over the limit is refused (413) before the client
     sends it, instead of a 100 Continue; anything else as aiohttp answers it."""
     refused = _declared_too_large(request)
-    if refused is not None:
+    if refused is not None:  # an inference request answered before its handler runs: counted as one here
+        request.app[METRICS_KEY].answers.labels(NO_MODEL, answer_code(None, refused)).inc()
         return refuse(request, refused)
     return await _default_expect_handler(request)
 
@@ -219,19 +220,21 @@ async def _engine_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer, ch
 
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     drain = request.app[DRAIN_KEY]
-    if drain.draining:
-        raise no_capacity("this gateway is shutting down; retry on another", retry_after_s=1, code="draining")
-    drain.in_flight += 1
     response: web.StreamResponse | None = None
     error: BaseException | None = None
+    counted = False
     try:
+        if drain.draining:
+            raise no_capacity("this gateway is shutting down; retry on another", retry_after_s=1, code="draining")
+        drain.in_flight += 1
+        counted = True
         response = await _serve_inference(request, chat)
         return response
     except BaseException as exc:
         error = exc
         raise
     finally:
-        drain.in_flight -= 1
+        drain.in_flight -= counted
         answered = request.get(ANSWERED_KEY)  # a client that left while its limits were settled had its answer
         code = answer_code(answered, None) if answered is not None else answer_code(response, error)
         request.app[METRICS_KEY].answers.labels(request.get(REFUSAL_MODEL_KEY, NO_MODEL), code).inc()

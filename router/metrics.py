@@ -25,7 +25,10 @@ _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15,
 # `kvgate_router_answers_total{code}`: how each inference request ended for its client. A stream that broke after
 # its first byte went out as 200, so it has a code of its own, as has a client that left before the end.
 ANSWER_CODES = ("2xx", "4xx", "5xx", "stream_error", "client_gone")
-TOKEN_KINDS = ("prompt", "cached", "completion")  # `kvgate_router_tokens_total{kind}`, as router.usage counts them
+TOKEN_KINDS = ("prompt", "cached", "completion")
+# The `model` of inference requests answered before a registry model resolved (router.refusals.NO_MODEL; a leaf
+# here, so that metrics imports nothing of the router).
+NO_MODEL = "_unknown"  # `kvgate_router_tokens_total{kind}`, as router.usage counts them
 
 
 class _Labelled:
@@ -70,9 +73,12 @@ class RouterMetrics:
                                  ["model", "reason"], registry=r)
         self.decision_seconds = Histogram("kvgate_router_decision_seconds", "Time to build the view and choose.",
                                           ["model"], buckets=_DECISION_BUCKETS_S, registry=r)
+        # `stream` "false": a non-streamed answer, whose first token reaches the client with its whole body, so its
+        # TTFT is its end-to-end time; TTFT SLOs (the alert, the Grafana panel) read streamed answers alone.
         self.ttft_seconds = Histogram("kvgate_router_ttft_seconds",
-                                      "Request arrival to the first output token sent to the client.",
-                                      ["model"], buckets=_TTFT_BUCKETS_S, registry=r)
+                                      "Request arrival to the first output token sent to the client, for 2xx answers, "
+                                      "streamed (stream=true) or not.", ["model", "stream"], buckets=_TTFT_BUCKETS_S,
+                                      registry=r)
         self.prefix_predicted_tokens = Counter("kvgate_router_prefix_predicted_tokens",
                                                "Prompt tokens predicted cached at routing time (estimate).",
                                                ["model"], registry=r)
@@ -160,18 +166,23 @@ class RouterMetrics:
         a series before the first request), set its TTFT SLO, and drop the series of models no longer declared.
         Called with each registry snapshot."""
         models = snapshot.models
-        per_model = (self.ttft_seconds, self.e2e_seconds, self.itl_seconds, self.decision_seconds,
-                     self.prefix_predicted_tokens, self.prefix_realised_tokens, self.prefix_reported_prompt_tokens,
+        per_model = (self.e2e_seconds, self.itl_seconds, self.decision_seconds, self.prefix_predicted_tokens,
+                     self.prefix_realised_tokens, self.prefix_reported_prompt_tokens,
                      self.prefix_estimated_prompt_tokens, self.in_flight, self.queue_depth)
-        for metric in (*per_model, self.answers, self.tokens, self.slo_ttft_seconds):
-            metric.remove_models({name for name in models if metric is not self.slo_ttft_seconds
-                                  or models[name].spec.slo.ttft_ms})
+        for metric in (*per_model, self.ttft_seconds, self.tokens):
+            metric.remove_models(models)
+        self.answers.remove_models({*models, NO_MODEL})  # refusals before a model resolved are counted as NO_MODEL
+        self.slo_ttft_seconds.remove_models({name for name in models if models[name].spec.slo.ttft_ms})
+        for code in ANSWER_CODES:
+            self.answers.labels(NO_MODEL, code)
         adapters = collections.defaultdict(list)
         for name, adapter in snapshot.adapters.items():
             adapters[adapter.spec.base_model].append(name)
         for name, doc in models.items():
             for metric in per_model:
                 metric.labels(name)
+            for stream in ("true", "false"):
+                self.ttft_seconds.labels(name, stream)
             for code in ANSWER_CODES:
                 self.answers.labels(name, code)
             for adapter in ("", *adapters[name]):

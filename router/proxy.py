@@ -103,8 +103,11 @@ class ProxyRequest:
     # Told clock.now() when the first token reaches the client (the fair queue learns its wait budget from it).
     on_first_token: Callable[[float], None] | None = None
 
-    def first_token(self, model: str, metrics: RouterMetrics, now: float) -> None:
-        metrics.ttft_seconds.labels(model).observe(now - self.arrived_at)
+    def first_token(self, model: str, metrics: RouterMetrics, now: float, *, streamed: bool,
+                    observe: bool = True) -> None:
+        """The first token reached the client at `now` (`observe`: count it in kvgate_router_ttft_seconds)."""
+        if observe:
+            metrics.ttft_seconds.labels(model, "true" if streamed else "false").observe(now - self.arrived_at)
         if self.on_first_token is not None:
             self.on_first_token(now)
 
@@ -288,7 +291,7 @@ class Proxy:
             used, usage = tokens_used_of(payload), token_usage_of(payload)
         else:
             self._count(model, replica_id, f"upstream_{upstream.status // 100}xx")
-        preq.first_token(model, self.metrics, self.clock.now())
+        preq.first_token(model, self.metrics, self.clock.now(), streamed=False, observe=upstream.status < 300)
         response = web.Response(status=upstream.status, body=body, headers={
             "Content-Type": upstream.headers.get("content-type", "application/json"), REPLICA_HEADER: replica_id})
         if used is not None:
@@ -381,7 +384,7 @@ class Proxy:
                 # may open the stream with a role-only chunk before it has prefilled.
                 ttft_observed = True
                 lease.prefilled()
-                preq.first_token(preq.route.model, self.metrics, self.clock.now())
+                preq.first_token(preq.route.model, self.metrics, self.clock.now(), streamed=True)
             if relay.done:
                 return
             chunk = await upstream.read(preq.routing.stream_idle_timeout_s)

@@ -17,13 +17,13 @@ from types import MappingProxyType
 from aiohttp import web
 
 from kvgate.openai_wire import ApiError
+from kvgate.router.metrics import NO_MODEL
 from kvgate.router.request_caps import OVER_CAP_CODES
 
 # Set on an inference request once its model resolved to a registry model: the refusal's `model` label.
 REFUSAL_MODEL_KEY = web.RequestKey("kvgate_refusal_model", str)
-# The `model` label before (or without) a declared model: no registry name starts with "_", so it never
-# shares a model's series.
-NO_MODEL = "_unknown"
+# The `model` label before (or without) a declared model (defined with the metrics): no registry name starts with
+# "_", so it never shares a model's series.
 # Set on a request once its key named a tenant (or the gateway is open): the refusal's `tenant` label.
 REFUSAL_TENANT_KEY = web.RequestKey("kvgate_refusal_tenant", str)
 NO_TENANT = "_none"

@@ -17,7 +17,7 @@ from kvgate.autoscaler.metrics import Provisioning, Reading, autoscaler_registry
 from kvgate.autoscaler.metrics_server import metrics_access
 from kvgate.clock import FakeClock
 from kvgate.providers.fake import FakeProvider
-from kvgate.state import MemoryStateStore
+from kvgate.state import MemoryStateStore, StateStoreError
 from kvgate.state.records import AutoscalerStatus, ModelStatus, NodeStatus
 from tests.autoscaler.fleet_helpers import load_test_registry, make_autoscaler, observe, write_registry
 from tests.eventually import eventually_sync
@@ -81,6 +81,44 @@ async def test_the_loop_reads_out_a_node_still_booting_and_its_age(tmp_path: Pat
     assert value(exported, "kvgate_autoscaler_provisioning_oldest_seconds", pool="gpu") == 25  # bought at t=0
     assert value(exported, "kvgate_autoscaler_last_tick_timestamp_seconds") == clock.wall() - 5
     assert not [key for key in exported if key[0].endswith("_created")]
+
+
+class FailingLeases(MemoryStateStore):
+    """A store whose lease calls fail while `down` (Redis unreachable from this copy)."""
+
+    down = False
+
+    async def acquire_lease(self, *args: object, **kwargs: object) -> bool:
+        if self.down:
+            raise StateStoreError("redis down")
+        return await super().acquire_lease(*args, **kwargs)
+
+
+async def test_a_leader_cut_off_from_the_store_stops_saying_it_leads_once_its_lease_lapsed(tmp_path: Path) -> None:
+    """Stale figures would fire alerts: the booting node's age would grow without end, and the lease alert would
+    never see that nobody leads."""
+    clock = FakeClock()
+    store = FailingLeases(clock)
+    snapshot = load_test_registry(tmp_path, node_boot_s=60)
+    provider = FakeProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock)
+    autoscaler = make_autoscaler(snapshot, store, clock, provider, lease_ttl_s=10.0)
+    registry = autoscaler_registry(autoscaler.reading, clock.wall)
+    await observe(store, clock, queued=3)
+    await autoscaler.tick()  # leads, buys a node that boots for 60 s
+    await clock.advance(20)
+    await observe(store, clock, queued=3)
+    await autoscaler.tick()  # the last renewal, at t=20; the node is still booting
+    store.down = True
+    seen = []
+    for _ in range(30):
+        await clock.advance(1)
+        await autoscaler.tick()
+        exported = samples(render(registry)[0].decode())
+        seen.append((value(exported, "kvgate_autoscaler_leader"), value(exported, "kvgate_autoscaler_state_store_up"),
+                     value(exported, "kvgate_autoscaler_provisioning_oldest_seconds", pool="gpu")))
+    assert seen[0] == (1, 0, 21)  # t=21, within its lease: still the leader, the store reported down
+    assert seen[8] == (1, 0, 29)
+    assert seen[9:] == [(0, 0, None)] * 21  # from t=30, 10 s after its last renewal: no leader, no fleet
 
 
 @pytest.mark.parametrize(("host", "token", "insecure", "refused", "level"), [
@@ -156,4 +194,4 @@ def test_an_open_metrics_port_beyond_loopback_is_refused_before_anything_starts(
     assert done.stderr.startswith("kvgate autoscaler: --metrics-host 0.0.0.0 is beyond loopback")
     bad = subprocess.run([sys.executable, "-m", "kvgate.autoscaler", "--registry", str(registry), "--state",
                           "memory://", "--metrics-port", "70000"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "a port is 0-65535, not 70000" in bad.stderr
+    assert bad.returncode == 2 and "a port is 1-65535, not 70000" in bad.stderr

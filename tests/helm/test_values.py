@@ -50,6 +50,8 @@ def test_bad_values_are_refused_naming_the_key(values: dict, message: str) -> No
      "externalRedis.url is set while redis.enabled is true"),
     ({"registry": {"existingConfigMap": "mine"}, "engine": {"resources": {"limits": {"nvidia.com/gpu": "8"}}}},
      "engine.resources.limits.nvidia.com/gpu: the GPU count of an engine comes from its Model's resources.gpu_count"),
+    ({"registry": {"existingConfigMap": "mine"}, "prometheusRule": {"enabled": True}},
+     "prometheusRule.enabled needs gateway.serviceMonitor.enabled"),
 ])
 def test_values_that_cannot_work_fail_the_render_with_what_to_do(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:

@@ -72,7 +72,8 @@ def test_the_alerts_read_only_series_kvgate_exports() -> None:
 
 @pytest.mark.parametrize("labels", [{}, {"release": "prometheus"}])
 def test_the_charts_prometheus_rule_carries_the_rules_file(labels: dict[str, str]) -> None:
-    objects = manifests(with_registry({"prometheusRule": {"enabled": True, "labels": labels}}))
+    objects = manifests(with_registry({"prometheusRule": {"enabled": True, "labels": labels},
+                                       "gateway": {"serviceMonitor": {"enabled": True}}}))
     rule = find(objects, "PrometheusRule", f"{FULLNAME}-alerts")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["spec"] == {"groups": yaml.safe_load(RULES.read_text())["groups"]}

@@ -71,7 +71,7 @@ def test_every_panel_has_a_unit_and_queries_with_an_expression_and_a_ref_id() ->
 
 def test_the_dashboard_has_the_panels_an_operator_asked_for() -> None:
     titles = {panel["title"] for panel in dashboard()["panels"]}
-    for wanted in ("Requests by outcome", "Error ratio", "Refused by the gateway", "Time to first token",
+    for wanted in ("Requests by outcome", "Error ratio", "Refused by the gateway", "Time to first token (streamed)",
                    "Inter-token latency", "End-to-end latency", "Prefix-hit rate: predicted vs realised",
                    "Tokens per second by kind", "Tokens per second by adapter", "Replicas: desired vs ready",
                    "Queue depth and requests in flight", "Node cost per hour by pool", "Engine KV cache usage"):

@@ -186,7 +186,7 @@ def _traffic(metrics: RouterMetrics, dash: Dashboard, n: int, ttft_s: float) -> 
     for _ in range(n):
         metrics.requests.labels("a", "r1", "success").inc()
         metrics.decisions.labels("a", "prefix_hit").inc()
-        metrics.ttft_seconds.labels("a").observe(ttft_s)
+        metrics.ttft_seconds.labels("a", "true").observe(ttft_s)
         dash.note_request("a", 100)
     metrics.prefix_predicted_tokens.labels("a").inc(40 * n)
     metrics.prefix_realised_tokens.labels("a").inc(30 * n)

@@ -16,7 +16,7 @@ from prometheus_client import Histogram
 from kvgate.openai_wire import ApiError
 from kvgate.registry.loader import load_registry
 from kvgate.router.metrics import ANSWER_CODES, RouterMetrics
-from kvgate.router.proxy import STREAM_OUTCOME_KEY, InterTokenClock
+from kvgate.router.proxy import REPLICA_HEADER, STREAM_OUTCOME_KEY, InterTokenClock
 from kvgate.router.usage import answer_code
 from tests.metrics_text import samples, value
 from tests.router.sim_gateway import LONG_PROMPT, chat, drain_stream, gateway, hand_written_replica, write_registry
@@ -53,8 +53,7 @@ async def test_each_request_is_counted_once_by_how_it_ended_with_its_latency_and
                  kind="prompt") == answer.usage.prompt_tokens
     assert value(exported, "kvgate_router_prefix_estimated_prompt_tokens_total", model="m") > 0
     # "cold" had no request: its per-model series are there, at zero, from the start.
-    for name in ("kvgate_router_in_flight", "kvgate_router_queue_depth", "kvgate_router_ttft_seconds_count",
-                 "kvgate_router_e2e_seconds_count", "kvgate_router_itl_seconds_count",
+    for name in ("kvgate_router_in_flight", "kvgate_router_queue_depth", "kvgate_router_e2e_seconds_count", "kvgate_router_itl_seconds_count",
                  "kvgate_router_prefix_predicted_tokens_total", "kvgate_router_prefix_estimated_prompt_tokens_total"):
         assert value(exported, name, model="cold") == 0, name
     for code in ANSWER_CODES:
@@ -138,6 +137,23 @@ async def test_a_client_that_closes_at_done_had_its_whole_answer(tmp_path: Path)
     assert value(exported, "kvgate_router_tokens_total", model="m", adapter="", kind="completion") == 1
 
 
+async def test_a_body_refused_before_its_handler_runs_is_an_answer_too(tmp_path: Path) -> None:
+    """A body refused at `Expect: 100-continue` (413, before the handler runs) is an inference request: in
+    answers_total beside refused_requests_total (a refusal while draining: tests/router/test_router_process.py)."""
+    async with gateway(tmp_path, num_replicas=1) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: 999999999\r\n\r\n")
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        exported = samples(await scrape(gw.url))
+    assert b" 413 " in status_line
+    assert value(exported, "kvgate_router_answers_total", model="_unknown", code="4xx") == 1
+    assert value(exported, "kvgate_router_refused_requests_total", model="_unknown", reason="too_large",
+                 status="413", tenant="_none") == 1
+
+
 def test_events_read_together_share_the_time_since_the_last_read() -> None:
     histogram = Histogram("itl", "", buckets=(0.01, 0.1, 1.0))
     clock = InterTokenClock(histogram)
@@ -175,11 +191,26 @@ def test_answer_codes(response: web.StreamResponse | None, error: BaseException 
     assert code in ANSWER_CODES
 
 
+async def test_a_non_streamed_answer_counts_its_ttft_apart_from_streamed_ones(tmp_path: Path) -> None:
+    """A non-streamed answer's first token reaches the client with its whole body: its TTFT is its end-to-end time,
+    labelled stream="false" so a TTFT SLO reads streamed answers alone. A replica's 4xx counts no TTFT."""
+    async with gateway(tmp_path, num_replicas=1) as gw:
+        await drain_stream(await gw.client.chat.completions.create(**chat("a stream"), stream=True))
+        await gw.client.chat.completions.create(**chat("not streamed"))
+        too_long = chat("refused by the replica", max_tokens=200_000)  # past the sim's max_model_len: its 400
+        status, headers, _ = await gw.post("/v1/chat/completions", json.dumps(too_long).encode())
+        assert status == 400 and headers.get(REPLICA_HEADER)  # the replica's answer, not the gateway's
+        exported = samples(await scrape(gw.url))
+    assert value(exported, "kvgate_router_ttft_seconds_count", model="m", stream="true") == 1
+    assert value(exported, "kvgate_router_ttft_seconds_count", model="m", stream="false") == 1
+    assert value(exported, "kvgate_router_ttft_seconds_count", model="cold", stream="true") == 0
+
+
 def test_a_reload_adds_and_drops_models_series_and_sets_their_slo(tmp_path: Path) -> None:
     write_registry(tmp_path, ["http://127.0.0.1:1"], spec="slo: {ttft_ms: 800}")
     metrics = RouterMetrics()
     metrics.note_registry(load_registry(tmp_path))
-    metrics.ttft_seconds.labels("m").observe(0.2)
+    metrics.ttft_seconds.labels("m", "true").observe(0.2)
     before = samples(metrics.render()[0].decode())
     assert value(before, "kvgate_router_slo_ttft_seconds", model="m") == 0.8
     assert value(before, "kvgate_router_slo_ttft_seconds", model="cold") is None  # no SLO declared
@@ -193,4 +224,5 @@ def test_a_reload_adds_and_drops_models_series_and_sets_their_slo(tmp_path: Path
     after = samples(metrics.render()[0].decode())
     assert not [key for key in after if dict(key[1]).get("model") == "cold"]
     assert value(after, "kvgate_router_slo_ttft_seconds", model="m") is None  # its SLO was removed
-    assert value(after, "kvgate_router_ttft_seconds_count", model="m") == 1  # a model that stays keeps its counts
+    assert value(after, "kvgate_router_ttft_seconds_count", model="m", stream="true") == 1  # a model that stays
+    assert value(after, "kvgate_router_answers_total", model="_unknown", code="4xx") == 0  # kept, never reset

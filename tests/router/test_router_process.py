@@ -24,6 +24,7 @@ from kvgate.state.redis_store import RedisStateStore
 from kvgate.router.proxy import REPLICA_HEADER
 from tests.eventually import eventually
 from tests.registry_docs import local_pool, static_model
+from tests.metrics_text import samples, value
 from tests.services import free_loopback_port, http_answers, kvgate_command, redis_server, running
 
 SLOW_SIM = SchedulerSpec(prefill_tokens_per_s=1e6, decode_tokens_per_s=20.0)  # 40 tokens: a 2 s stream
@@ -68,6 +69,9 @@ async def test_sigterm_drains_in_flight_streams_refuses_new_requests_and_exits_z
                                                  max_tokens=2)
         assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"]
         assert json.loads(refused.value.response.text)["error"]["code"] == "draining"
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            exported = samples(await r.text())  # the refusal is an answer too (the error ratio's denominator)
+        assert value(exported, "kvgate_router_answers_total", model="_unknown", code="5xx") == 1
         chunks += [chunk async for chunk in stream]
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"  # not cut short
         assert await asyncio.to_thread(process.wait, 30) == 0

@@ -168,6 +168,9 @@ template that needs them, so `helm template` and `helm install` stop before anyt
 {{- fail (printf "gateway.usageLog.mountPath: %s is, or is inside, a volume the gateway already mounts (/tmp, or the read-only registry at %s); give the usage log a directory of its own, such as /var/lib/kvgate/usage" .mountPath $.Values.registry.mountPath) }}
 {{- end }}
 {{- end }}
+{{- if and .Values.prometheusRule.enabled (not .Values.gateway.serviceMonitor.enabled) }}
+{{- fail "prometheusRule.enabled needs gateway.serviceMonitor.enabled: the alerts read the gateways', autoscalers' and engines' series, which that option's monitors scrape (without them KvgateAutoscalerLeaseNotHeld fires for good)" }}
+{{- end }}
 {{- include "kvgate.registryChecks" . }}
 {{- end }}
 
