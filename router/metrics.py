@@ -3,11 +3,15 @@ gateways in one process, or one per test, never share counts)."""
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from kvgate.exposition import CONTENT_TYPE_LATEST, exposition
 
@@ -60,6 +64,54 @@ class _Labelled:
         return getattr(self._metric, name)
 
 
+class ModelHistogram:
+    """A histogram with one label, `model`, kept as plain per-bucket counts and exported at each scrape. Observing
+    is a bisection, ~0.2 us here, where prometheus_client's `Histogram.observe` takes ~1 us behind its lock: this one
+    is observed for every streamed token (`kvgate_router_itl_seconds`). Not thread-safe: the event loop's alone."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self._bounds = tuple(buckets)
+        self._children: dict[str, _Counts] = {}
+
+    def labels(self, model: str) -> _Counts:
+        child = self._children.get(model)
+        if child is None:
+            child = self._children[model] = _Counts(self._bounds)
+        return child
+
+    def remove_models(self, keep: Collection[str]) -> None:
+        for model in [model for model in self._children if model not in keep]:
+            del self._children[model]
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=["model"])]
+
+    def collect(self) -> list[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model"])
+        for model, child in sorted(self._children.items()):
+            cumulative = list(itertools.accumulate(child.counts))
+            buckets = [(floatToGoString(bound), n) for bound, n in zip(self._bounds, cumulative, strict=False)]
+            family.add_metric([model], [*buckets, ("+Inf", cumulative[-1])], child.sum)
+        return [family]
+
+
+class _Counts:
+    """One model's buckets (the last one past every bound) and sum."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+
 class RouterMetrics:
     """Every `kvgate_router_*` series. Label `replica` is the replica's public id ("m-static-0", "kvg-..."), never
     its URL (`router.membership`), and "" for requests that never reached one."""
@@ -97,9 +149,11 @@ class RouterMetrics:
         self.e2e_seconds = Histogram("kvgate_router_e2e_seconds",
                                      "Request arrival to the answer's last byte, for answers a replica gave (2xx).",
                                      ["model"], buckets=_E2E_BUCKETS_S, registry=r)
-        self.itl_seconds = Histogram("kvgate_router_itl_seconds",
-                                     "Time between two streamed output events (a token each, as engines stream).",
-                                     ["model"], buckets=_ITL_BUCKETS_S, registry=r)
+        # Observed once per streamed token: a histogram of plain counts (`ModelHistogram`), not prometheus_client's.
+        self.itl_seconds = ModelHistogram("kvgate_router_itl_seconds",
+                                          "Time between two streamed output events (a token each, as engines stream).",
+                                          _ITL_BUCKETS_S)
+        r.register(self.itl_seconds)
         # `adapter` "" for the base model: per model, sum by (model); per adapter, by (adapter).
         self.tokens = Counter("kvgate_router_tokens", "Tokens of answers that reported usage, by model, adapter "
                               "and kind (prompt, cached of prompt, completion).", ["model", "adapter", "kind"],
@@ -128,7 +182,7 @@ class RouterMetrics:
                                              "Usage-log records dropped as its writer was behind (disk stalled).",
                                              registry=r)
         for name in ("requests", "decisions", "decision_seconds", "ttft_seconds", "prefix_predicted_tokens",
-                     "answers", "e2e_seconds", "itl_seconds", "tokens", "prefix_estimated_prompt_tokens",
+                     "answers", "e2e_seconds", "tokens", "prefix_estimated_prompt_tokens",
                      "slo_ttft_seconds",
                      "prefix_realised_tokens", "prefix_reported_prompt_tokens", "in_flight", "queue_depth",
                      "tenant_requests", "tenant_tokens", "fair_queue_depth", "fair_dispatched"):

@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import HttpVersion11, web
-from prometheus_client import Histogram
 
 from kvgate.clock import Clock
 from kvgate.registry.schema import Routing
@@ -499,12 +498,18 @@ _OUTPUT_FIELD = re.compile(rb'"(?:content|text|reasoning_content|finish_reason)"
 _TOKEN_FIELD = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{')
 
 
+class Observer(Protocol):
+    """A histogram's child: what `InterTokenClock` records gaps into."""
+
+    def observe(self, value: float) -> None: ...
+
+
 class InterTokenClock:
     """Observes `kvgate_router_itl_seconds` for one relayed stream: the time from one token event to the next. Events
     that arrive in one read share the time since the last read's evenly (the gateway cannot see them apart);
     those of the first read that held tokens give no gap (nothing before them to measure from)."""
 
-    def __init__(self, histogram: Histogram) -> None:
+    def __init__(self, histogram: Observer) -> None:
         self._histogram = histogram
         self._seen = 0
         self._last_at: float | None = None

@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client import Histogram
+from prometheus_client import Histogram, generate_latest
 
 from kvgate.openai_wire import ApiError
 from kvgate.registry.loader import load_registry
@@ -164,6 +164,29 @@ def test_events_read_together_share_the_time_since_the_last_read() -> None:
     counts = {s.labels.get("le"): s.value for s in histogram.collect()[0].samples if s.name == "itl_bucket"}
     assert counts == {"0.01": 0, "0.1": 1, "1.0": 3, "+Inf": 3}
     assert next(s.value for s in histogram.collect()[0].samples if s.name == "itl_sum") == pytest.approx(1.05)
+
+
+def test_the_per_token_histogram_exports_what_prometheus_clients_would() -> None:
+    """`ModelHistogram` (a bisection per observation) against prometheus_client's Histogram, values on bounds too."""
+    from prometheus_client import CollectorRegistry
+
+    from kvgate.router.metrics import ModelHistogram
+
+    bounds = (0.01, 0.1, 1.0)
+    ours, reference = ModelHistogram("h_seconds", "h", bounds), CollectorRegistry()
+    theirs = Histogram("h_seconds", "h", ["model"], buckets=bounds, registry=reference)
+    for value_s in (0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 3.0, 3.0):
+        ours.labels("m").observe(value_s)
+        theirs.labels("m").observe(value_s)
+    ours.labels("idle")
+    theirs.labels("idle")
+    registry = CollectorRegistry()
+    registry.register(ours)
+    exported = samples(generate_latest(registry).decode())
+    expected = {key: v for key, v in samples(generate_latest(reference).decode()).items()
+                if not key[0].endswith("_created")}
+    assert exported == expected
+    assert value(exported, "h_seconds_bucket", model="m", le="0.01") == 2  # 0.01 itself is <= 0.01
 
 
 def stream_response(outcome: str | None, status: int = 200) -> web.StreamResponse:
