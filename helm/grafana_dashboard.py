@@ -6,7 +6,7 @@
 
 The JSON is committed: the chart ships it in a ConfigMap for Grafana's dashboard sidecar
 (grafanaDashboard.enabled) and it can be imported by hand. Edit this script, never the JSON;
-tests/observability/test_dashboard.py fails on a stale file.
+tests/observability/test_grafana_dashboard.py fails on a stale file.
 
 Every query aggregates across gateway pods, which export the same series side by side: counters are
 summed as rates, histograms are summed by bucket before histogram_quantile, ratios are sums over sums,
