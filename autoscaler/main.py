@@ -29,7 +29,7 @@ from kvgate.autoscaler.metrics_server import (INSECURE_FLAG, METRICS_TOKEN_ENV, 
                                               metrics_app)
 from kvgate.clock import RealClock
 from kvgate.providers.k8s_pod_template import EnginePodTemplate, parse_engine_pod_template
-from kvgate.state import REDIS_PASSWORD_ENV, StateStoreError, open_state_store, redact_url
+from kvgate.state import REDIS_PASSWORD_ENV, StateStore, StateStoreError, open_state_store, redact_url
 from kvgate.registry.problems import RegistryInvalid
 from kvgate.registry.watch import RegistryWatcher
 
@@ -101,56 +101,77 @@ def read_engine_pod_template(path: str) -> EnginePodTemplate:
     return parse_engine_pod_template(data, source=path)
 
 
+class StartRefused(Exception):
+    """What stops the autoscaler before it runs: printed as one line, exit `status` (2 bad input, 1 the world)."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 async def serve(args: argparse.Namespace) -> int:
     clock = RealClock()
-    pod_template = None
-    if args.engine_pod_template:
-        try:
-            pod_template = read_engine_pod_template(args.engine_pod_template)
-        except ValueError as exc:
-            print(f"kvgate autoscaler: --engine-pod-template {exc}", file=sys.stderr)
-            return 2
+    store: StateStore | None = None
     try:
+        pod_template = pod_template_of(args)
         watcher = await RegistryWatcher.open(args.registry, clock)
-    except RegistryInvalid as exc:
+        store = open_store(args, clock)
+        settings = autoscaler_settings(args)
+        access = metrics_access(args.metrics_host, os.environ.get(METRICS_TOKEN_ENV), args.insecure_open_metrics)
+        if args.metrics_port is not None and access.refusal is not None:
+            raise StartRefused(access.refusal)
+        factory = provider_factory_for(args.cluster, clock, engine_pod_template=pod_template)
+        autoscaler = Autoscaler(watcher, store, clock, provider_factory=factory, settings=settings,
+                                holder=args.holder or default_holder())
+        listener = await start_metrics(args, access, autoscaler, clock)
+    except (StartRefused, RegistryInvalid) as exc:
         print(f"kvgate autoscaler: {exc}", file=sys.stderr)
-        return 2
-    try:
-        store = open_state_store(args.state, clock, prefix=args.key_prefix,
-                                 password=os.environ.get(REDIS_PASSWORD_ENV))
-    except ValueError as exc:
-        print(f"kvgate autoscaler: --state: {str(exc).replace(args.state, redact_url(args.state))}", file=sys.stderr)
-        return 2
+        if store is not None:
+            await store.close()
+        return exc.status if isinstance(exc, StartRefused) else 2
     try:
         holder = await store.lease_holder("autoscaler")
     except StateStoreError:  # Redis may start after this pod: no crash loop, the loop waits (a line a tick)
         holder = None
-    lease_ttl_s = args.lease_ttl_s or max(10.0, 3 * args.interval_s)
-    try:
-        settings = AutoscalerSettings(interval_s=args.interval_s, lease_ttl_s=lease_ttl_s,
-                                      member_ttl_s=max(10.0, 3 * args.interval_s))
-    except ValueError as exc:
-        print(f"kvgate autoscaler: {exc}", file=sys.stderr)
-        await store.close()
-        return 2
-    access = metrics_access(args.metrics_host, os.environ.get(METRICS_TOKEN_ENV), args.insecure_open_metrics)
-    if args.metrics_port is not None and access.refusal is not None:
-        print(f"kvgate autoscaler: {access.refusal}", file=sys.stderr)
-        await store.close()
-        return 2
-    factory = provider_factory_for(args.cluster, clock, engine_pod_template=pod_template)
-    autoscaler = Autoscaler(watcher, store, clock, provider_factory=factory, settings=settings,
-                            holder=args.holder or default_holder())
-    try:
-        listener = await start_metrics(args, access, autoscaler, clock)
-    except OSError as exc:
-        print(f"kvgate autoscaler: cannot listen on {args.metrics_host}:{args.metrics_port}: "
-              f"{exc.strerror or exc}", file=sys.stderr)
-        await store.close()
-        return 1
     log.info("kvgate autoscaler %s: cluster %r, registry %s (version %s), state %s%s", autoscaler.holder,
              args.cluster, args.registry, watcher.current.version, redact_url(args.state),
              f"; {holder} is active, waiting as standby" if holder else "")
+    await run_until_signalled(autoscaler, watcher, store, listener)
+    log.info("kvgate autoscaler %s stopped; lease released, nodes and replicas left running for the next "
+             "autoscaler to adopt", autoscaler.holder)
+    return 0
+
+
+def pod_template_of(args: argparse.Namespace) -> EnginePodTemplate | None:
+    if not args.engine_pod_template:
+        return None
+    try:
+        return read_engine_pod_template(args.engine_pod_template)
+    except ValueError as exc:
+        raise StartRefused(f"--engine-pod-template {exc}") from None
+
+
+def open_store(args: argparse.Namespace, clock: RealClock) -> StateStore:
+    """The state store --state names; StartRefused for a URL it cannot be (its password redacted)."""
+    try:
+        return open_state_store(args.state, clock, prefix=args.key_prefix, password=os.environ.get(REDIS_PASSWORD_ENV))
+    except ValueError as exc:
+        raise StartRefused(f"--state: {str(exc).replace(args.state, redact_url(args.state))}") from None
+
+
+def autoscaler_settings(args: argparse.Namespace) -> AutoscalerSettings:
+    lease_ttl_s = args.lease_ttl_s or max(10.0, 3 * args.interval_s)
+    try:
+        return AutoscalerSettings(interval_s=args.interval_s, lease_ttl_s=lease_ttl_s,
+                                  member_ttl_s=max(10.0, 3 * args.interval_s))
+    except ValueError as exc:
+        raise StartRefused(str(exc)) from None
+
+
+async def run_until_signalled(autoscaler: Autoscaler, watcher: RegistryWatcher, store: StateStore,
+                              listener: web.AppRunner | None) -> None:
+    """Run the loop and the registry watch until SIGINT or SIGTERM, then stop them (the lease released, nodes and
+    replicas left running) and close the listener, the providers' clients and the store."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -168,9 +189,6 @@ async def serve(args: argparse.Namespace) -> int:
         for provider in autoscaler.providers.values():
             await provider.close()  # closes clients only: nodes and replicas keep running
         await store.close()
-    log.info("kvgate autoscaler %s stopped; lease released, nodes and replicas left running for the next "
-             "autoscaler to adopt", autoscaler.holder)
-    return 0
 
 
 async def start_metrics(args: argparse.Namespace, access: MetricsAccess, autoscaler: Autoscaler,
@@ -183,9 +201,10 @@ async def start_metrics(args: argparse.Namespace, access: MetricsAccess, autosca
     await runner.setup()
     try:
         await web.TCPSite(runner, args.metrics_host, args.metrics_port).start()
-    except OSError:
+    except OSError as exc:
         await runner.cleanup()
-        raise
+        raise StartRefused(f"cannot listen on {args.metrics_host}:{args.metrics_port}: {exc.strerror or exc}",
+                           status=1) from None
     if access.notice is not None:
         log.log(*access.notice)
     return runner

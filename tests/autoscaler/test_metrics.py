@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -184,7 +185,7 @@ def test_a_leader_and_a_standby_process_serve_their_metrics_behind_the_token(tmp
             log.close()
 
 
-def test_an_open_metrics_port_beyond_loopback_is_refused_before_anything_starts(tmp_path: Path) -> None:
+def test_a_metrics_port_that_cannot_be_served_is_one_line_and_an_exit_status(tmp_path: Path) -> None:
     (tmp_path / "registry").mkdir()
     registry = write_registry(tmp_path / "registry")
     done = subprocess.run([sys.executable, "-m", "kvgate.autoscaler", "--registry", str(registry), "--state",
@@ -195,3 +196,11 @@ def test_an_open_metrics_port_beyond_loopback_is_refused_before_anything_starts(
     bad = subprocess.run([sys.executable, "-m", "kvgate.autoscaler", "--registry", str(registry), "--state",
                           "memory://", "--metrics-port", "70000"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "a port is 1-65535, not 70000" in bad.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = subprocess.run([sys.executable, "-m", "kvgate.autoscaler", "--registry", str(registry), "--state",
+                               "memory://", "--metrics-port", str(port)], capture_output=True, text=True, timeout=60)
+    assert busy.returncode == 1 and "Traceback" not in busy.stderr
+    assert busy.stderr.startswith(f"kvgate autoscaler: cannot listen on 127.0.0.1:{port}: ")
