@@ -159,6 +159,29 @@ def stack(tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> It
                                                                        work=tmp_path / "work"))
     monkeypatch.setenv("KVGATE_METRICS_TOKEN", TOKEN)
     prefix = f"obs-{uuid.uuid4().hex[:8]}:"
+    try:
+        yield from _running_stack(tmp_path, redis_url, prefix)
+    finally:  # `kvgate autoscaler` leaves its replicas running on SIGTERM, for the next autoscaler: release them
+        asyncio.run(release_fleet(tmp_path / "registry"))
+
+
+async def release_fleet(registry: Path) -> None:
+    """Stop every replica and release every node the test's autoscaler left in its local pool."""
+    from kvgate.providers.local import LocalProvider
+    from kvgate.registry.loader import load_registry
+
+    pool = load_registry(registry).pools["local"]
+    provider = LocalProvider("local", pool.spec, cluster="default", clock=RealClock())
+    try:
+        for replica in await provider.list_replicas():
+            await provider.stop_replica(replica.id, drain_deadline_s=5.0)
+        for node in await provider.list():
+            await provider.delete(node.id)
+    finally:
+        await provider.close()
+
+
+def _running_stack(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[dict[str, str]]:
     gateway_port, autoscaler_port, prometheus_port = free_loopback_port(), free_loopback_port(), free_loopback_port()
     common = ["--registry", str(tmp_path / "registry"), "--state", redis_url, "--key-prefix", prefix]
     gateway = f"127.0.0.1:{gateway_port}"
