@@ -26,7 +26,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvgate.autoscaler.claims import ClaimPhase
 from kvgate.autoscaler.reconciler import Fleet
-from kvgate.exposition import CONTENT_TYPE_LATEST, exposition
 from kvgate.providers.base import NodeState
 from kvgate.state.records import AutoscalerStatus
 
@@ -135,7 +134,3 @@ def autoscaler_registry(read: Callable[[], Reading], wall: Callable[[], float]) 
     registry.register(AutoscalerCollector(read, wall))  # type: ignore[arg-type]  # a Collector by shape
     return registry
 
-
-def render(registry: CollectorRegistry) -> tuple[bytes, str]:
-    """The exposition text and its content type."""
-    return exposition(registry), CONTENT_TYPE_LATEST

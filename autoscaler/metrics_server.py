@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvgate.autoscaler.metrics import render
+from kvgate.exposition import render
 from kvgate.openai_wire import ApiError, error_response, is_loopback_host, require_bearer
 
 METRICS_TOKEN_ENV = "KVGATE_METRICS_TOKEN"  # the gateway's name for it too (router.operator_access)

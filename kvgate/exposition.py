@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
-__all__ = ["CONTENT_TYPE_LATEST", "WithoutCreated", "exposition"]
+__all__ = ["CONTENT_TYPE_LATEST", "WithoutCreated", "exposition", "render"]
 
 
 class WithoutCreated:
@@ -33,3 +33,8 @@ class WithoutCreated:
 def exposition(registry: CollectorRegistry) -> bytes:
     """The text format (0.0.4) of `registry`, without `_created` series; served as CONTENT_TYPE_LATEST."""
     return generate_latest(WithoutCreated(registry))  # type: ignore[arg-type]  # a registry in all but name
+
+
+def render(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """`exposition(registry)` and its content type, as a /metrics handler answers them."""
+    return exposition(registry), CONTENT_TYPE_LATEST

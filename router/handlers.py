@@ -220,23 +220,23 @@ async def _engine_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer, ch
 
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     drain = request.app[DRAIN_KEY]
-    response: web.StreamResponse | None = None
     error: BaseException | None = None
-    counted = False
     try:
         if drain.draining:
             raise no_capacity("this gateway is shutting down; retry on another", retry_after_s=1, code="draining")
         drain.in_flight += 1
-        counted = True
-        response = await _serve_inference(request, chat)
-        return response
+        try:
+            return await _serve_inference(request, chat)
+        finally:
+            drain.in_flight -= 1
     except BaseException as exc:
         error = exc
         raise
     finally:
-        drain.in_flight -= counted
-        answered = request.get(ANSWERED_KEY)  # a client that left while its limits were settled had its answer
-        code = answer_code(answered, None) if answered is not None else answer_code(response, error)
+        # Every answer comes through `_forward`, which notes it as soon as it is whole: a client that left while its
+        # limits were settled still had its answer.
+        answered = request.get(ANSWERED_KEY)
+        code = answer_code(answered, None if answered is not None else error)
         request.app[METRICS_KEY].answers.labels(request.get(REFUSAL_MODEL_KEY, NO_MODEL), code).inc()
 
 

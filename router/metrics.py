@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from kvgate.exposition import CONTENT_TYPE_LATEST, exposition
+from kvgate.exposition import render
 
 if TYPE_CHECKING:
     from kvgate.registry.snapshot import Snapshot
@@ -275,5 +275,5 @@ class RouterMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, without `_created` series."""
-        return exposition(self.registry), CONTENT_TYPE_LATEST
+        return render(self.registry)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.autoscaler.metrics import Provisioning, Reading, autoscaler_registry, families, render
+from kvgate.autoscaler.metrics import Provisioning, Reading, autoscaler_registry, families
+from kvgate.exposition import render
 from kvgate.autoscaler.metrics_server import metrics_access
 from kvgate.clock import FakeClock
 from kvgate.providers.fake import FakeProvider
