@@ -11,7 +11,8 @@ STAMP := $(VENV)/.kvgate-installed
 # torch first, pinned: 2.13.0 resolves to the CPU build on disk; anything unpinned pulls several GB of CUDA.
 TORCH_SPEC := torch==2.13.0
 # Debian packages the tests need, as "command:package" pairs; installed only when the command is missing.
-SYSTEM_DEPS := redis-server:redis-server chromium:chromium prometheus:prometheus promtool:prometheus
+SYSTEM_DEPS := redis-server:redis-server chromium:chromium prometheus:prometheus promtool:prometheus \
+  slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge
 PYTEST_ARGS ?=
 # checkov scans the Dockerfile and the Helm chart in the tests. It pins an old boto3 and packaging, so it gets a
 # venv of its own rather than downgrading kvgate's dependencies; pinned, since a new release adds checks and the

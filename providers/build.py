@@ -20,6 +20,7 @@ _MODULES = {
     ProviderKind.LOCAL: "kvgate.providers.local",
     ProviderKind.AWS: "kvgate.providers.aws",
     ProviderKind.KUBERNETES: "kvgate.providers.kubernetes",
+    ProviderKind.SLURM: "kvgate.providers.slurm",
 }
 
 

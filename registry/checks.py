@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvgate.registry.problems import KeyPath, Problem
-from kvgate.registry.schema import BUILTIN_ADAPTERS, CapacityType, ModelDoc, Offer, PoolDoc
+from kvgate.registry.schema import BUILTIN_ADAPTERS, CapacityType, ModelDoc, Offer, PoolDoc, PoolSpec
 from kvgate.registry.snapshot import LoadedDocument
 from kvgate.registry.tenant import ALL_MODELS
 from kvgate.registry.yamlsource import SourceDocument
@@ -107,6 +107,16 @@ def compatible(offer: Offer, model: ModelDoc) -> bool:
     return needs.min_gpu_memory_gib is None or offer.gpu_memory_gib >= needs.min_gpu_memory_gib
 
 
+def declared_offers(spec: PoolSpec) -> tuple[Offer, ...]:
+    """What a pool is known to sell before anything runs: its offers; for a slurm pool, one offer per gres
+    type it names, of up to 64 GPUs (sinfo tells the real count per node when the pool runs)."""
+    if spec.slurm is None:
+        return spec.offers
+    return tuple(Offer(instance_type=f"{name}xN", gpu_kind=gpu.kind, gpu_count=64, gpu_memory_gib=gpu.memory_gib,
+                       price_usd_per_hour=spec.slurm.gpu_hour_usd)
+                 for name, gpu in spec.slurm.gpu_types.items())
+
+
 def _check_placement(loaded: LoadedDocument, pools: dict[str, PoolDoc]) -> list[Problem]:
     model: ModelDoc = loaded.document
     if model.spec.routing.static_replicas:
@@ -123,7 +133,7 @@ def _check_placement(loaded: LoadedDocument, pools: dict[str, PoolDoc]) -> list[
     if not allowed:
         return [_at(loaded, ("spec", "placement"), "no Pool is declared, so this model cannot be placed; declare a "
                                                     "Pool or give routing.static_replicas")]
-    offers = [offer for pool in allowed for offer in pool.spec.offers]
+    offers = [offer for pool in allowed for offer in declared_offers(pool.spec)]
     if not any(compatible(offer, model) for offer in offers):
         needs = model.spec.resources
         memory = f" with >= {needs.min_gpu_memory_gib} GiB each" if needs.min_gpu_memory_gib else ""

@@ -22,6 +22,7 @@ from typing import Annotated, Literal, Union
 from pydantic import ByteSize, Field, field_validator, model_validator
 
 from kvgate.registry.strict import FieldProblem, Strict as _Strict
+from kvgate.registry.slurm import SlurmSettings
 from kvgate.registry.tenant import RateLimits, StoreOutage, TenantSpec
 
 API_VERSION = "kvgate/v1"
@@ -426,6 +427,7 @@ class Provider(str, enum.Enum):
     LOCAL = "local"
     AWS = "aws"
     KUBERNETES = "kubernetes"
+    SLURM = "slurm"
     FAKE = "fake"
 
 
@@ -512,9 +514,10 @@ class KubernetesSettings(_Strict):
 
 
 class PoolSpec(_Strict):
-    provider: Provider = Field(description="local, aws, kubernetes or fake.")
+    provider: Provider = Field(description="local, aws, kubernetes, slurm or fake.")
     region: str | None = Field(default=None, description="Cloud region; required for aws.")
-    offers: tuple[Offer, ...] = Field(min_length=1, description="What this pool sells, with prices.")
+    offers: tuple[Offer, ...] = Field(default=(), description="What this pool sells, with prices; at least one, "
+                                      "except in a slurm pool (its offerings come from sinfo).")
     max_nodes: int | None = Field(default=None, ge=0, description="Quota: most nodes at once.")
     max_gpus: int | None = Field(default=None, ge=0, description="Quota: most GPUs at once.")
     budget_usd_per_hour: float | None = Field(default=None, ge=0, description="Most spend per hour in this pool.")
@@ -522,11 +525,21 @@ class PoolSpec(_Strict):
     local: LocalSettings | None = None
     aws: AwsSettings | None = None
     kubernetes: KubernetesSettings | None = None
+    slurm: SlurmSettings | None = None
 
     @model_validator(mode="after")
     def _settings_match_provider(self) -> PoolSpec:
         provider = self.provider.value
-        for block in ("local", "aws", "kubernetes"):
+        if self.provider is Provider.SLURM:
+            if self.slurm is None:
+                raise FieldProblem("slurm", "provider 'slurm' needs a slurm block: {partition: NAME, gpu_hour_usd: "
+                                   "PRICE, gpu_types: {h100: {kind: H100}}}")
+            if self.offers:
+                raise FieldProblem("offers", "a slurm pool lists no offers: they come from sinfo, priced at "
+                                   "slurm.gpu_hour_usd per GPU")
+        elif not self.offers:
+            raise FieldProblem("offers", "list at least one offer: what this pool sells, with its price")
+        for block in ("local", "aws", "kubernetes", "slurm"):
             if getattr(self, block) is not None and block != provider:
                 raise FieldProblem(block, f"has a '{block}' block but provider is {provider!r}; "
                                  f"only a '{provider}' block belongs here")

@@ -12,6 +12,7 @@ import pytest
 from kvgate.engine.builtin import CACHE_DIR_ENV
 from tests.engine.builtin_cache import shared_cache_dir
 from tests.services import free_loopback_port, http_answers, redis_server, running
+from tests.slurm_cluster import SlurmCluster, slurm_cluster as start_slurm_cluster
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -55,3 +56,12 @@ def moto_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "KVGATE_S3_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A real single-node Slurm cluster (munged, slurmctld, slurmd as root; four fake H100s; partitions
+    `inference` and preemptible `training`) for the whole session: tests/slurm_cluster.py. Tests cancel
+    their jobs when they end (`SlurmCluster.cancel_all`)."""
+    with start_slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
