@@ -67,6 +67,12 @@ class SlurmCluster:
         return [j for j in self.jobs() if j["name"].startswith(name_prefix)
                 and j["job_state"] in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")]
 
+    def gpus_used(self) -> int:
+        """GPUs allocated to jobs on the node now (sinfo's gres_used)."""
+        [node] = json.loads(self.run("sinfo", "--json"))["nodes"]
+        used = node.get("gres_used") or ""
+        return int(used.split(":")[2].split("(")[0]) if used.startswith("gpu:") else 0
+
     def submit_training(self, *, gpus: int = GPUS, name: str = "train", script: str = "sleep 3600") -> str:
         """A training job holding `gpus` fake GPUs in the preemptible partition; returns its job id.
         Its output goes to <root>/<name>-<jobid>.out."""
