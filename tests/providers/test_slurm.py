@@ -183,3 +183,57 @@ async def test_an_unreachable_slurmctld_is_provider_unavailable(cluster: SlurmCl
     for call in (provider.offerings, provider.list):  # sinfo and squeue; each retries for ~9 s first
         with pytest.raises(ProviderUnavailable):
             await call()
+
+
+PLANNER_REGISTRY = """\
+apiVersion: kvgate/v1
+kind: Model
+metadata: {{name: chat}}
+spec:
+  source: builtin:tiny-llama
+  resources: {{gpu_kinds: [H100], gpu_count: 1}}
+  scaling: {{min_replicas: 0, max_replicas: 4, max_queue_wait_s: 60}}
+---
+apiVersion: kvgate/v1
+kind: Pool
+metadata: {{name: {pool}}}
+spec:
+  provider: slurm
+  slurm:
+    partition: inference
+    gpu_hour_usd: 1.5
+    gpu_types: {{h100: {{kind: H100, memory_gib: 80}}}}
+    conf: "{conf}"
+    sharing: {{partitions: [training], gpu_hour_usd: 2.5, ceiling_gpus: {ceiling}, grace_time_s: 10}}
+---
+apiVersion: kvgate/v1
+kind: Pool
+metadata: {{name: cloud}}
+spec:
+  provider: fake
+  offers: [{{instance_type: h100-1, gpu_kind: H100, gpu_count: 1, gpu_memory_gib: 80, price_usd_per_hour: 4.0}}]
+"""
+
+
+@pytest.mark.parametrize("training, ceiling, bought", [
+    (False, 4, f"{POOL}:h100x1:on_demand"),  # free GPUs first
+    (True, 4, f"{POOL}:h100x1+training:on_demand"),  # then training's, before the cloud's
+    (True, 0, "cloud:h100-1:on_demand"),  # inference may take none here: the cloud
+])
+async def test_the_planner_takes_free_gpus_then_trainings_then_a_clouds(
+        cluster: SlurmCluster, tmp_path: Path, training: bool, ceiling: int, bought: str) -> None:
+    from kvgate.autoscaler.planner import CreateNode, PlannerInputs, PlannerState, plan_nodes
+    from kvgate.providers.base import offerings_from_pool
+    from kvgate.registry import load_registry
+
+    (tmp_path / "registry").mkdir()
+    (tmp_path / "registry" / "fleet.yaml").write_text(PLANNER_REGISTRY.format(pool=POOL, conf=cluster.conf,
+                                                                             ceiling=ceiling))
+    snapshot = load_registry(tmp_path / "registry")
+    provider = SlurmProvider(POOL, snapshot.pools[POOL].spec, cluster="planner", clock=RealClock())
+    if training:
+        cluster.wait_state(cluster.submit_training(gpus=4), "RUNNING")
+    offers = (*await provider.offerings(), *offerings_from_pool("cloud", snapshot.pools["cloud"].spec))
+    inputs = PlannerInputs(snapshot, {"chat": 1}, (), (), tuple(offers), id_prefix="t")
+    _, actions = plan_nodes(inputs, PlannerState(), now=time.time())
+    assert [str(a.claim.offering) for a in actions if isinstance(a, CreateNode)] == [bought]
