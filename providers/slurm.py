@@ -33,6 +33,7 @@ import logging
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -154,18 +155,13 @@ class SlurmProvider(PoolProvider):
         assert tags is not None
         why = overdue([j for j in self._replicas(jobs) if j.live], now=self._clock.wall(),
                       pending_timeout_s=self._settings.pending_timeout_s).get(tags.claim)
-        price = 0.0
-        parsed = parse_instance_type(tags.instance_type)
-        if parsed is not None:
-            sharing = self._settings.sharing
-            price = parsed[1] * (sharing.gpu_hour_usd if parsed[2] and sharing else self._settings.gpu_hour_usd)
         return Node(id=claim.id, claim_id=tags.claim, pool=self._pool, instance_type=tags.instance_type,
                     capacity_type=CapacityType.ON_DEMAND, zone="",
                     state=NodeState.INTERRUPTED if why else NodeState.RUNNING, address=None,
                     tags={**tags.labels, **node_tags(self._cluster, NodeClaim(
                         id=tags.claim, offering=OfferingKey(self._pool, tags.instance_type, CapacityType.ON_DEMAND),
                         model=tags.model or None))},
-                    launched_at=tags.created_at, price_usd_per_hour=price, reason=why or "")
+                    launched_at=tags.created_at, price_usd_per_hour=tags.usd_per_hour, reason=why or "")
 
     async def create(self, claim: NodeClaim) -> Node:
         """Record `claim` as a held job, or return the node already recorded for it. NotFound for an
@@ -193,7 +189,7 @@ class SlurmProvider(PoolProvider):
                                        f"{offering.instance_type} free now")
         tags = Tags(kind=CLAIM, cluster=self._cluster, pool=self._pool, claim=claim.id,
                     instance_type=offering.instance_type, model=claim.model or "", created_at=self._clock.wall(),
-                    labels=dict(claim.labels))
+                    usd_per_hour=offering.price_usd_per_hour, labels=dict(claim.labels))
         job_id = await self._sbatch(job_name(self._cluster, CLAIM, claim.id), tags.comment(),
                                     ["--hold", "--output=/dev/null", "--wrap=true"])
         log.info("pool %s: claim %s recorded as held Slurm job %s (%s)", self._pool, claim.id, job_id,
@@ -249,7 +245,7 @@ class SlurmProvider(PoolProvider):
             for job in self._replicas(jobs):
                 if job.tags is not None and job.tags.replica == replica_id and not job.stopping:
                     return (await self._handles([job], jobs))[0]
-        replica_id = replica_id or f"{self._cluster}-{claim.tags.claim}-{len(jobs)}"
+        replica_id = replica_id or f"{claim.tags.claim}-{uuid.uuid4().hex[:8]}"
         parsed = parse_instance_type(claim.tags.instance_type)
         gres = [f"--gres=gpu:{parsed[0]}:{spec.gpu_count}"] if parsed and spec.gpu_count else []
         tags = Tags(kind=REPLICA, cluster=self._cluster, pool=self._pool, claim=claim.tags.claim, model=spec.model,
@@ -289,6 +285,10 @@ class SlurmProvider(PoolProvider):
         tags = job.tags
         assert tags is not None
         state, reason = replica_state(job, now=self._clock.wall(), pending_timeout_s=self._settings.pending_timeout_s)
+        if job.live and tags.claim not in claims:
+            # A replica never outlives its claim (someone cancelled or released the held job): reported failed,
+            # so the planner stops it and places the model again, rather than losing track of a running job.
+            state, reason = ReplicaState.FAILED, f"its claim {tags.claim} is gone from Slurm (cancelled outside kvgate)"
         url, grpc = "", None
         if job.endpoint is not None and job.node:
             host = addresses.get(job.node, job.node)

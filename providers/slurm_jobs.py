@@ -58,6 +58,7 @@ class Tags:
     model: str = ""
     replica: str = ""
     created_at: float = 0.0
+    usd_per_hour: float = 0.0  # a claim: the notional price it was bought at
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -66,7 +67,7 @@ class Tags:
     def comment(self) -> str:
         body = {"kind": self.kind, "cluster": self.cluster, "pool": self.pool, "claim": self.claim,
                 "instance_type": self.instance_type, "model": self.model, "replica": self.replica,
-                "created_at": self.created_at, "labels": dict(self.labels)}
+                "created_at": self.created_at, "usd_per_hour": self.usd_per_hour, "labels": dict(self.labels)}
         return COMMENT_PREFIX + json.dumps(body, separators=(",", ":"), sort_keys=True)
 
 
@@ -81,7 +82,7 @@ def parse_comment(comment: str) -> tuple[Tags | None, tuple[int, int] | None, bo
         tags = Tags(kind=str(body["kind"]), cluster=str(body["cluster"]), pool=str(body["pool"]),
                     claim=str(body["claim"]), instance_type=str(body.get("instance_type", "")),
                     model=str(body.get("model", "")), replica=str(body.get("replica", "")),
-                    created_at=float(body.get("created_at", 0.0)),
+                    created_at=float(body.get("created_at", 0.0)), usd_per_hour=float(body.get("usd_per_hour", 0.0)),
                     labels={str(k): str(v) for k, v in dict(body.get("labels") or {}).items()})
     except (ValueError, KeyError, TypeError, AttributeError):
         return None, None, False

@@ -128,6 +128,17 @@ async def test_a_job_cancelled_from_outside_is_failed_with_slurms_reason(cluster
     assert await provider.list_replicas() == []
 
 
+async def test_a_replica_whose_claim_was_cancelled_from_outside_is_failed(cluster: SlurmCluster, tmp_path: Path) -> None:
+    provider = provider_for(cluster, tmp_path)
+    node = await provider.create(claim())
+    await provider.start_replica(node.id, SPEC, replica_id="r1")
+    cluster.run("scancel", node.id)  # the held job that records the claim
+    [replica] = await eventually(lambda: provider.list_replicas(), "the replica is listed", poll_s=0.3)
+    assert replica.state is ReplicaState.FAILED and "is gone from Slurm" in replica.reason
+    await provider.stop_replica("r1", drain_deadline_s=5)
+    await eventually(lambda: cluster.live_jobs("kvgate.") == [], "nothing of kvgate runs", poll_s=0.3)
+
+
 async def test_a_replica_pending_past_its_deadline_gives_its_claim_up(cluster: SlurmCluster, tmp_path: Path) -> None:
     provider = provider_for(cluster, tmp_path, pending_timeout_s=3)
     node = await provider.create(claim())  # free now ...

@@ -88,3 +88,43 @@ def test_the_replica_script_execs_the_engine_on_the_ports_it_publishes() -> None
     assert script.startswith("#!/bin/bash\n")
     assert "exec \"$PY\" -m kvgate.engine --model builtin:tiny-llama --port \"$PORT\"" in script
     assert "Comment='kvgate/v1 " in script and "\" port=$PORT grpc=$GRPC_PORT\"" in script
+
+
+def test_the_readmes_slurm_pool_loads(tmp_path) -> None:
+    import re
+    from pathlib import Path
+
+    from kvgate.registry import load_registry
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Sharing a Slurm cluster with training"):]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S)[1]
+    (tmp_path / "pool.yaml").write_text(block)
+    pool = load_registry(tmp_path).pools["campus"].spec
+    assert pool.slurm.sharing.ceiling_gpus == 32 and pool.slurm.gpu_types["h100"].kind == "H100"
+
+
+def test_slurm_pools_are_checked_where_they_are_written() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from kvgate.registry.schema import PoolSpec
+
+    base = {"partition": "inference", "gpu_hour_usd": 1.0, "gpu_types": {"h100": {"kind": "H100"}}}
+    cases = [
+        ({"provider": "slurm"}, "needs a slurm block"),
+        ({"provider": "slurm", "slurm": base, "offers": [{"instance_type": "x", "gpu_kind": "H100", "gpu_count": 1,
+                                                          "price_usd_per_hour": 1}]}, "lists no offers"),
+        ({"provider": "local"}, "at least one offer"),
+        ({"provider": "slurm", "slurm": {**base, "partition": "a b"}}, "not a Slurm name"),
+        ({"provider": "slurm", "slurm": {**base, "sbatch_args": ["-A x"]}}, "long options"),
+        ({"provider": "slurm", "slurm": {**base, "sharing": {"partitions": ["t"], "gpu_hour_usd": 2, "floor_gpus": 4,
+                                                             "ceiling_gpus": 2}}}, "above ceiling_gpus"),
+        ({"provider": "slurm", "slurm": {**base, "pending_timeout_s": 30, "sharing": {
+            "partitions": ["t"], "gpu_hour_usd": 2, "grace_time_s": 60}}}, "not above the grace time"),
+        ({"provider": "slurm", "slurm": {**base, "sharing": {"partitions": ["inference"], "gpu_hour_usd": 2}}},
+         "the pool's own partition"),
+    ]
+    for document, words in cases:
+        with pytest.raises(ValidationError, match=words):
+            PoolSpec.model_validate(document)
