@@ -73,7 +73,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(math.ceil(q * len(sorted_values))) - 1)]
 
 
-def _with_overrides(scaling: Scaling, overrides: Mapping[str, Any]) -> Scaling:
+def with_overrides(scaling: Scaling, overrides: Mapping[str, Any]) -> Scaling:
     """`scaling` with some fields replaced, validated like the registry; raises `SimConfigError`."""
     try:
         return Scaling.model_validate({**scaling.model_dump(), **overrides})
@@ -124,7 +124,7 @@ def run_comparison(trace: Trace, snapshot: Snapshot, model_name: str, *, policie
     if unknown:
         raise SimConfigError(f"unknown policies {unknown}; choose from {list(POLICIES)}")
     model = snapshot.model(model_name)
-    kvgate_knobs = _with_overrides(model.spec.scaling, kvgate_scaling or {})  # checked before the long part
+    kvgate_knobs = with_overrides(model.spec.scaling, kvgate_scaling or {})  # checked before the long part
     bench = Bench.of(trace, snapshot, model_name, scenario, warmup_s)
     base, warm_trace = bench.base, bench.trace
     oracle = search_oracle(bench)

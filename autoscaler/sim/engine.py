@@ -22,6 +22,11 @@ about a second. Events, in time order (ties in the order they were scheduled):
   placement, on-demand when spot is stocked out); when shrinking, starting replicas are cancelled first,
   then the ready ones with the fewest requests drain (no request is dropped).
 
+With `FleetSetup.cluster` (no nodes: `kvgate sim --shared-slurm`), replicas take their GPUs from a Slurm cluster
+they may share with a training backlog (`training.py`): a start that must preempt training waits for the grace
+before its cold start, a start past the inference ceiling is refused, and a released replica's GPUs go back to the
+training queue; `RunResult.cluster_use` has the cluster's GPU-hours.
+
 GPU time is charged from a replica's start (a node is bought) to its release; a run ends
 `tail_s` after the last arrival, and requests without a first token by then count as SLO misses.
 With `score_from_s` > 0 the run before it is a warm-up: policies see it, but requests arriving in it,
@@ -48,6 +53,7 @@ from kvgate.autoscaler.sim.batching import ReplicaBatch
 from kvgate.autoscaler.sim.nodes import SimNode
 from kvgate.autoscaler.sim.records import FleetSetup, Policy, PolicyStep, RunResult, Scenario, TimelinePoint
 from kvgate.autoscaler.sim.service import Placement, PrefixCache, choose_placement
+from kvgate.autoscaler.sim.training import ClusterState, acquire, finish, open_cluster, release
 from kvgate.autoscaler.sim.traces import Request, Trace
 from kvgate.providers.base import NodeState, ReplicaHandle, ReplicaState
 from kvgate.registry.schema import CapacityType
@@ -114,6 +120,9 @@ class _Run:
         self.policy_state: Any = policy.initial_state()
         self.caching = trace.block_tokens > 0
         self.last_desired: int | None = None  # the count of the last tick, to count scaling actions
+        self.cluster: ClusterState | None = None  # who holds the Slurm cluster's GPUs (`FleetSetup.cluster` only)
+        if fleet.cluster is not None and fleet.nodes is not None:
+            raise ValueError("a fleet takes its GPUs from a Slurm cluster or from planned nodes, not both")
 
     # ---------------------------------------------------------------------------------------- events
 
@@ -153,6 +162,9 @@ class _Run:
         else:
             for _ in range(self.fleet.initial_replicas):
                 self.start_replica(0.0, warm=True)
+            if self.fleet.cluster is not None:
+                opening = {r.id: r.placement.gpus for r in self.replicas.values()}
+                self.cluster = open_cluster(self.fleet.cluster, opening)
 
     def handle(self, now: float, kind: int, a: int, b: int) -> None:
         """Run one due event (`push`'s kind and arguments)."""
@@ -199,9 +211,11 @@ class _Run:
             self.release(self.end, replica)
         for node in list(self.nodes.values()):
             self.release_node(self.end, node)
+        use = finish(self.fleet.cluster, self.cluster, self.end) if self.fleet.cluster and self.cluster else None
         scored = tuple(t for t, r in zip(self.ttft, self.trace.requests) if r.arrival_s >= self.score_from)
         return RunResult(self.policy.name, scored, self.gpu_seconds, self.cost_usd, self.cold_starts,
-                         self.actions, self.preemptions, self.end - self.score_from, tuple(self.timeline), self.peak)
+                         self.actions, self.preemptions, self.end - self.score_from, tuple(self.timeline), self.peak,
+                         use)
 
     # ------------------------------------------------------------------------------------- requests
 
@@ -306,8 +320,13 @@ class _Run:
                                      unavailable=unavailable)
         if placement is None:
             return False
+        wait_s: float | None = 0.0
+        if self.fleet.cluster is not None and self.cluster is not None:  # not the opening fleet: open_fleet counts it
+            self.cluster, wait_s = acquire(self.fleet.cluster, self.cluster, now, self.next_replica, placement.gpus)
+            if wait_s is None:
+                return False  # the inference ceiling
         replica = _Replica(self.next_replica, placement, started_at=now,
-                           ready_at=now if warm else now + placement.cold_start_s)
+                           ready_at=now if warm else now + wait_s + placement.cold_start_s)
         self.add_replica(now, replica, warm)
         rate = self.scenario.spot_interruptions_per_hour
         if placement.capacity_type is CapacityType.SPOT and rate > 0:
@@ -347,6 +366,8 @@ class _Run:
         else:
             replica.node.replicas.discard(replica.id)
             self.by_handle.pop(replica.handle, None)
+        if self.fleet.cluster is not None and self.cluster is not None:
+            self.cluster = release(self.fleet.cluster, self.cluster, now, replica.id)
         replica.state = "gone"
         del self.replicas[replica.id]
         self.ready = None

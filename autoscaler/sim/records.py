@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from kvgate.autoscaler.scaler import ModelObservation, ReplicaDecision
 from kvgate.autoscaler.sim.nodes import NodePlanning
 from kvgate.autoscaler.sim.service import Placement
+from kvgate.autoscaler.sim.training import ClusterSpec, ClusterUse
 from kvgate.registry.snapshot import Snapshot
 
 
@@ -83,6 +84,7 @@ class FleetSetup:
     initial_replicas: int = 0  # ready at t=0 on the cheapest on-demand-first placements (warm start)
     tail_s: float = 120.0
     nodes: NodePlanning | None = None  # set: the live node planner places replicas on simulated nodes
+    cluster: ClusterSpec | None = None  # set (no nodes): replicas take GPUs from this Slurm cluster (training.py)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class RunResult:
     duration_s: float
     timeline: tuple[TimelinePoint, ...]
     max_replicas: int
+    cluster_use: ClusterUse | None = None  # with `FleetSetup.cluster`: its GPU-hours, inference's and training's
 
     def attainment(self, slo_s: float) -> float:
         """The share of scored requests with a first token within `slo_s` (never served counts as a miss)."""
