@@ -16,3 +16,14 @@ def positive_float(text: str) -> float:
     if not value > 0:  # `not >` also refuses nan
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    """`type=` for a number that may be 0 (seconds of a grace, a delay)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:  # `not >=` also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value

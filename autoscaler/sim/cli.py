@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvgate.autoscaler.argtypes import positive_float
+from kvgate.autoscaler.argtypes import non_negative_float, positive_float
 from kvgate.autoscaler.sim.compare import POLICIES, run_comparison
 from kvgate.autoscaler.sim.records import Scenario, Stockout
 from kvgate.autoscaler.sim.report import table, write_json, write_plot
@@ -110,16 +110,6 @@ def _gpu_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds >= 0")
-    return value
-
-
 def _add_sharing_options(parser: argparse.ArgumentParser) -> None:
     """The --shared-slurm options; those after it default to None so that `_sharing_spec` can tell them given."""
     group = parser.add_argument_group("a Slurm cluster shared with training (--shared-slurm; see below)")
@@ -127,7 +117,7 @@ def _add_sharing_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shared-slurm", type=_gpus, metavar="GPUS",
                        help="compare one Slurm cluster of GPUS shared by inference and a training backlog with two "
                             "separate clusters of the same total (kvgate's policy only)")
-    group.add_argument("--slurm-grace-s", type=_seconds, metavar="S",
+    group.add_argument("--slurm-grace-s", type=non_negative_float, metavar="S",
                        help="GraceTime of the preemptible training partition (default: 60)")
     group.add_argument("--inference-gpus", type=_gpus, metavar="N",
                        help="G_inf, the separate inference cluster (default: kvgate's peak on a dedicated cluster)")
@@ -144,7 +134,7 @@ def _add_sharing_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--training-checkpoint-every-s", type=positive_float, metavar="S",
                        help=f"seconds of progress between a job's checkpoints (default: "
                             f"{backlog.checkpoint_every_s:g})")
-    group.add_argument("--training-checkpoint-s", type=_seconds, metavar="S",
+    group.add_argument("--training-checkpoint-s", type=non_negative_float, metavar="S",
                        help=f"seconds one checkpoint takes: a preempted job checkpoints at SIGTERM only if the grace "
                             f"is at least this, else loses its progress since the last one (default: "
                             f"{backlog.checkpoint_s:g})")
