@@ -47,7 +47,7 @@ from kvgate.providers.local_proc import http_status, log_tail
 from kvgate.providers.pool_provider import PoolProvider, Sleep
 from kvgate.providers.slurm_jobs import (
     CLAIM, REPLICA, Job, SlurmAnswerError, SlurmNode, Tags, capacity, claim_gpus, job_name, offerings,
-    overdue, parse_instance_type, parse_jobs, parse_nodes, replica_script, replica_state,
+    lost_claims, parse_instance_type, parse_jobs, parse_nodes, replica_script, replica_state,
 )
 from kvgate.registry.schema import CapacityType, PoolSpec
 
@@ -153,7 +153,7 @@ class SlurmProvider(PoolProvider):
     def _node(self, claim: Job, jobs: Sequence[Job]) -> Node:
         tags = claim.tags
         assert tags is not None
-        why = overdue([j for j in self._replicas(jobs) if j.live], now=self._clock.wall(),
+        why = lost_claims(self._replicas(jobs), now=self._clock.wall(),
                       pending_timeout_s=self._settings.pending_timeout_s).get(tags.claim)
         return Node(id=claim.id, claim_id=tags.claim, pool=self._pool, instance_type=tags.instance_type,
                     capacity_type=CapacityType.ON_DEMAND, zone="",

@@ -302,17 +302,22 @@ def replica_state(job: Job, *, now: float, pending_timeout_s: float) -> tuple[Re
         return ReplicaState.STARTING, ""
     if job.live:
         return ReplicaState.STARTING, ""
-    how = "was cancelled outside kvgate" if job.state == "CANCELLED" else "ended"
+    how = {"CANCELLED": "was cancelled outside kvgate", "PREEMPTED": "was preempted"}.get(job.state, "ended")
     return ReplicaState.FAILED, (f"Slurm job {job.id} {how}: {job.state} (Slurm's reason: {job.reason}, "
                                  f"exit code {job.exit_code})")
 
 
-def overdue(jobs: Sequence[Job], *, now: float, pending_timeout_s: float) -> dict[str, str]:
-    """Claim id -> why, for claims with a replica job pending past the timeout: insufficient capacity."""
+def lost_claims(jobs: Sequence[Job], *, now: float, pending_timeout_s: float) -> dict[str, str]:
+    """Claim id -> why, for claims Slurm will not serve: a replica job on it pending past the timeout
+    (insufficient capacity), or preempted (a higher partition took its GPUs). Their nodes are INTERRUPTED."""
     result: dict[str, str] = {}
     for job in jobs:
-        if job.tags is not None and job.state == "PENDING" and now - job.submit_time > pending_timeout_s:
+        if job.tags is None or job.stopping:
+            continue
+        if job.state == "PENDING" and now - job.submit_time > pending_timeout_s:
             result.setdefault(job.tags.claim, replica_state(job, now=now, pending_timeout_s=pending_timeout_s)[1])
+        elif job.state == "PREEMPTED":
+            result.setdefault(job.tags.claim, f"Slurm job {job.id} was preempted (Slurm's reason: {job.reason})")
     return result
 
 

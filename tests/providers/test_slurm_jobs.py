@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvgate.providers.base import ReplicaState
 from kvgate.providers.slurm_jobs import (
-    CLAIM, Capacity, Job, SlurmNode, Tags, capacity, gres_gpus, offerings, parse_comment, parse_instance_type,
+    CLAIM, Capacity, Job, SlurmNode, Tags, capacity, gres_gpus, lost_claims, offerings, parse_comment, parse_instance_type,
     parse_jobs, replica_script, replica_state, sizes,
 )
 from kvgate.registry.slurm import SlurmSettings
@@ -78,8 +78,19 @@ def test_job_states_as_replica_states() -> None:
     assert state is ReplicaState.FAILED and "cancelled outside kvgate" in why
     state, why = replica_state(job("FAILED"), now=0, pending_timeout_s=60)
     assert state is ReplicaState.FAILED and "ended: FAILED" in why
+    state, why = replica_state(job("PREEMPTED"), now=0, pending_timeout_s=60)
+    assert state is ReplicaState.FAILED and "was preempted" in why
     stopped = job("CANCELLED", comment=Tags(kind="replica", cluster="c", pool="p", claim="k").comment() + " stopping")
     assert replica_state(stopped, now=0, pending_timeout_s=60) == (ReplicaState.STOPPED, "")
+
+
+def test_claims_slurm_will_not_serve_are_lost() -> None:
+    tags = Tags(kind="replica", cluster="c", pool="p", claim="k1").comment()
+    pending = job("PENDING", submit=0, comment=tags, reason="Resources")
+    assert lost_claims([pending], now=30, pending_timeout_s=60) == {}
+    assert "no capacity" in lost_claims([pending], now=90, pending_timeout_s=60)["k1"]
+    assert "was preempted" in lost_claims([job("PREEMPTED", comment=tags)], now=0, pending_timeout_s=60)["k1"]
+    assert lost_claims([job("PREEMPTED", comment=tags + " stopping")], now=0, pending_timeout_s=60) == {}
 
 
 def test_the_replica_script_execs_the_engine_on_the_ports_it_publishes() -> None:
