@@ -40,13 +40,13 @@ from typing import Any
 
 from kvgate.clock import Clock
 from kvgate.providers.base import (
-    InsufficientCapacity, Node, NodeClaim, NodeState, NotFound, Offering, OfferingKey, ProviderError, ProviderUnavailable,
+    InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState, NotFound, Offering, OfferingKey, ProviderError, ProviderUnavailable,
     QuotaExceeded, ReplicaHandle, ReplicaSpec, ReplicaState, check_quota, engine_args, node_tags,
 )
 from kvgate.providers.local_proc import http_status, log_tail
 from kvgate.providers.pool_provider import PoolProvider, Sleep
 from kvgate.providers.slurm_jobs import (
-    CLAIM, REPLICA, Job, SlurmAnswerError, SlurmNode, Tags, capacity, claim_gpus, job_name, offerings,
+    CLAIM, LIVE_STATES, MAX_COMMENT, REPLICA, SAFE_ID, Job, SlurmAnswerError, SlurmNode, Tags, capacity, claim_gpus, job_name, offerings,
     lost_claims, parse_instance_type, parse_jobs, parse_nodes, replica_script, replica_state,
 )
 from kvgate.registry.schema import CapacityType, PoolSpec
@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 _COMMAND_TIMEOUT_S = 60.0
 _POLL_S = 0.5  # how often a stop checks whether the job has ended
+_UNREACHABLE = ("Unable to contact", "Connection refused", "Socket timed out", "Zero Bytes were transmitted")
+_GONE = ("already finished", "already completing", "Invalid job id")  # the job ended under us
 
 
 class SlurmProvider(PoolProvider):
@@ -75,7 +77,11 @@ class SlurmProvider(PoolProvider):
         self._cache_dir = cache_dir
         self._health_timeout_s = health_timeout_s
         self._env = {**os.environ, **({"SLURM_CONF": self._settings.conf} if self._settings.conf else {})}
+        self._uid = os.getuid()  # only this user's jobs are ours, whatever their comments say
         self._ready: set[str] = set()  # job ids seen healthy: not probed again while they run
+        # One submission at a time in this process: create and start_replica check, then submit (two callers
+        # with one id would both submit); across processes the dedupe after each submission settles it.
+        self._submitting = asyncio.Lock()
         # Ended jobs stopped here: Slurm keeps their records for MinJobAge and refuses to change them, so
         # this instance remembers not to list them (a restarted one lists them FAILED once more, and is
         # told to stop them again).
@@ -83,24 +89,28 @@ class SlurmProvider(PoolProvider):
 
     # ------------------------------------------------------------------------------------ commands
 
-    async def _command(self, *args: str) -> str:
+    async def _command(self, *args: str, stdin: str | None = None) -> str:
         """One Slurm command's stdout; a failure is ProviderUnavailable (slurmctld down or slow) or
-        ProviderError (Slurm refused the request), with Slurm's own words."""
+        ProviderError (Slurm refused the request), with Slurm's own words. Output is decoded leniently: any
+        user's job name or comment may hold bytes that are not UTF-8, and must not stop kvgate."""
         try:
             done = await asyncio.to_thread(subprocess.run, list(args), env=self._env, capture_output=True,
-                                           text=True, timeout=_COMMAND_TIMEOUT_S)
+                                           input=stdin.encode() if stdin is not None else None,
+                                           timeout=_COMMAND_TIMEOUT_S)
         except FileNotFoundError:
             raise ProviderError(f"pool {self._pool!r}: {args[0]} not found; install Slurm's client commands "
                                 "(Debian: slurm-client) where kvgate runs") from None
         except subprocess.TimeoutExpired:
             raise ProviderUnavailable(f"{args[0]} did not answer in {_COMMAND_TIMEOUT_S:.0f} s") from None
+        out = done.stdout.decode(errors="replace")
         if done.returncode != 0:
-            text = (done.stderr or done.stdout).strip()[-500:]
-            unreachable = any(s in text for s in ("Unable to contact", "Connection refused", "Socket timed out",
-                                                  "Zero Bytes were transmitted"))
+            text = (done.stderr.decode(errors="replace") or out).strip()[-500:]
+            if any(s in text for s in _GONE):
+                raise NotFound(f"{args[0]}: {text}")
+            unreachable = any(s in text for s in _UNREACHABLE)
             kind = ProviderUnavailable if unreachable else ProviderError
             raise kind(f"{args[0]} exited {done.returncode}: {text}")
-        return done.stdout
+        return out
 
     async def _json(self, *args: str) -> dict[str, Any]:
         try:
@@ -126,10 +136,10 @@ class SlurmProvider(PoolProvider):
             raise ProviderError(str(exc)) from None
 
     def _claims(self, jobs: Sequence[Job]) -> list[Job]:
-        return [j for j in jobs if j.live and j.mine(self._cluster, self._pool, CLAIM)]
+        return [j for j in jobs if j.live and j.mine(self._uid, self._cluster, self._pool, CLAIM)]
 
     def _replicas(self, jobs: Sequence[Job]) -> list[Job]:
-        return [j for j in jobs if j.mine(self._cluster, self._pool, REPLICA)]
+        return [j for j in jobs if j.mine(self._uid, self._cluster, self._pool, REPLICA)]
 
     # ----------------------------------------------------------------------------------- offerings
 
@@ -167,6 +177,12 @@ class SlurmProvider(PoolProvider):
         """Record `claim` as a held job, or return the node already recorded for it. NotFound for an
         offering the pool does not sell, InsufficientCapacity when it is unavailable now, QuotaExceeded past
         the pool's max_nodes/max_gpus/budget or the sharing ceiling."""
+        if not SAFE_ID.match(claim.id):
+            raise ProviderError(f"claim id {claim.id!r}: use letters, digits, '.', '_', '-' (up to 63)")
+        async with self._submitting:
+            return await self._create(claim)
+
+    async def _create(self, claim: NodeClaim) -> Node:
         nodes, jobs = await asyncio.gather(self._nodes(), self._jobs())
         claims = self._claims(jobs)
         for existing in claims:
@@ -190,32 +206,42 @@ class SlurmProvider(PoolProvider):
         tags = Tags(kind=CLAIM, cluster=self._cluster, pool=self._pool, claim=claim.id,
                     instance_type=offering.instance_type, model=claim.model or "", created_at=self._clock.wall(),
                     usd_per_hour=offering.price_usd_per_hour, labels=dict(claim.labels))
+        # Held, and due in ten years: released by a site tool that frees held jobs, it still never runs.
         job_id = await self._sbatch(job_name(self._cluster, CLAIM, claim.id), tags.comment(),
-                                    ["--hold", "--output=/dev/null", "--wrap=true"])
+                                    ["--hold", "--begin=now+3650days", "--output=/dev/null", "--wrap=true"])
         log.info("pool %s: claim %s recorded as held Slurm job %s (%s)", self._pool, claim.id, job_id,
                  offering.instance_type)
-        return self._node(Job(id=job_id, name="", state="PENDING", reason="JobHeldUser",
-                              partition=self._settings.partition, node="", submit_time=self._clock.wall(),
-                              start_time=0.0, exit_code=0, gpus_by_node={}, tags=tags), [])
+        jobs = await self._jobs()
+        [survivor] = await self._one_of([c for c in self._claims(jobs) if c.tags and c.tags.claim == claim.id]
+                                        or [Job(id=job_id, name="", state="PENDING", reason="JobHeldUser",
+                                                partition=self._settings.partition, node="", submit_time=0.0,
+                                                start_time=0.0, exit_code=0, gpus_by_node={}, tags=tags)])
+        return self._node(survivor, jobs)
+
+    async def _one_of(self, twins: Sequence[Job]) -> list[Job]:
+        """The oldest of jobs submitted for one id (another kvgate process raced this one); the rest are
+        cancelled, so an id never holds two claims or runs two replicas."""
+        ordered = sorted(twins, key=lambda j: int(j.id) if j.id.isdigit() else 0)
+        if len(ordered) > 1:
+            log.warning("pool %s: jobs %s were submitted for one id; keeping %s", self._pool,
+                        ", ".join(j.id for j in ordered), ordered[0].id)
+            await self._cancel(*(j.id for j in ordered[1:]))
+        return ordered[:1]
+
+    async def _cancel(self, *job_ids: str) -> None:
+        try:
+            await self._command("scancel", *job_ids)
+        except NotFound:
+            pass  # ended meanwhile: cancelled is what was wanted
 
     async def _sbatch(self, name: str, comment: str, args: Sequence[str], script: str | None = None) -> str:
+        if len(comment) > MAX_COMMENT:
+            raise ProviderError(f"pool {self._pool!r}: the job comment would be {len(comment)} characters, over "
+                                f"Slurm's {MAX_COMMENT}; shorten the claim's labels")
         command = ["sbatch", "--parsable", f"--partition={self._settings.partition}", f"--job-name={name}",
                    f"--comment={comment}", *self._settings.sbatch_args, *args]
-        if script is None:
-            out = await self._command(*command)
-        else:
-            out = await self._command_with_input(command, script)
+        out = await self._command(*command, stdin=script)
         return out.strip().split(";")[0]
-
-    async def _command_with_input(self, command: Sequence[str], script: str) -> str:
-        try:
-            done = await asyncio.to_thread(subprocess.run, list(command), input=script, env=self._env,
-                                           capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S)
-        except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
-            raise ProviderUnavailable(f"sbatch: {exc}") from None
-        if done.returncode != 0:
-            raise ProviderError(f"sbatch exited {done.returncode}: {(done.stderr or done.stdout).strip()[-500:]}")
-        return done.stdout
 
     async def delete(self, node_id: str) -> None:
         """Cancel the claim's record and every replica job of the claim; unknown ids succeed."""
@@ -224,7 +250,7 @@ class SlurmProvider(PoolProvider):
         if claim is None or claim.tags is None:
             return
         doomed = [j.id for j in self._replicas(jobs) if j.live and j.tags and j.tags.claim == claim.tags.claim]
-        await self._command("scancel", *doomed, claim.id)
+        await self._cancel(*doomed, claim.id)
         log.info("pool %s: claim %s released (job %s; replica jobs %s)", self._pool, claim.tags.claim, claim.id,
                  ", ".join(doomed) or "none")
 
@@ -236,11 +262,20 @@ class SlurmProvider(PoolProvider):
 
     async def start_replica(self, node_id: str, spec: ReplicaSpec, replica_id: str | None = None) -> ReplicaHandle:
         """Submit the replica's batch job on claim `node_id`, or return the replica already running under
-        `replica_id`. NotFound for an unknown claim."""
+        `replica_id`. NotFound for an unknown claim, NodeNotReady for one Slurm will not serve now."""
+        if replica_id is not None and not SAFE_ID.match(replica_id):
+            raise ProviderError(f"replica id {replica_id!r}: use letters, digits, '.', '_', '-' (up to 63)")
+        async with self._submitting:
+            return await self._start_replica(node_id, spec, replica_id)
+
+    async def _start_replica(self, node_id: str, spec: ReplicaSpec, replica_id: str | None) -> ReplicaHandle:
         jobs = await self._jobs()
         claim = next((c for c in self._claims(jobs) if c.id == node_id), None)
         if claim is None or claim.tags is None:
             raise NotFound(f"pool {self._pool!r} has no node {node_id!r}")
+        node = self._node(claim, jobs)
+        if node.state is not NodeState.RUNNING:
+            raise NodeNotReady(f"node {node_id} is {node.state.value}: {node.reason}")
         if replica_id is not None:
             for job in self._replicas(jobs):
                 if job.tags is not None and job.tags.replica == replica_id and not job.stopping:
@@ -255,6 +290,9 @@ class SlurmProvider(PoolProvider):
         job_id = await self._sbatch(job_name(self._cluster, REPLICA, replica_id), tags.comment(),
                                     [*gres, "--no-requeue", f"--output={self._log_dir / replica_id}.log"], script)
         log.info("pool %s: replica %s of %s submitted as Slurm job %s", self._pool, replica_id, spec.model, job_id)
+        twins = [j for j in self._replicas(await self._jobs()) if j.live and not j.stopping and j.tags
+                 and j.tags.replica == replica_id]
+        await self._one_of(twins)
         return ReplicaHandle(id=replica_id, model=spec.model, node_id=node_id, url="", grpc_target=None,
                              state=ReplicaState.STARTING, started_at=tags.created_at)
 
@@ -306,24 +344,33 @@ class SlurmProvider(PoolProvider):
 
     async def stop_replica(self, replica_id: str, drain_deadline_s: float = 30.0) -> None:
         """Mark the job stopping, SIGTERM the engine, cancel the job once `drain_deadline_s` has passed.
-        Unknown or stopped ids succeed."""
+        Unknown or stopped ids succeed, and so does a job that ends under the stop."""
         jobs = [j for j in self._replicas(await self._jobs()) if j.tags and j.tags.replica == replica_id]
-        self._dismissed.update(j.id for j in jobs if not j.live)
-        for job in (j for j in jobs if j.live):
+        self._dismissed.update(j.id for j in jobs if not j.live or j.state == "COMPLETING")
+        for job in (j for j in jobs if j.live and j.state != "COMPLETING"):
             assert job.tags is not None
             comment = job.tags.comment() + (f" port={job.endpoint[0]} grpc={job.endpoint[1]}" if job.endpoint else "")
-            await self._command("scontrol", "update", f"JobId={job.id}", f"Comment={comment} stopping")
-            if job.state == "RUNNING":
-                await self._command("scancel", "--signal=TERM", "--full", job.id)
-                deadline = self._clock.now() + max(0.0, drain_deadline_s)
-                while self._clock.now() < deadline and await self._alive(job.id):
-                    await self._sleep(_POLL_S)
-            await self._command("scancel", job.id)
+            try:
+                await self._command("scontrol", "update", f"JobId={job.id}", f"Comment={comment} stopping")
+                if job.state == "RUNNING":
+                    await self._command("scancel", "--signal=TERM", "--full", job.id)
+                    deadline = self._clock.now() + max(0.0, drain_deadline_s)
+                    while self._clock.now() < deadline and await self._alive(job.id):
+                        await self._sleep(_POLL_S)
+                await self._command("scancel", job.id)
+            except NotFound:
+                self._dismissed.add(job.id)  # it ended under the stop: stopped is what was asked
             self._ready.discard(job.id)
             log.info("pool %s: replica %s (Slurm job %s) stopped", self._pool, replica_id, job.id)
 
     async def _alive(self, job_id: str) -> bool:
-        return any(j.id == job_id and j.live and j.state != "COMPLETING" for j in await self._jobs())
+        """Whether the job still runs (squeue filters by -j in this format, unlike --json: one line, not
+        every job of the cluster, twice a second)."""
+        try:
+            state = (await self._command("squeue", "-h", "-j", job_id, "-o", "%T")).strip()
+        except NotFound:
+            return False
+        return state in LIVE_STATES and state != "COMPLETING"
 
     async def close(self) -> None:
         """Nothing to release: every record lives in Slurm; jobs keep running for the next autoscaler."""

@@ -35,6 +35,11 @@ CLAIM, REPLICA = "claim", "replica"
 # Job states in which a job may still hold or wait for resources (squeue's job_state).
 LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
                          "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "COMPLETING"})
+# Claim and replica ids kvgate writes into job names, log paths and scripts: nothing a shell or a path could read
+# as more than a name (the planner's ids are `kvg-1a2b3c-r4`).
+SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+# Slurm keeps at most this many characters of a job comment; the replica's script appends its ports.
+MAX_COMMENT = 1024 - len(" port=65535 grpc=65535 stopping")
 _GRES = re.compile(r"^gpu:(?P<type>[^:(]+):(?P<count>\d+)")
 _ENDPOINT = re.compile(r" port=(?P<port>\d+) grpc=(?P<grpc>\d+)")
 
@@ -86,6 +91,8 @@ def parse_comment(comment: str) -> tuple[Tags | None, tuple[int, int] | None, bo
                     labels={str(k): str(v) for k, v in dict(body.get("labels") or {}).items()})
     except (ValueError, KeyError, TypeError, AttributeError):
         return None, None, False
+    if not SAFE_ID.match(tags.claim) or (tags.replica and not SAFE_ID.match(tags.replica)):
+        return None, None, False  # not written by kvgate: these ids end up in paths
     rest = text[end:]
     found = _ENDPOINT.search(rest)
     return tags, (int(found["port"]), int(found["grpc"])) if found else None, rest.endswith(" stopping")
@@ -106,8 +113,11 @@ class Job:
     node: str  # the batch host ("" while pending)
     submit_time: float
     start_time: float
-    exit_code: int
+    exit_code: int  # the job's exit status (Slurm's wait status >> 8); `signal` the signal that ended it, or 0
     gpus_by_node: Mapping[str, int]
+    user_id: int = -1
+    requeue: bool = False  # may be requeued (so preempting it loses no job, only work since a checkpoint)
+    signal: int = 0
     tags: Tags | None = None
     endpoint: tuple[int, int] | None = None
     stopping: bool = False
@@ -116,8 +126,11 @@ class Job:
     def live(self) -> bool:
         return self.state in LIVE_STATES
 
-    def mine(self, cluster: str, pool: str, kind: str) -> bool:
-        return self.tags is not None and (self.tags.cluster, self.tags.pool, self.tags.kind) == (cluster, pool, kind)
+    def mine(self, uid: int, cluster: str, pool: str, kind: str) -> bool:
+        """Submitted by user `uid` and tagged for (cluster, pool) as `kind`. The user matters: anyone on the
+        cluster can write a comment, and `squeue --json` lists every user's jobs."""
+        return (self.user_id == uid and self.tags is not None
+                and (self.tags.cluster, self.tags.pool, self.tags.kind) == (cluster, pool, kind))
 
 
 def gres_gpus(text: str) -> tuple[str, int] | None:
@@ -150,8 +163,10 @@ def parse_jobs(answer: Mapping[str, Any]) -> list[Job]:
                 id=str(raw["job_id"]), name=str(raw.get("name", "")), state=str(raw["job_state"]),
                 reason=str(raw.get("state_reason") or "None"), partition=str(raw.get("partition", "")),
                 node=str(raw.get("batch_host") or ""), submit_time=float(raw.get("submit_time") or 0),
-                start_time=float(raw.get("start_time") or 0), exit_code=int(raw.get("exit_code") or 0),
-                gpus_by_node=_gpus_by_node(raw), tags=tags, endpoint=endpoint, stopping=stopping))
+                start_time=float(raw.get("start_time") or 0), exit_code=(int(raw.get("exit_code") or 0) >> 8) & 0xFF,
+                signal=int(raw.get("exit_code") or 0) & 0x7F, gpus_by_node=_gpus_by_node(raw),
+                user_id=int(raw.get("user_id", -1)), requeue=bool(raw.get("requeue")), tags=tags, endpoint=endpoint,
+                stopping=stopping))
         return jobs
     except (KeyError, TypeError, ValueError) as exc:
         raise SlurmAnswerError(f"squeue --json: unexpected layout ({exc!r})") from None
@@ -227,14 +242,14 @@ def sizes(per_node: int) -> list[int]:
 class Capacity:
     """What the partition has now, per gres type, as the provider reads it from sinfo and squeue.
 
-    `free`/`takeable` are the most GPUs of the type free (or free plus held by preemptible training) on
-    any one node, `free_total` the sum over nodes; `claimed` the GPUs this pool's claims hold, `unfilled`
-    the part of them no running replica uses yet (the planner's promises on free GPUs)."""
+    `free`/`takeable` are the most GPUs of the type free (or free plus held by requeueable training) on
+    any one node, `free_total`/`takeable_total` the sums over nodes."""
 
     per_node: int
     free: int
     takeable: int
     free_total: int
+    takeable_total: int = 0
 
 
 def capacity(settings: SlurmSettings, nodes: Iterable[SlurmNode], jobs: Iterable[Job]) -> dict[str, Capacity]:
@@ -242,7 +257,7 @@ def capacity(settings: SlurmSettings, nodes: Iterable[SlurmNode], jobs: Iterable
     preemptible = settings.sharing.partitions if settings.sharing else ()
     held: dict[str, int] = {}
     for job in jobs:
-        if job.state == "RUNNING" and job.partition in preemptible:
+        if job.state == "RUNNING" and job.partition in preemptible and job.requeue:  # else preemption kills it
             for host, gpus in job.gpus_by_node.items():
                 held[host] = held.get(host, 0) + gpus
     result: dict[str, Capacity] = {}
@@ -253,7 +268,8 @@ def capacity(settings: SlurmSettings, nodes: Iterable[SlurmNode], jobs: Iterable
         takeable = min(node.gpus, free + held.get(node.name, 0)) if node.usable else 0
         seen = result.get(node.gpu_type, Capacity(0, 0, 0, 0))
         result[node.gpu_type] = Capacity(per_node=max(seen.per_node, node.gpus), free=max(seen.free, free),
-                                         takeable=max(seen.takeable, takeable), free_total=seen.free_total + free)
+                                         takeable=max(seen.takeable, takeable), free_total=seen.free_total + free,
+                                         takeable_total=seen.takeable_total + takeable)
     return result
 
 
@@ -275,7 +291,7 @@ def offerings(pool: str, settings: SlurmSettings, partition: Mapping[str, Capaci
             choices = [(False, settings.gpu_hour_usd, free)]
             if sharing is not None:
                 price = settings.gpu_hour_usd if claimed + gpus <= sharing.floor_gpus else sharing.gpu_hour_usd
-                choices.append((True, price, have.takeable >= gpus))
+                choices.append((True, price, have.takeable >= gpus and have.takeable_total - unfilled >= gpus))
             for from_training, gpu_hour, fits in choices:
                 result.append(Offering(
                     pool=pool, instance_type=instance_type(gpu_type, gpus, from_training), gpu_kind=kind.kind,
@@ -303,8 +319,8 @@ def replica_state(job: Job, *, now: float, pending_timeout_s: float) -> tuple[Re
     if job.live:
         return ReplicaState.STARTING, ""
     how = {"CANCELLED": "was cancelled outside kvgate", "PREEMPTED": "was preempted"}.get(job.state, "ended")
-    return ReplicaState.FAILED, (f"Slurm job {job.id} {how}: {job.state} (Slurm's reason: {job.reason}, "
-                                 f"exit code {job.exit_code})")
+    ended = f"signal {job.signal}" if job.signal else f"exit code {job.exit_code}"
+    return ReplicaState.FAILED, f"Slurm job {job.id} {how}: {job.state} (Slurm's reason: {job.reason}, {ended})"
 
 
 def lost_claims(jobs: Sequence[Job], *, now: float, pending_timeout_s: float) -> dict[str, str]:

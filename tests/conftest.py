@@ -4,8 +4,11 @@ directory of the whole run."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -59,9 +62,15 @@ def moto_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+def slurm_cluster() -> Iterator[SlurmCluster]:
     """A real single-node Slurm cluster (munged, slurmctld, slurmd as root; four fake H100s; partitions
     `inference` and preemptible `training`) for the whole session: tests/slurm_cluster.py. Tests cancel
-    their jobs when they end (`SlurmCluster.cancel_all`)."""
-    with start_slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
-        yield cluster
+    their jobs when they end (`SlurmCluster.clean`). Its folder is readable by every user (pytest's own are
+    not), so a test can submit as another user through the cluster's slurm.conf and munge socket."""
+    root = Path(tempfile.mkdtemp(prefix="kvgate-slurm-"))
+    root.chmod(0o755)
+    try:
+        with start_slurm_cluster(root) as cluster:
+            yield cluster
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

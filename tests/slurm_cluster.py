@@ -53,7 +53,7 @@ class SlurmCluster:
 
     def run(self, *args: str, check: bool = True) -> str:
         """One Slurm command's stdout, e.g. `run("scontrol", "show", "node")`."""
-        done = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(args, env=self.env, capture_output=True, text=True, errors="replace", timeout=60)
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
         return done.stdout
@@ -82,7 +82,10 @@ class SlurmCluster:
         return out.strip().split(";")[0]
 
     def cancel_all(self) -> None:
-        self.run("scancel", "--user=root", check=False)
+        """Cancel every user's jobs (tests also submit as `nobody`)."""
+        ids = [str(j["job_id"]) for j in self.live_jobs()]
+        if ids:
+            self.run("scancel", *ids, check=False)
 
     def clean(self, timeout_s: float = 60.0) -> None:
         """Cancel every job and wait until none holds the node, so the next test starts on an idle cluster."""

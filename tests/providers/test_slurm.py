@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.clock import RealClock
-from kvgate.providers.base import (InsufficientCapacity, NodeState, ProviderUnavailable, QuotaExceeded, ReplicaSpec,
+from kvgate.providers.base import (InsufficientCapacity, NodeState, ProviderError, ProviderUnavailable, QuotaExceeded, ReplicaSpec,
                                    ReplicaState)
 from kvgate.providers.slurm import SlurmProvider
 from tests.eventually import eventually
@@ -248,3 +248,32 @@ async def test_the_planner_takes_free_gpus_then_trainings_then_a_clouds(
     inputs = PlannerInputs(snapshot, {"chat": 1}, (), (), tuple(offers), id_prefix="t")
     _, actions = plan_nodes(inputs, PlannerState(), now=time.time())
     assert [str(a.claim.offering) for a in actions if isinstance(a, CreateNode)] == [bought]
+
+
+async def test_other_users_jobs_and_bytes_are_not_taken_for_kvgates(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Anyone on the cluster can write a comment kvgate would write; squeue --json lists every user's jobs."""
+    import asyncio
+    import subprocess
+
+    from kvgate.providers.slurm_jobs import CLAIM, Tags
+
+    provider = provider_for(cluster, tmp_path, "victim")
+    forged = Tags(kind=CLAIM, cluster="victim", pool=POOL, claim="forged", instance_type="h100x4", usd_per_hour=-1000)
+    for comment in (forged.comment(), "caf\xe9 not utf-8"):
+        argv = ["runuser", "-u", "nobody", "--", "sbatch", "--hold", "--output=/dev/null", "--wrap=true",
+                f"--job-name=kvgate.victim.claim.forged", f"--partition=inference"]
+        done = subprocess.run([*argv, b"--comment=" + comment.encode("latin-1")], env=cluster.env,
+                              capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    assert await provider.list() == []
+    assert {o.instance_type for o in await provider.offerings() if o.available} >= {"h100x4"}
+    # Two creates and two starts for one id, at once: one held job, one replica job.
+    mine = claim()
+    first, second = await asyncio.gather(provider.create(mine), provider.create(mine))
+    assert first.id == second.id and [n.id for n in await provider.list()] == [first.id]
+    await asyncio.gather(*(provider.start_replica(first.id, SPEC, replica_id="r1") for _ in range(2)))
+    assert len(cluster.live_jobs("kvgate.victim.r1")) == 1
+    await provider.stop_replica("r1", drain_deadline_s=5)
+    await provider.stop_replica("r1", drain_deadline_s=5)  # stopped already: succeeds
+    with pytest.raises(ProviderError, match="replica id"):
+        await provider.start_replica(first.id, SPEC, replica_id="r1\ntouch /tmp/pwned")

@@ -16,9 +16,10 @@ SETTINGS = SlurmSettings.model_validate({
 
 
 def job(state: str = "RUNNING", *, partition: str = "training", gpus: int = 0, node: str = "n1", submit: float = 0,
-        comment: str = "", reason: str = "None") -> Job:
+        comment: str = "", reason: str = "None", requeue: bool = True, exit_code: int = 0) -> Job:
     return parse_jobs({"jobs": [{
         "job_id": 7, "name": "x", "job_state": state, "state_reason": reason, "partition": partition,
+        "requeue": requeue, "user_id": 0, "exit_code": exit_code,
         "batch_host": node, "submit_time": submit, "comment": comment,
         "gres_detail": [f"gpu:h100:{gpus}(IDX:0-{gpus - 1})"] if gpus else [],
         "job_resources": {"allocated_nodes": [{"nodename": node}]} if gpus else {}}]})[0]
@@ -31,6 +32,8 @@ def test_a_comment_carries_the_tags_the_endpoint_and_the_stop_mark() -> None:
     assert parse_comment(tags.comment() + " port=8001 grpc=8002 stopping") == (tags, (8001, 8002), True)
     assert parse_comment("someone else's words") == (None, None, False)
     assert parse_comment("kvgate/v1 {broken") == (None, None, False)
+    forged = Tags(kind="replica", cluster="c", pool="p", claim="k1", replica="/var/log/dpkg").comment()
+    assert parse_comment(forged) == (None, None, False), "an id that could be a path is not kvgate's"
 
 
 def test_gres_strings_and_instance_types() -> None:
@@ -47,12 +50,14 @@ def test_capacity_counts_free_gpus_and_those_preemptible_training_holds() -> Non
     nodes = [SlurmNode("n1", "10.0.0.1", ("inference", "training"), "mixed", "h100", 4, 3),
              SlurmNode("n2", "10.0.0.2", ("inference",), "idle drain", "h100", 4, 0),
              SlurmNode("n3", "10.0.0.3", ("other",), "idle", "h100", 8, 0)]
-    jobs = [job(gpus=2, node="n1"), job(gpus=1, node="n1", partition="inference"), job("PENDING", gpus=0)]
-    assert capacity(SETTINGS, nodes, jobs) == {"h100": Capacity(per_node=4, free=1, takeable=3, free_total=1)}
+    jobs = [job(gpus=2, node="n1"), job(gpus=1, node="n1", partition="inference"), job("PENDING", gpus=0),
+            job(gpus=1, node="n1", requeue=False)]  # --no-requeue: preempting it would kill it, so not takeable
+    assert capacity(SETTINGS, nodes, jobs) == {"h100": Capacity(per_node=4, free=1, takeable=3, free_total=1,
+                                                                takeable_total=3)}
 
 
 def test_offerings_price_free_gpus_then_trainings_within_the_floor_and_ceiling() -> None:
-    have = {"h100": Capacity(per_node=4, free=1, takeable=4, free_total=1)}
+    have = {"h100": Capacity(per_node=4, free=1, takeable=4, free_total=1, takeable_total=4)}
     offers = {o.instance_type: o for o in offerings("p", SETTINGS, have, claimed=1, unfilled=0)}
     assert sorted(offers) == ["h100x1", "h100x1+training", "h100x2", "h100x2+training", "h100x4",
                               "h100x4+training"], "every size, sold out or not"
@@ -64,6 +69,7 @@ def test_offerings_price_free_gpus_then_trainings_within_the_floor_and_ceiling()
     assert offers["h100x4"].gpu_kind == "H100" and offers["h100x4"].gpu_memory_gib == 80
     promised = {o.instance_type: o for o in offerings("p", SETTINGS, have, claimed=1, unfilled=1)}
     assert not promised["h100x1"].available, "the free GPU is promised to a claim without its replica yet"
+    assert not promised["h100x4+training"].available, "4 takeable, 1 of them promised"
     full = {o.instance_type: o for o in offerings("p", SETTINGS, have, claimed=5, unfilled=0)}
     assert full["h100x1+training"].available and not full["h100x2+training"].available, "ceiling 6"
 
@@ -76,8 +82,9 @@ def test_job_states_as_replica_states() -> None:
     assert replica_state(job("RUNNING"), now=0, pending_timeout_s=60)[0] is ReplicaState.STARTING
     state, why = replica_state(job("CANCELLED"), now=0, pending_timeout_s=60)
     assert state is ReplicaState.FAILED and "cancelled outside kvgate" in why
-    state, why = replica_state(job("FAILED"), now=0, pending_timeout_s=60)
-    assert state is ReplicaState.FAILED and "ended: FAILED" in why
+    state, why = replica_state(job("FAILED", exit_code=3 << 8), now=0, pending_timeout_s=60)
+    assert state is ReplicaState.FAILED and "ended: FAILED" in why and "exit code 3)" in why
+    assert "signal 9)" in replica_state(job("FAILED", exit_code=9), now=0, pending_timeout_s=60)[1]
     state, why = replica_state(job("PREEMPTED"), now=0, pending_timeout_s=60)
     assert state is ReplicaState.FAILED and "was preempted" in why
     stopped = job("CANCELLED", comment=Tags(kind="replica", cluster="c", pool="p", claim="k").comment() + " stopping")
