@@ -40,14 +40,15 @@ from typing import Any
 
 from kvgate.clock import Clock
 from kvgate.providers.base import (
-    InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState, NotFound, Offering, OfferingKey, ProviderError, ProviderUnavailable,
-    QuotaExceeded, ReplicaHandle, ReplicaSpec, ReplicaState, check_quota, engine_args, node_tags,
+    InsufficientCapacity, Node, NodeClaim, NodeNotReady, NodeState, NotFound, Offering, OfferingKey, ProviderError,
+    ProviderUnavailable, QuotaExceeded, ReplicaHandle, ReplicaSpec, ReplicaState, check_quota, engine_args, node_tags,
 )
 from kvgate.providers.local_proc import http_status, log_tail
 from kvgate.providers.pool_provider import PoolProvider, Sleep
 from kvgate.providers.slurm_jobs import (
-    CLAIM, LIVE_STATES, MAX_COMMENT, REPLICA, SAFE_ID, Job, SlurmAnswerError, SlurmNode, Tags, capacity, claim_gpus, job_name, offerings,
-    lost_claims, parse_instance_type, parse_jobs, parse_nodes, replica_script, replica_state,
+    CLAIM, LIVE_STATES, MAX_COMMENT, REPLICA, SAFE_ID, Job, SlurmAnswerError, SlurmNode, Tags, capacity, claim_gpus,
+    grace_mismatch, grace_times, job_name, lost_claims, offerings, parse_instance_type, parse_jobs, parse_nodes,
+    replica_script, replica_state,
 )
 from kvgate.registry.schema import CapacityType, PoolSpec
 
@@ -82,6 +83,7 @@ class SlurmProvider(PoolProvider):
         # One submission at a time in this process: create and start_replica check, then submit (two callers
         # with one id would both submit); across processes the dedupe after each submission settles it.
         self._submitting = asyncio.Lock()
+        self._grace_checked = self._settings.sharing is None
         # Ended jobs stopped here: Slurm keeps their records for MinJobAge and refuses to change them, so
         # this instance remembers not to list them (a restarted one lists them FAILED once more, and is
         # told to stop them again).
@@ -145,7 +147,17 @@ class SlurmProvider(PoolProvider):
 
     async def offerings(self) -> list[Offering]:
         nodes, jobs = await asyncio.gather(self._nodes(), self._jobs())
+        if not self._grace_checked:
+            await self._check_grace()
         return self._offerings(nodes, jobs)
+
+    async def _check_grace(self) -> None:
+        """Say once, in the log, when the pool's grace_time_s is not what Slurm's training partitions have:
+        kvgate would then expect replicas that take training's GPUs sooner or later than they start."""
+        self._grace_checked = True
+        why = grace_mismatch(self._settings, grace_times(await self._command("scontrol", "show", "partition", "-o")))
+        if why:
+            log.warning("pool %s: %s; set grace_time_s to match", self._pool, why)
 
     def _offerings(self, nodes: Sequence[SlurmNode], jobs: Sequence[Job]) -> list[Offering]:
         claims = self._claims(jobs)
@@ -191,8 +203,9 @@ class SlurmProvider(PoolProvider):
         on_sale = self._offerings(nodes, jobs)
         offering = next((o for o in on_sale if o.key == claim.offering), None)
         if offering is None:
+            sold = ", ".join(o.instance_type for o in on_sale) or "no GPUs"
             raise NotFound(f"pool {self._pool!r} does not sell {claim.offering} (sinfo shows partition "
-                           f"{self._settings.partition!r} with: {', '.join(o.instance_type for o in on_sale) or 'no GPUs'})")
+                           f"{self._settings.partition!r} with: {sold})")
         held = [(claim_gpus(c), self._node(c, jobs).price_usd_per_hour) for c in claims]
         check_quota(self._pool, offering, held, max_nodes=self._spec.max_nodes, max_gpus=self._spec.max_gpus,
                     budget_usd_per_hour=self._spec.budget_usd_per_hour)

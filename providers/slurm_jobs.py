@@ -301,6 +301,30 @@ def offerings(pool: str, settings: SlurmSettings, partition: Mapping[str, Capaci
     return result
 
 
+def grace_times(show_partition: str) -> dict[str, float]:
+    """Partition -> GraceTime seconds, from `scontrol show partition -o` (one partition a line)."""
+    result = {}
+    for line in show_partition.splitlines():
+        fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        if "PartitionName" in fields and fields.get("GraceTime", "").isdigit():
+            result[fields["PartitionName"]] = float(fields["GraceTime"])
+    return result
+
+
+def grace_mismatch(settings: SlurmSettings, graces: Mapping[str, float]) -> str:
+    """Why the pool's grace_time_s disagrees with its training partitions' GraceTime, or ""."""
+    if settings.sharing is None:
+        return ""
+    wrong = {name: graces[name] for name in settings.sharing.partitions
+             if name in graces and graces[name] != settings.sharing.grace_time_s}
+    missing = [name for name in settings.sharing.partitions if name not in graces]
+    parts = [f"partition {name!r} has GraceTime={value:g}" for name, value in sorted(wrong.items())]
+    parts += [f"Slurm has no partition {name!r}" for name in missing]
+    if not parts:
+        return ""
+    return f"sharing.grace_time_s is {settings.sharing.grace_time_s:g} s but " + "; ".join(parts)
+
+
 # ------------------------------------------------------------------------------------------ replicas
 
 

@@ -277,3 +277,15 @@ async def test_other_users_jobs_and_bytes_are_not_taken_for_kvgates(cluster: Slu
     await provider.stop_replica("r1", drain_deadline_s=5)  # stopped already: succeeds
     with pytest.raises(ProviderError, match="replica id"):
         await provider.start_replica(first.id, SPEC, replica_id="r1\ntouch /tmp/pwned")
+
+
+async def test_a_grace_time_slurm_does_not_have_is_said_once(cluster: SlurmCluster, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    matching = provider_for(cluster, tmp_path, sharing=True)
+    await matching.offerings()
+    assert "grace_time_s" not in caplog.text
+    wrong = SlurmProvider(POOL, sharing_spec(cluster, tmp_path / "logs", grace_time_s=60), cluster="g",
+                          clock=RealClock())
+    await wrong.offerings()
+    await wrong.offerings()
+    assert caplog.text.count("sharing.grace_time_s is 60 s but partition 'training' has GraceTime=10") == 1

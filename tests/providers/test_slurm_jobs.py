@@ -146,3 +146,15 @@ def test_slurm_pools_are_checked_where_they_are_written() -> None:
     for document, words in cases:
         with pytest.raises(ValidationError, match=words):
             PoolSpec.model_validate(document)
+
+
+def test_the_pools_grace_is_checked_against_slurms() -> None:
+    from kvgate.providers.slurm_jobs import grace_mismatch, grace_times
+
+    shown = ("PartitionName=inference AllowGroups=ALL GraceTime=0 PreemptMode=OFF\n"
+             "PartitionName=training AllowGroups=ALL GraceTime=120 PreemptMode=REQUEUE\n")
+    assert grace_times(shown) == {"inference": 0.0, "training": 120.0}
+    assert grace_mismatch(SETTINGS, {"training": 60.0}) == ""
+    assert grace_mismatch(SETTINGS, {"training": 120.0}) == (
+        "sharing.grace_time_s is 60 s but partition 'training' has GraceTime=120")
+    assert "no partition 'training'" in grace_mismatch(SETTINGS, {})
