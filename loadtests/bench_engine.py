@@ -2,7 +2,10 @@
 
 Same model directory, same prompts, same settings for everyone: prompts of --prompt-tokens token ids
 (deterministic, seeded), --new-tokens generated greedily with EOS ignored, at batch (concurrency) 1
-and 16, in fp32 and bf16. Each cell is the median of --repeats runs after one warm-up. Then the
+and 16, in fp32 and bf16. Each cell is the median of --repeats runs after one warm-up. Every run, the
+warm-up included, sends prompts no run sent before (seeded by batch and run, the same for every engine),
+and prefix caching is in one state for both servers (--prefix-caching, off by default): so neither engine
+reuses a computed prompt, and the row shows vLLM's own prefix-cache hit rate from its log to prove it. Then the
 prefix-cache check: time to first token of a 1k-token prompt cold, and after a prompt sharing 90% of
 it ran (warm), and a burst of prompts sharing a system prompt, queued at once. Prints a table and writes JSON.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,30 +40,42 @@ WORK = REPO / "loadtests" / ".work"
 
 
 def median_of(runs: int, fn) -> tuple[float, list[float]]:
-    fn()  # warm-up: first-call allocations, thread pools, lazy init
+    """Median seconds of `fn(run)` over runs 0..runs-1, after `fn(-1)` warms up (first-call allocations,
+    thread pools, lazy init). `fn` picks its prompts by run, so no run repeats another's."""
+    fn(-1)
     times = []
-    for _ in range(runs):
+    for run in range(runs):
         start = time.perf_counter()
-        fn()
+        fn(run)
         times.append(time.perf_counter() - start)
     return statistics.median(times), times
+
+
+class Prompts:
+    """The prompts of one (batch, run): new in every run, the warm-up's too, and the same for every engine."""
+
+    def __init__(self, vocab: int, length: int) -> None:
+        self.vocab, self.length = vocab, length
+
+    def __call__(self, batch: int, run: int) -> list[list[int]]:
+        return make_prompts(self.vocab, batch, self.length, seed=10_000 * batch + run + 1)
 
 
 # ------------------------------------------------------------------------------------------- ours
 
 
-def bench_ours(model_dir: Path, dtype: str, batch: int, prompts: list[list[int]], new_tokens: int,
-               repeats: int) -> dict:
+def bench_ours(model_dir: Path, dtype: str, batch: int, prompts: Prompts, new_tokens: int,
+               repeats: int, prefix_caching: bool) -> dict:
     from kvgate.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, max_num_seqs=max(16, batch),
-              enable_prefix_caching=False)  # throughput without cache help: every run computes everything
+              enable_prefix_caching=prefix_caching)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    chunk = prompts[:batch]
 
-    def run() -> None:
-        outs = llm.generate(chunk, params)
+    def run(index: int) -> None:
+        outs = llm.generate(prompts(batch, index), params)
         assert all(len(o.token_ids) == new_tokens for o in outs)
+        assert not any(o.num_cached_tokens for o in outs), "a prompt was reused: the prompts are not new"
 
     elapsed, times = median_of(repeats, run)
     return {"seconds": elapsed, "runs": times, "tokens_per_s": batch * new_tokens / elapsed}
@@ -129,7 +145,7 @@ def bench_ours_burst(model_dir: Path, dtype: str, vocab: int, repeats: int) -> d
 # --------------------------------------------------------------------------------------------- HF
 
 
-def bench_hf(model_dir: Path, dtype: str, batch: int, prompts: list[list[int]], new_tokens: int,
+def bench_hf(model_dir: Path, dtype: str, batch: int, prompts: Prompts, new_tokens: int,
              repeats: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -137,10 +153,9 @@ def bench_hf(model_dir: Path, dtype: str, batch: int, prompts: list[list[int]], 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     model.eval()
-    ids = torch.tensor(prompts[:batch])
-    mask = torch.ones_like(ids)
-
-    def run() -> None:
+    def run(index: int) -> None:
+        ids = torch.tensor(prompts(batch, index))
+        mask = torch.ones_like(ids)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -153,8 +168,14 @@ def bench_hf(model_dir: Path, dtype: str, batch: int, prompts: list[list[int]], 
 # ------------------------------------------------------------------------------------------- vLLM
 
 
-def bench_vllm(model_dir: Path, dtype: str, batches: list[int], prompts: list[list[int]], new_tokens: int,
-               repeats: int) -> dict:
+def vllm_hit_rate(log_text: str) -> float | None:
+    """The last prefix-cache hit rate vLLM logged (its periodic stats line), as a share; None if none."""
+    found = re.findall(r"[Pp]refix cache hit rate: ([0-9.]+)%", log_text)
+    return float(found[-1]) / 100 if found else None
+
+
+def bench_vllm(model_dir: Path, dtype: str, batches: list[int], prompts: Prompts, new_tokens: int,
+               repeats: int, prefix_caching: bool) -> dict:
     python = vllm_python(WORK)
     port = free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -162,7 +183,8 @@ def bench_vllm(model_dir: Path, dtype: str, batches: list[int], prompts: list[li
     log = open(WORK / f"vllm-{dtype}.log", "w")
     server = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                                "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
-                               "--max-model-len", "2048", "--served-model-name", "m"],
+                               "--max-model-len", "2048", "--served-model-name", "m",
+                               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"],
                               stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.time() + 600
@@ -184,12 +206,18 @@ def bench_vllm(model_dir: Path, dtype: str, batches: list[int], prompts: list[li
                 data = json.load(urllib.request.urlopen(req, timeout=600))
                 assert data["usage"]["completion_tokens"] == new_tokens
 
-            def run() -> None:
+            def run(index: int) -> None:
                 with ThreadPoolExecutor(batch) as pool:
-                    list(pool.map(one, prompts[:batch]))
+                    list(pool.map(one, prompts(batch, index)))
 
             elapsed, times = median_of(repeats, run)
             results[batch] = {"seconds": elapsed, "runs": times, "tokens_per_s": batch * new_tokens / elapsed}
+        time.sleep(11)  # vLLM logs its stats every 10 s: the hit rate over everything this server ran
+        log.flush()
+        text = Path(log.name).read_text(errors="replace")
+        results["prefix_hit_rate"] = vllm_hit_rate(text)
+        results["prefix_caching_logged"] = "'enable_prefix_caching': True" in text
+        assert results["prefix_caching_logged"] == prefix_caching, "vLLM did not take the prefix-caching setting"
         return results
     finally:
         server.terminate()
@@ -208,6 +236,8 @@ def main() -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--with-vllm", action="store_true")
+    parser.add_argument("--prefix-caching", choices=["off", "on"], default="off",
+                        help="prefix caching of both servers (default: off); prompts are new in every run either way")
     parser.add_argument("--quick", action="store_true", help="1 repeat, 32 new tokens")
     parser.add_argument("--json", default=str(WORK / "bench_engine.json"))
     args = parser.parse_args()
@@ -219,19 +249,25 @@ def main() -> int:
 
     model_dir = resolve_model_source(args.model)
     vocab = load_model_config(model_dir).vocab_size
-    prompts = make_prompts(vocab, max(args.batches), args.prompt_tokens, seed=0)
+    prompts = Prompts(vocab, args.prompt_tokens)
+    caching = args.prefix_caching == "on"
     WORK.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model} ({model_dir}); prompts {args.prompt_tokens} tokens, {args.new_tokens} new, greedy; "
-          f"median of {args.repeats}; torch threads {__import__('torch').get_num_threads()}", flush=True)
+          f"median of {args.repeats}; prefix caching {args.prefix_caching} in both; torch threads {__import__('torch').get_num_threads()}", flush=True)
 
     rows = []
     for dtype in args.dtypes:
-        vllm = bench_vllm(model_dir, dtype, args.batches, prompts, args.new_tokens, args.repeats) \
+        vllm = bench_vllm(model_dir, dtype, args.batches, prompts, args.new_tokens, args.repeats, caching) \
             if args.with_vllm else {}
+        if args.with_vllm:
+            rate = vllm["prefix_hit_rate"]
+            print(f"{dtype:9} vLLM: prefix caching {'on' if vllm['prefix_caching_logged'] else 'off'} (its log), "
+                  f"hit rate over the runs {'-' if rate is None else f'{rate:.1%}'}", flush=True)
         for batch in args.batches:
-            ours = bench_ours(model_dir, dtype, batch, prompts, args.new_tokens, args.repeats)
+            ours = bench_ours(model_dir, dtype, batch, prompts, args.new_tokens, args.repeats, caching)
             hf = bench_hf(model_dir, dtype, batch, prompts, args.new_tokens, args.repeats)
-            row = {"dtype": dtype, "batch": batch, "ours_tok_s": ours["tokens_per_s"], "hf_tok_s": hf["tokens_per_s"],
+            row = {"dtype": dtype, "batch": batch, "prefix_caching": args.prefix_caching,
+                   "vllm_prefix_hit_rate": vllm.get("prefix_hit_rate"), "ours_tok_s": ours["tokens_per_s"], "hf_tok_s": hf["tokens_per_s"],
                    "vllm_tok_s": vllm.get(batch, {}).get("tokens_per_s"), "ours": ours, "hf": hf,
                    "vllm": vllm.get(batch)}
             rows.append(row)
@@ -240,10 +276,12 @@ def main() -> int:
             print(f"{dtype:9} batch {batch:3}: ours {row['ours_tok_s']:8.1f} tok/s   HF {row['hf_tok_s']:8.1f}   "
                   f"vLLM {vl}   ours/HF {row['ours_tok_s'] / row['hf_tok_s']:.2f}   ours/vLLM {ratio}", flush=True)
 
-    prefix = bench_ours_prefix(model_dir, args.dtypes[0], vocab, args.repeats)
-    print(f"prefix cache ({args.dtypes[0]}): 1,024-token prompt, 90% shared: cold TTFT {prefix['cold_ttft_s'] * 1000:.0f} ms,"
-          f" warm {prefix['warm_ttft_s'] * 1000:.0f} ms, ratio {prefix['ratio']:.3f} "
-          f"({prefix['cached_tokens']} tokens cached)")
+    prefix = {}
+    for dtype in args.dtypes:
+        prefix[dtype] = cell = bench_ours_prefix(model_dir, dtype, vocab, args.repeats)
+        print(f"prefix cache ({dtype}): 1,024-token prompt, 90% shared: cold TTFT {cell['cold_ttft_s'] * 1000:.0f} ms,"
+              f" warm {cell['warm_ttft_s'] * 1000:.0f} ms, ratio {cell['ratio']:.3f} "
+              f"({cell['cached_tokens']} tokens cached)", flush=True)
     burst = bench_ours_burst(model_dir, args.dtypes[0], vocab, args.repeats)
     print(f"burst ({args.dtypes[0]}): {burst['num_requests']} prompts sharing {burst['shared_tokens']} tokens, "
           f"{burst['own_tokens']} own each, queued at once: TTFT mean {burst['ttft_mean_s'] * 1000:.0f} ms, "
