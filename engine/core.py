@@ -17,6 +17,7 @@ step() loads the adapters that the step's admissions need (evicting least recent
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,15 +126,20 @@ class EngineCore:
         from kvgate.engine.runner.sampler import Sampler
 
         self.config = config
+        started = time.perf_counter()
         model_dir = resolve_model_source(config.model, config.cache_dir)
+        resolved = time.perf_counter()
         self.model_dir = model_dir
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        tokenized = time.perf_counter()
         self.runner = ModelRunner(
             model_dir, dtype=config.dtype, device=config.device, kv_cache_bytes=config.kv_cache_bytes,
             block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
         )
         model_config = self.runner.config
+        # Seconds per part of loading: the source (a download, a builtin's first conversion), then the runner's.
+        self.load_seconds = {"source": resolved - started, "tokenizer": tokenized - resolved, **self.runner.load_seconds}
         # A sequence must fit in the KV pool on its own, or it would preempt itself forever.
         max_model_len = min(config.max_model_len or model_config.max_model_len,
                             model_config.max_model_len,  # positions, or Mistral's sliding window

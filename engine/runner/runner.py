@@ -8,6 +8,7 @@ token of each sequence that samples, which skips the vocabulary projection for t
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -80,20 +81,28 @@ class ModelRunner:
                 f"{self.config.num_key_value_heads} kv heads x {self.config.head_dim} dims x "
                 f"{torch.empty((), dtype=self.dtype).element_size()} bytes per value)")
         self.num_kv_blocks = kv_cache_bytes // block_bytes
+        # How long each part of loading took, for the engine's start-up line and the cold-start benchmark.
+        clock = time.perf_counter
+        started = clock()
         with torch.inference_mode():
             self.model = LlamaModel(self.config, self.dtype, self.device)
+            built = clock()
             load_weights(self.model, model_dir)
+            loaded = clock()
             self.linear_backend = pick_linear(self.device, self.dtype)
             self.model.prepare(self.linear_backend)
+        self.load_seconds = {"build": built - started, "weights": loaded - built, "prepare": clock() - loaded}
         self.lora = LoraSlots(self.model.layers, self.config, max_loras=max_loras, max_rank=max_lora_rank,
                               dtype=self.dtype, device=self.device) if max_loras else None
         # The workspace starts large enough for a step whose sequences hold about max_num_batched_tokens
         # tokens plus one partly filled block each, K and V; it doubles if a step needs more.
         workspace_blocks = 2 * min(self.num_kv_blocks, -(-max_num_batched_tokens // block_size) + max_num_seqs)
+        kv_started = clock()
         self.kv_cache = PagedKVCache(
             num_layers=self.config.num_hidden_layers, num_blocks=self.num_kv_blocks, block_size=block_size,
             num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim, dtype=self.dtype,
             device=self.device, initial_workspace_blocks=workspace_blocks)
+        self.load_seconds["kv_cache"] = clock() - kv_started
 
     @torch.inference_mode()
     def compute_logits(self, batch: ModelInput) -> torch.Tensor:

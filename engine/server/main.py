@@ -208,12 +208,16 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """Load the model, serve until a signal, drain, and return the exit code."""
+    phases = {"process": process_age_s()}  # interpreter start and kvgate's own imports, up to here
+    started = time.perf_counter()
     from kvgate.engine.async_llm import AsyncLLM  # imports torch: only once the arguments are known good
 
+    phases["torch_import"] = time.perf_counter() - started
     signals = _Signals(asyncio.get_running_loop())
     log.info("loading model %s", config.model)
     try:
         engine = await AsyncLLM.create(config)
+        args.startup_phases = {**phases, **engine.core.load_seconds}
     except Exception as exc:  # any load failure is the operator's to fix; the message says what
         log.debug("model load failed", exc_info=True)
         print(f"kvgate engine: cannot load model {config.model!r}: {exc}", file=sys.stderr)
@@ -239,7 +243,9 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
                            access_log=logging.getLogger("aiohttp.access") if args.log_level == "debug" else None,
                            logger=MalformedRequestLog(logging.getLogger("aiohttp.server"), settings.now))
     try:
+        warm_started = time.perf_counter()
         await runner.setup()  # warms the engine up
+        warm_up_s = time.perf_counter() - warm_started
     except Exception as exc:
         log.debug("warm-up failed", exc_info=True)
         print(f"kvgate engine: the warm-up generation failed: {exc!r}", file=sys.stderr)
@@ -262,6 +268,11 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
                 return 1
         lifecycle.ready = True
         log.info("kvgate engine ready: model %s on http://%s:%d", settings.served_model_name, args.host, port)
+        phases = {**getattr(args, "startup_phases", {}), "warm_up": warm_up_s}
+        age = process_age_s()
+        if age is not None:  # the rest: the HTTP app, its listener, the state stream, the event loop's turns
+            phases["other"] = max(0.0, age - sum(s for s in phases.values() if s is not None))
+        log.info("start-up: %s", startup_summary(phases, weight_bytes(engine.core.model_dir)))
         await signals.stop.wait()
         lifecycle.begin_drain()
         if state_service is not None and hasattr(state_service, "notify_changed"):
@@ -281,6 +292,32 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
             await state_service.stop(1.0)
         await runner.cleanup()
         log.info("kvgate engine stopped")
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), None where that cannot be read."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def weight_bytes(model_dir: Path) -> int:
+    return sum(path.stat().st_size for path in Path(model_dir).glob("*.safetensors"))
+
+
+def startup_summary(phases: dict[str, float | None], weights: int) -> str:
+    """One line: the phases' sum (with "other", the time since the process started), each phase in seconds,
+    and the weights' read rate, e.g. `2.78 s: process 0.43, torch_import 0.00, source 0.00, tokenizer 0.41,
+    build 0.01, weights 0.95 (538 MB, 0.57 GB/s), prepare 0.20, kv_cache 0.05, warm_up 0.06, other 0.67`."""
+    known = {name: seconds for name, seconds in phases.items() if seconds is not None}
+    parts = []
+    for name, seconds in known.items():
+        rate = f" ({weights / 1e6:.0f} MB, {weights / seconds / 1e9:.2f} GB/s)" if name == "weights" and seconds else ""
+        parts.append(f"{name} {seconds:.2f}{rate}")
+    return f"{sum(known.values()):.2f} s: " + ", ".join(parts)
 
 
 def _adapter_access(args: argparse.Namespace) -> AdapterAccess:

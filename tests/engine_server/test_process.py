@@ -102,6 +102,17 @@ def test_the_process_logs_a_ready_line(replica: Replica) -> None:
     assert re.search(rf"kvgate engine ready: model {SERVED} on {replica.url}", replica.log_path.read_text())
 
 
+def test_the_process_logs_its_start_up_phases(replica: Replica) -> None:
+    """One line that says where start-up went, adding up to the time since the process started."""
+    line = re.search(r"start-up: ([0-9.]+) s: (.*)", replica.log_path.read_text())
+    assert line, replica.log_path.read_text()[-2000:]
+    phases = dict(re.findall(r"([a-z_]+) ([0-9.]+)", line[2]))
+    assert set(phases) >= {"process", "source", "tokenizer", "build", "weights", "prepare", "kv_cache", "warm_up",
+                           "other"}
+    assert abs(sum(map(float, phases.values())) - float(line[1])) < 0.05
+    assert re.search(r"weights [0-9.]+ \([0-9]+ MB, [0-9.]+ GB/s\)", line[2])
+
+
 def test_sync_client_completion_and_chat(replica: Replica) -> None:
     client = replica.openai()
     completion = client.completions.create(model=SERVED, prompt="Hello", max_tokens=5, **GREEDY)
