@@ -122,6 +122,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         # torch is imported here, inside the runner package, never at engine import time.
+        importing = time.perf_counter()
         from kvgate.engine.runner.runner import ModelRunner
         from kvgate.engine.runner.sampler import Sampler
 
@@ -139,7 +140,8 @@ class EngineCore:
         )
         model_config = self.runner.config
         # Seconds per part of loading: the source (a download, a builtin's first conversion), then the runner's.
-        self.load_seconds = {"source": resolved - started, "tokenizer": tokenized - resolved, **self.runner.load_seconds}
+        self.load_seconds = {"torch_import": started - importing, "source": resolved - started,
+                             "tokenizer": tokenized - resolved, **self.runner.load_seconds}
         # A sequence must fit in the KV pool on its own, or it would preempt itself forever.
         max_model_len = min(config.max_model_len or model_config.max_model_len,
                             model_config.max_model_len,  # positions, or Mistral's sliding window

@@ -209,10 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """Load the model, serve until a signal, drain, and return the exit code."""
     phases = {"process": process_age_s()}  # interpreter start and kvgate's own imports, up to here
-    started = time.perf_counter()
-    from kvgate.engine.async_llm import AsyncLLM  # imports torch: only once the arguments are known good
+    from kvgate.engine.async_llm import AsyncLLM  # torch comes with the model runner: only once the arguments are good
 
-    phases["torch_import"] = time.perf_counter() - started
     signals = _Signals(asyncio.get_running_loop())
     log.info("loading model %s", config.model)
     try:
