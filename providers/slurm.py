@@ -34,7 +34,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,11 +172,15 @@ class SlurmProvider(PoolProvider):
 
     # --------------------------------------------------------------------------------------- nodes
 
-    def _node(self, claim: Job, jobs: Sequence[Job]) -> Node:
+    def _lost(self, jobs: Sequence[Job]) -> dict[str, str]:
+        """Claim id -> why Slurm will not serve it (its nodes are INTERRUPTED)."""
+        return lost_claims(self._replicas(jobs), now=self._clock.wall(), pending_timeout_s=self._settings.pending_timeout_s)
+
+    def _node(self, claim: Job, jobs: Sequence[Job], lost: Mapping[str, str] | None = None) -> Node:
+        """The Node a claim job stands for; `lost` (from `_lost(jobs)`) saves listing it again per claim."""
         tags = claim.tags
         assert tags is not None
-        why = lost_claims(self._replicas(jobs), now=self._clock.wall(),
-                      pending_timeout_s=self._settings.pending_timeout_s).get(tags.claim)
+        why = (self._lost(jobs) if lost is None else lost).get(tags.claim)
         return Node(id=claim.id, claim_id=tags.claim, pool=self._pool, instance_type=tags.instance_type,
                     capacity_type=CapacityType.ON_DEMAND, zone="",
                     state=NodeState.INTERRUPTED if why else NodeState.RUNNING, address=None,
@@ -206,7 +210,7 @@ class SlurmProvider(PoolProvider):
             sold = ", ".join(o.instance_type for o in on_sale) or "no GPUs"
             raise NotFound(f"pool {self._pool!r} does not sell {claim.offering} (sinfo shows partition "
                            f"{self._settings.partition!r} with: {sold})")
-        held = [(claim_gpus(c), self._node(c, jobs).price_usd_per_hour) for c in claims]
+        held = [(claim_gpus(c), c.tags.usd_per_hour if c.tags else 0.0) for c in claims]
         check_quota(self._pool, offering, held, max_nodes=self._spec.max_nodes, max_gpus=self._spec.max_gpus,
                     budget_usd_per_hour=self._spec.budget_usd_per_hour)
         ceiling = self._settings.sharing.ceiling_gpus if self._settings.sharing else None
@@ -269,7 +273,8 @@ class SlurmProvider(PoolProvider):
 
     async def list(self) -> list[Node]:
         jobs = await self._jobs()
-        return [self._node(c, jobs) for c in self._claims(jobs)]
+        lost = self._lost(jobs)
+        return [self._node(c, jobs, lost) for c in self._claims(jobs)]
 
     # ------------------------------------------------------------------------------------ replicas
 

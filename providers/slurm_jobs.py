@@ -22,7 +22,7 @@ import json
 import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -365,9 +365,6 @@ def claim_gpus(claim: Job) -> int:
     parsed = parse_instance_type(claim.tags.instance_type) if claim.tags else None
     return parsed[1] if parsed else 0
 
-
-def with_endpoint(job: Job, port: int, grpc_port: int) -> Job:
-    return replace(job, endpoint=(port, grpc_port))
 
 
 # --------------------------------------------------------------------------------------- job scripts
