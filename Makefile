@@ -12,7 +12,7 @@ STAMP := $(VENV)/.kvgate-installed
 TORCH_SPEC := torch==2.13.0
 # Debian packages the tests need, as "command:package" pairs; installed only when the command is missing.
 SYSTEM_DEPS := redis-server:redis-server chromium:chromium prometheus:prometheus promtool:prometheus \
-  slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge
+  slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge g++:g++
 PYTEST_ARGS ?=
 # checkov scans the Dockerfile and the Helm chart in the tests. It pins an old boto3 and packaging, so it gets a
 # venv of its own rather than downgrading kvgate's dependencies; pinned, since a new release adds checks and the

@@ -55,6 +55,9 @@ class EngineConfig:
     # Each is downloaded and validated at start (a bad one fails the start); the first max_loras are loaded.
     adapters: tuple[tuple[str, str], ...] = ()
     s3_endpoint_url: str | None = None  # for s3:// adapters; None: $KVGATE_S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, AWS
+    # CPU decode attention through the compiled kernel (runner/kernels.py): "auto" (cached build at once, else
+    # built in the background), "wait" (build before serving) or "off" (always gather the KV blocks).
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapters", tuple((name, source) for name, source in self.adapters))
@@ -137,6 +140,7 @@ class EngineCore:
             model_dir, dtype=config.dtype, device=config.device, kv_cache_bytes=config.kv_cache_bytes,
             block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+            attention_kernel=config.attention_kernel,
         )
         model_config = self.runner.config
         # Seconds per part of loading: the source (a download, a builtin's first conversion), then the runner's.

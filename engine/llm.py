@@ -28,12 +28,13 @@ class LLM:
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, device: str | None = None,
                  cache_dir: str | Path | None = None, max_loras: int = 4, max_lora_rank: int = 16,
-                 adapters: Seq[tuple[str, str]] = ()) -> None:
+                 adapters: Seq[tuple[str, str]] = (), attention_kernel: str = "auto") -> None:
         self.core = EngineCore(EngineConfig(
             model=model, dtype=dtype, device=device, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, cache_dir=Path(cache_dir) if cache_dir else None,
             max_loras=max_loras, max_lora_rank=max_lora_rank, adapters=tuple(adapters),
+            attention_kernel=attention_kernel,
         ))
 
     @property

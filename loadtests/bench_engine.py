@@ -65,11 +65,11 @@ class Prompts:
 
 
 def bench_ours(model_dir: Path, dtype: str, batch: int, prompts: Prompts, new_tokens: int,
-               repeats: int, prefix_caching: bool) -> dict:
+               repeats: int, prefix_caching: bool, attention: str) -> dict:
     from kvgate.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, max_num_seqs=max(16, batch),
-              enable_prefix_caching=prefix_caching)
+              enable_prefix_caching=prefix_caching, attention_kernel=attention)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
     def run(index: int) -> None:
@@ -81,11 +81,12 @@ def bench_ours(model_dir: Path, dtype: str, batch: int, prompts: Prompts, new_to
     return {"seconds": elapsed, "runs": times, "tokens_per_s": batch * new_tokens / elapsed}
 
 
-def bench_ours_prefix(model_dir: Path, dtype: str, vocab: int, repeats: int) -> dict:
+def bench_ours_prefix(model_dir: Path, dtype: str, vocab: int, repeats: int, attention: str) -> dict:
     """TTFT of a 1,024-token prompt cold vs after a prompt sharing its first 922 tokens (90%) ran."""
     from kvgate.engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, enable_prefix_caching=True)
+    llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, enable_prefix_caching=True,
+              attention_kernel=attention)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     cold, warm = [], []
     for i in range(repeats + 1):
@@ -110,7 +111,7 @@ def bench_ours_prefix(model_dir: Path, dtype: str, vocab: int, repeats: int) -> 
 BURST_REQUESTS, BURST_SHARED_TOKENS, BURST_OWN_TOKENS = 16, 512, 32
 
 
-def bench_ours_burst(model_dir: Path, dtype: str, vocab: int, repeats: int) -> dict:
+def bench_ours_burst(model_dir: Path, dtype: str, vocab: int, repeats: int, attention: str) -> dict:
     """A burst: prompts that share their first tokens (a system prompt), each with some of its own, all queued
     before the first step. Each request's time to first token, and the engine steps the burst took (4 new
     tokens each)."""
@@ -118,7 +119,7 @@ def bench_ours_burst(model_dir: Path, dtype: str, vocab: int, repeats: int) -> d
     from kvgate.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, kv_cache_bytes=1 << 30, max_num_seqs=max(16, num_requests),
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, attention_kernel=attention)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     core = llm.core
     runs = []
@@ -238,6 +239,9 @@ def main() -> int:
     parser.add_argument("--with-vllm", action="store_true")
     parser.add_argument("--prefix-caching", choices=["off", "on"], default="off",
                         help="prefix caching of both servers (default: off); prompts are new in every run either way")
+    parser.add_argument("--attention", choices=["wait", "off"], default="wait",
+                        help="kvgate's CPU decode attention: wait = the compiled kernel (built first if not cached), "
+                        "off = gather the KV blocks and run SDPA (default: wait)")
     parser.add_argument("--quick", action="store_true", help="1 repeat, 32 new tokens")
     parser.add_argument("--json", default=str(WORK / "bench_engine.json"))
     args = parser.parse_args()
@@ -253,7 +257,8 @@ def main() -> int:
     caching = args.prefix_caching == "on"
     WORK.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model} ({model_dir}); prompts {args.prompt_tokens} tokens, {args.new_tokens} new, greedy; "
-          f"median of {args.repeats}; prefix caching {args.prefix_caching} in both; torch threads {__import__('torch').get_num_threads()}", flush=True)
+          f"median of {args.repeats}; prefix caching {args.prefix_caching} in both; kvgate attention "
+          f"{'kernel' if args.attention == 'wait' else 'gather'}; torch threads {__import__('torch').get_num_threads()}", flush=True)
 
     rows = []
     for dtype in args.dtypes:
@@ -264,7 +269,8 @@ def main() -> int:
             print(f"{dtype:9} vLLM: prefix caching {'on' if vllm['prefix_caching_logged'] else 'off'} (its log), "
                   f"hit rate over the runs {'-' if rate is None else f'{rate:.1%}'}", flush=True)
         for batch in args.batches:
-            ours = bench_ours(model_dir, dtype, batch, prompts, args.new_tokens, args.repeats, caching)
+            ours = bench_ours(model_dir, dtype, batch, prompts, args.new_tokens, args.repeats, caching,
+                              args.attention)
             hf = bench_hf(model_dir, dtype, batch, prompts, args.new_tokens, args.repeats)
             row = {"dtype": dtype, "batch": batch, "prefix_caching": args.prefix_caching,
                    "vllm_prefix_hit_rate": vllm.get("prefix_hit_rate"), "ours_tok_s": ours["tokens_per_s"], "hf_tok_s": hf["tokens_per_s"],
@@ -278,11 +284,11 @@ def main() -> int:
 
     prefix = {}
     for dtype in args.dtypes:
-        prefix[dtype] = cell = bench_ours_prefix(model_dir, dtype, vocab, args.repeats)
+        prefix[dtype] = cell = bench_ours_prefix(model_dir, dtype, vocab, args.repeats, args.attention)
         print(f"prefix cache ({dtype}): 1,024-token prompt, 90% shared: cold TTFT {cell['cold_ttft_s'] * 1000:.0f} ms,"
               f" warm {cell['warm_ttft_s'] * 1000:.0f} ms, ratio {cell['ratio']:.3f} "
               f"({cell['cached_tokens']} tokens cached)", flush=True)
-    burst = bench_ours_burst(model_dir, args.dtypes[0], vocab, args.repeats)
+    burst = bench_ours_burst(model_dir, args.dtypes[0], vocab, args.repeats, args.attention)
     print(f"burst ({args.dtypes[0]}): {burst['num_requests']} prompts sharing {burst['shared_tokens']} tokens, "
           f"{burst['own_tokens']} own each, queued at once: TTFT mean {burst['ttft_mean_s'] * 1000:.0f} ms, "
           f"max {burst['ttft_max_s'] * 1000:.0f} ms, {burst['steps']} steps, {burst['prefix_waits']} prefix waits")

@@ -26,6 +26,20 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault(CACHE_DIR_ENV, str(shared_cache_dir()))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def paged_attention_kernel() -> None:
+    """The engine's compiled CPU attention kernel, built (once per cache, about 20 s) before any test runs, so
+    that every engine a test starts, in this process or as a subprocess sharing the cache, attends through it
+    from its first step rather than switching when a background build lands. No compiler fails the session:
+    CI installs g++ (the Makefile's SYSTEM_DEPS). Tests of the gather path ask for attention_kernel="off"."""
+    import torch
+
+    from kvgate.engine.runner.kernels import KernelLoader
+
+    loader = KernelLoader("wait", torch.device("cpu"))
+    assert loader.paged_attention is not None, f"the paged-attention kernel is {loader.status}"
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `redis-server` on a free loopback port for the whole session; yields its URL.

@@ -7,6 +7,7 @@ scheduled sequences, reading and writing a paged KV cache.
     linear.py            matmul backends (oneDNN with packed weights on CPU, F.linear elsewhere)
     kv_cache.py          the paged KV cache and the reusable gather workspace
     attention.py         per-step attention metadata and paged attention over the cache
+    kernels.py           the compiled CPU kernel (csrc/paged_attention.cpp): built once, cached, loaded
     lora.py              multi-LoRA: per-slot stacked adapter weights, the delta of a mixed batch
     runner.py            ModelRunner: ModelInput -> logits of the sequences that sample
 

@@ -2,7 +2,10 @@
 layer over the paged KV cache.
 
 Per layer, the step's new keys and values are first written at their slots; then
-  - sequences with one new token (decodes) are attended together: their blocks are gathered into the
+  - sequences with one new token (decodes) are attended together. On CPU, when the compiled kernel is
+    there (kernels.py, csrc/paged_attention.cpp), it reads their blocks where they lie through the block
+    tables (KernelDecode). Otherwise (on CUDA, without a compiler, while the kernel builds) their blocks are
+    gathered into the
     workspace as a padded batch [num_seqs, max_blocks * block_size] and one scaled_dot_product_attention
     call runs with a key-padding mask. Grouped-query heads need no copies: the `group` query heads that
     share a KV head ride as `group` query rows of that head (one query each, so no causal mask).
@@ -18,6 +21,7 @@ Per layer, the step's new keys and values are first written at their slots; then
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +54,17 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class KernelDecode:
+    """The step's single-token sequences, attended by the compiled kernel straight from the block tables."""
+
+    token_indices: torch.Tensor | None  # as DecodeGroup's
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    query_start: torch.Tensor  # [num_seqs + 1] int64: 0, 1, .., num_seqs (one query row each)
+    start_pos: torch.Tensor  # [num_seqs] int64: each sequence's position, so keys 0 .. start_pos
+    kernel: Callable[..., None]
+
+
+@dataclass(frozen=True)
 class PrefillChunk:
     """One sequence's chunk of more than one token, attended on its own."""
 
@@ -68,15 +83,17 @@ class StepMetadata:
     positions: torch.Tensor  # [num_tokens] int64, each token's position in its sequence
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each token's K and V are written
     sample_indices: torch.Tensor  # [num_sampling_seqs] int64, the row of each sampling sequence's last token
-    decode: DecodeGroup | None
+    decode: DecodeGroup | KernelDecode | None
     prefills: tuple[PrefillChunk, ...]
 
 
 def build_step_metadata(batch: ModelInput, *, block_size: int, num_kv_blocks: int, max_positions: int,
-                        max_gather_blocks: int | None, device: torch.device) -> StepMetadata:
-    """Flatten a ModelInput into tensors. Decodes are attended in chunks that gather at most
-    `max_gather_blocks` blocks (K and V counted apart; None: one chunk). Raises ValueError for a malformed
-    batch (an empty chunk, a position past the model's limit, a block table too short for its positions)."""
+                        max_gather_blocks: int | None, device: torch.device,
+                        decode_kernel: Callable[..., None] | None = None) -> StepMetadata:
+    """Flatten a ModelInput into tensors. Decodes go to `decode_kernel` when given, else are attended in
+    chunks that gather at most `max_gather_blocks` blocks (K and V counted apart; None: one chunk). Raises
+    ValueError for a malformed batch (an empty chunk, a position past the model's limit, a block table too
+    short for its positions)."""
     if not batch.seqs:
         raise ValueError("a step needs at least one scheduled sequence")
     positions: list[int] = []
@@ -109,8 +126,11 @@ def build_step_metadata(batch: ModelInput, *, block_size: int, num_kv_blocks: in
 
     decode_rows = [i for i, n in enumerate(lengths) if n == 1]
     token_starts = list(itertools.accumulate(lengths, initial=0))
-    decode = _decode_group(decode_rows, token_starts, table, batch, block_size, num_kv_blocks,
-                           max_gather_blocks, device)
+    if decode_kernel is not None:
+        decode = _kernel_decode(decode_rows, token_starts, table, batch, decode_kernel, device)
+    else:
+        decode = _decode_group(decode_rows, token_starts, table, batch, block_size, num_kv_blocks,
+                               max_gather_blocks, device)
     prefills = tuple(
         _prefill_chunk(seq, token_starts[i], tables[i], block_size, num_kv_blocks, device)
         for i, seq in enumerate(batch.seqs) if lengths[i] > 1
@@ -130,6 +150,20 @@ def build_step_metadata(batch: ModelInput, *, block_size: int, num_kv_blocks: in
 def _kv_block_ids(block_ids: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
     flat = block_ids.reshape(-1)
     return torch.cat((flat, flat + num_kv_blocks))
+
+
+def _kernel_decode(rows: list[int], token_starts: list[int], table: torch.Tensor, batch: ModelInput,
+                   kernel: Callable[..., None], device: torch.device) -> KernelDecode | None:
+    if not rows:
+        return None
+    every_token = len(rows) == len(batch.seqs)
+    return KernelDecode(
+        token_indices=None if every_token else torch.tensor([token_starts[i] for i in rows], dtype=torch.int64),
+        block_tables=table if every_token else table[rows],
+        query_start=torch.arange(len(rows) + 1, dtype=torch.int64),
+        start_pos=torch.tensor([batch.seqs[i].start_pos for i in rows], dtype=torch.int64),
+        kernel=kernel,
+    )
 
 
 def _decode_group(rows: list[int], token_starts: list[int], table: torch.Tensor, batch: ModelInput,
@@ -188,8 +222,10 @@ def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: t
     return out
 
 
-def _decode_attention(layer: int, query: torch.Tensor, decode: DecodeGroup,
+def _decode_attention(layer: int, query: torch.Tensor, decode: DecodeGroup | KernelDecode,
                       cache: PagedKVCache) -> torch.Tensor:
+    if isinstance(decode, KernelDecode):
+        return _kernel_attention(layer, query, decode, cache)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = cache.kv.shape[4]
     # [seqs, kv_heads, group, dim]: query heads h = kv_head * group + g, as in HF's repeat_kv.
@@ -201,6 +237,16 @@ def _decode_attention(layer: int, query: torch.Tensor, decode: DecodeGroup,
     for chunk in decode.chunks:
         out[chunk.seq_start:chunk.seq_end] = _decode_chunk(layer, grouped, decode, chunk, cache)
     return out.view(query.shape).to(query.dtype)
+
+
+def _kernel_attention(layer: int, query: torch.Tensor, decode: KernelDecode, cache: PagedKVCache) -> torch.Tensor:
+    # The kernel computes in float32 and takes the query's strides as they are (q is a view into the fused
+    # q/k rotary output), so a float32 model hands it over without a copy.
+    q = query if query.dtype == torch.float32 else query.float()
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    decode.kernel(out, q, cache.kv[layer], decode.block_tables, decode.query_start, decode.start_pos,
+                  q.shape[-1] ** -0.5, 1)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def _decode_chunk(layer: int, grouped: torch.Tensor, decode: DecodeGroup, chunk: DecodeChunk,

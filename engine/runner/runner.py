@@ -15,6 +15,7 @@ import torch
 
 from kvgate.engine.config import ModelConfig, ModelLoadError, load_model_config
 from kvgate.engine.runner.attention import build_step_metadata
+from kvgate.engine.runner.kernels import KernelLoader
 from kvgate.engine.runner.kv_cache import PagedKVCache, bytes_per_block
 from kvgate.engine.runner.linear import pick_linear
 from kvgate.engine.runner.lora import LoraSlots
@@ -51,13 +52,15 @@ class ModelRunner:
     kv_cache_bytes holds; the block manager hands out ids 0 .. num_kv_blocks - 1), `device`, `dtype`.
     `compute_logits` is not reentrant: steps run one at a time, since they share the cache's workspace.
     With max_loras > 0, `lora` holds that many adapter slots (lora.py) and a step may mix adapters.
+    `attention_kernel` ("auto", "wait", "off") says whether CPU decodes use the compiled kernel (kernels.py).
     The constructor raises ModelLoadError when the model directory cannot be loaded or the KV budget does
     not hold one block, and ValueError for a bad argument.
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str | None = None,
                  kv_cache_bytes: int, block_size: int = 16, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 64, max_loras: int = 0, max_lora_rank: int = 16) -> None:
+                 max_num_seqs: int = 64, max_loras: int = 0, max_lora_rank: int = 16,
+                 attention_kernel: str = "auto") -> None:
         for name, value in (("kv_cache_bytes", kv_cache_bytes), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -66,8 +69,10 @@ class ModelRunner:
             raise ValueError(f"max_loras must be an integer >= 0 and max_lora_rank >= 1; "
                              f"got {max_loras!r} and {max_lora_rank!r}")
         self.config = load_model_config(model_dir)
-        self.dtype = resolve_dtype(dtype, self.config)
         self.device = resolve_device(device)
+        # First, so that a kernel build (when there is no cached one) overlaps loading the model.
+        self.kernels = KernelLoader(attention_kernel, self.device)
+        self.dtype = resolve_dtype(dtype, self.config)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -124,7 +129,8 @@ class ModelRunner:
             batch, groups, sample_order = self.lora.arrange(batch)
         meta = build_step_metadata(batch, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                                    max_positions=self.config.max_position_embeddings,
-                                   max_gather_blocks=self.kv_cache.max_gather_blocks, device=self.device)
+                                   max_gather_blocks=self.kv_cache.max_gather_blocks, device=self.device,
+                                   decode_kernel=self.kernels.paged_attention)
         hidden = self.model(meta, self.kv_cache, groups)
         if meta.sample_indices.numel() == 0:  # a step of prefill chunks that all stop short of the end
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)

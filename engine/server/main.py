@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="open the adapter endpoints without a token on a non-loopback --host (default: they "
                         "need $KVGATE_ENGINE_ADMIN_TOKEN there, and are refused without it)")
     parser.add_argument("--s3-endpoint-url", help="S3 endpoint for s3:// adapter sources (default: AWS's)")
+    parser.add_argument("--attention-kernel", choices=("auto", "wait", "off"), default=defaults["attention_kernel"],
+                        help="CPU decode attention through the compiled kernel: auto uses a cached build, or builds "
+                        "one in the background (about 20 s, once per machine) and gathers KV blocks meanwhile; "
+                        "wait builds before serving; off always gathers (default: %(default)s)")
     parser.add_argument("--cache-dir", type=Path, help="where builtin models are built (default: "
                         "$KVGATE_CACHE_DIR or ~/.cache/kvgate)")
     parser.add_argument("--drain-timeout-s", type=_seconds, default=30.0,
@@ -177,7 +181,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     values: dict[str, Any] = {
         "model": args.model, "dtype": args.dtype, "device": args.device, "kv_cache_bytes": args.kv_cache_bytes,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len, "cache_dir": args.cache_dir,
+        "max_model_len": args.max_model_len, "cache_dir": args.cache_dir, "attention_kernel": args.attention_kernel,
         # The router's prefix index follows the KV events of the state stream.
         "enable_kv_events": args.grpc_port is not None,
     }

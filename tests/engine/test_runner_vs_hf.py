@@ -2,6 +2,9 @@
 tokens, whatever the batching (mixed prefill and decode), the chunking of a prompt, or the sharing of
 cached prefix blocks; and loader errors that name the file and the key.
 
+Decodes are attended by the compiled kernel (engine/runner/kernels.py, built by the session fixture) unless
+a test asks for attention_kernel="off", which gathers their blocks; the exactness tests run both ways.
+
 Models: hidden 64, 4 heads of 16, vocab 256, 2-3 layers, float32 (hf_models.SPECS): MHA and GQA (2 and 1
 KV heads), tied and untied embeddings, llama3 and linear rotary scaling, a sharded checkpoint, Mistral and
 Qwen2 (q/k/v biases). Prompts are 1, 7, 16 and 37 tokens: a lone token (attended as a decode), less than a
@@ -48,10 +51,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+ATTENTION = ("wait", "off")  # the compiled kernel; the gather path
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("name", list(SPECS))
-def test_last_position_logits_match_hf_for_a_batch_of_mixed_length_prompts(tiny, name: str) -> None:
+def test_last_position_logits_match_hf_for_a_batch_of_mixed_length_prompts(tiny, name: str, attention: str) -> None:
     model_dir, hf = tiny(name)
-    driver = NaiveDriver(make_runner(model_dir, block_size=16), blocks_per_seq=4)
+    driver = NaiveDriver(make_runner(model_dir, block_size=16, attention_kernel=attention), blocks_per_seq=4)
     batch = prompts()
 
     logits = driver.step([driver.chunk(i, p, 0) for i, p in enumerate(batch)])
@@ -67,10 +74,12 @@ def test_sharded_checkpoint_is_read_through_its_index(tiny) -> None:
     assert len(list(model_dir.glob("*.safetensors"))) > 1
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("name", ["mha_untied", "gqa_tied", "llama3_rope", "qwen2_bias"])
-def test_greedy_tokens_match_hf_generate_with_prefills_and_decodes_in_one_batch(tiny, name: str) -> None:
+def test_greedy_tokens_match_hf_generate_with_prefills_and_decodes_in_one_batch(tiny, name: str,
+                                                                                 attention: str) -> None:
     model_dir, hf = tiny(name)
-    driver = NaiveDriver(make_runner(model_dir, block_size=4), blocks_per_seq=16)
+    driver = NaiveDriver(make_runner(model_dir, block_size=4, attention_kernel=attention), blocks_per_seq=16)
     batch = prompts(seed=1)
 
     ours = driver.greedy(batch, num_new_tokens=20)
@@ -80,7 +89,7 @@ def test_greedy_tokens_match_hf_generate_with_prefills_and_decodes_in_one_batch(
 
 def test_decodes_attended_in_several_gather_chunks_give_the_same_tokens(tiny) -> None:
     model_dir, hf = tiny("gqa_tied")
-    runner = make_runner(model_dir, block_size=4)
+    runner = make_runner(model_dir, block_size=4, attention_kernel="off")
     # A 57-token sequence spans 15 blocks of 4; K and V: 30 blocks > 8, so one sequence per chunk.
     runner.kv_cache.max_gather_blocks = 8
     batch = prompts(seed=2)
@@ -94,7 +103,8 @@ def test_the_gather_workspace_grows_when_a_step_needs_more_blocks(tiny) -> None:
     model_dir, hf = tiny("gqa_tied")
     # Starts at 2 * (40 / 4 + 4) = 28 blocks; the last steps decode four sequences of up to 56 positions
     # (14 blocks), K and V: 112 blocks.
-    runner = make_runner(model_dir, block_size=4, max_num_batched_tokens=40, max_num_seqs=4)
+    runner = make_runner(model_dir, block_size=4, max_num_batched_tokens=40, max_num_seqs=4,
+                         attention_kernel="off")
     assert runner.kv_cache.workspace_blocks == 28
     batch = prompts(seed=3)
 

@@ -1,0 +1,154 @@
+"""Compiled CPU kernels (csrc/): built once per machine with torch's C++ extension tooling, kept in a cache keyed
+by their content, and loaded in milliseconds on every later start.
+
+Today there is one, `paged_attention` (csrc/paged_attention.cpp): decode attention that reads the paged KV
+cache in place instead of gathering each sequence's blocks into a workspace first.
+
+Building needs a C++ compiler and ninja, and takes about 20 s on two cores, so an engine never waits for it
+unless asked (`attention_kernel="wait"`): with "auto" it loads a cached build at once, or builds one on a
+background thread and gathers until the build lands. A machine without a compiler keeps gathering, after one
+log line that says why. Images build the kernel ahead (`python -m kvgate.engine.runner.kernels`, see the
+Dockerfile), so their replicas have it from the first step.
+
+Cache: $KVGATE_KERNEL_DIR, else $KVGATE_CACHE_DIR/kernels, else ~/.cache/kvgate/kernels. A build is named by
+a hash of the source, the torch version and the instruction set it was compiled for, so a new kvgate, a new
+torch or a machine without AVX-512 never loads a build that does not fit it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("kvgate.engine.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+MODES = ("auto", "wait", "off")
+
+# torch's CPU capability -> instruction sets to compile for. Never -march=native: an image built on one
+# host runs on others; the capability is part of the cache key instead.
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+# -ffast-math lets the compiler vectorise exp and reassociate sums; the kernel avoids infinities for it.
+BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math"]
+
+
+def cache_dir(env: Mapping[str, str]) -> Path:
+    if env.get("KVGATE_KERNEL_DIR"):
+        return Path(env["KVGATE_KERNEL_DIR"]).expanduser()
+    root = Path(env["KVGATE_CACHE_DIR"]).expanduser() if env.get("KVGATE_CACHE_DIR") else Path.home() / ".cache" / "kvgate"
+    return root / "kernels"
+
+
+def build_name(source: bytes, torch_version: str, capability: str) -> str:
+    """The module's name: what was compiled, against which torch, for which instruction set."""
+    digest = hashlib.sha256(b"\0".join([source, torch_version.encode(), capability.encode(),
+                                        " ".join(BASE_FLAGS).encode()])).hexdigest()
+    return f"kvgate_paged_attention_{digest[:16]}"
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_cached(root: Path, name: str) -> ModuleType | None:
+    path = root / f"{name}.so"
+    return _import(name, path) if path.is_file() else None
+
+
+def build(root: Path, name: str, capability: str) -> ModuleType:
+    """Compile into a private folder, then move the library into place with one rename, so that another
+    process never loads half a file. Raises RuntimeError (with the compiler's words) or OSError."""
+    from torch.utils.cpp_extension import load  # imports setuptools: only when building
+
+    compiler = os.environ.get("CXX", "c++")  # what torch's builder runs
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++ (Debian: build-essential)")
+    work = root / f"build-{name}-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        load(name=name, sources=[str(SOURCE)], build_directory=str(work), verbose=False,
+             extra_cflags=BASE_FLAGS + ISA_FLAGS.get(capability, []), extra_ldflags=["-fopenmp"])
+        os.replace(work / f"{name}.so", root / f"{name}.so")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    # `load` imported the module from the build folder; import the one in place so both paths agree.
+    sys.modules.pop(name, None)
+    return _import(name, root / f"{name}.so")
+
+
+class KernelLoader:
+    """Makes the compiled kernel available to the model runner. `paged_attention` is the kernel's function,
+    or None while it is being built, when it cannot be built, off the CPU, or with mode "off"."""
+
+    def __init__(self, mode: str, device: torch.device, env: Mapping[str, str] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"attention_kernel must be one of {', '.join(MODES)}; got {mode!r}")
+        self.paged_attention = None
+        self.status = "off"  # off | ready | building | unavailable: <why>
+        if mode == "off" or device.type != "cpu":
+            return
+        env = os.environ if env is None else env
+        self._root = cache_dir(env)
+        self._capability = torch.backends.cpu.get_cpu_capability()
+        self._name = build_name(SOURCE.read_bytes(), torch.__version__, self._capability)
+        module = load_cached(self._root, self._name)
+        if module is not None:
+            self._ready(module)
+        elif mode == "wait":
+            self._build()
+        else:
+            self.status = "building"
+            threading.Thread(target=self._build, name="kvgate-kernel-build", daemon=True).start()
+
+    def _ready(self, module: ModuleType) -> None:
+        self.paged_attention = module.paged_attention
+        self.status = "ready"
+
+    def _build(self) -> None:
+        log.info("building the paged-attention kernel for %s into %s (once per machine; decodes gather their "
+                 "KV blocks until it is ready)", self._capability, self._root)
+        started = time.perf_counter()
+        try:
+            self._root.mkdir(parents=True, exist_ok=True)
+            module = build(self._root, self._name, self._capability)
+        except Exception as exc:  # a missing compiler, a full disk: the engine runs on without the kernel
+            detail = str(exc).strip().splitlines()
+            self.status = f"unavailable: {detail[-1] if detail else type(exc).__name__}"
+            log.warning("paged-attention kernel not built (%s); decodes keep gathering their KV blocks, which is "
+                        "slower. Set attention_kernel to 'off' to skip the attempt.", self.status)
+            return
+        self._ready(module)
+        log.info("paged-attention kernel ready in %.1f s", time.perf_counter() - started)
+
+
+def main() -> int:
+    """Build the kernel into the cache now (for images and `make setup`), and say where it is."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    loader = KernelLoader("wait", torch.device("cpu"))
+    if loader.paged_attention is None:
+        print(f"kvgate: the paged-attention kernel is {loader.status}", file=sys.stderr)
+        return 1
+    print(f"paged-attention kernel: {loader._root / loader._name}.so")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
