@@ -3,7 +3,7 @@
     resolve_model_source("builtin:tiny-llama")     -> <cache>/models/tiny-llama-v1
     resolve_model_source("builtin:smollm2-135m")   -> <cache>/models/smollm2-135m-v1
     resolve_model_source("/models/llama-3-8b")     -> the directory itself
-    resolve_model_source("s3://bucket/prefix")     -> ModelSourceError (arrives with the engine server)
+    resolve_model_source("s3://bucket/prefix")     -> <cache>/models/s3/<url hash>/<version> (engine/s3_models.py)
 
 A builtin is built once per cache directory, in a temporary directory beside its final place and
 renamed into place when complete, under a file lock: concurrent processes wait for the one that
@@ -52,8 +52,9 @@ def default_cache_dir() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvgate"
 
 
-def resolve_model_source(source: str, cache_dir: Path | None = None) -> Path:
-    """The local Hugging Face model directory for `source`; builds a builtin on first use.
+def resolve_model_source(source: str, cache_dir: Path | None = None, s3_endpoint_url: str | None = None) -> Path:
+    """The local Hugging Face model directory for `source`; builds a builtin, or fetches an s3:// model, on first
+    use. `s3_endpoint_url`: None reads $KVGATE_S3_ENDPOINT_URL, then $AWS_ENDPOINT_URL, else AWS itself.
 
     Idempotent and safe to call from concurrent processes. Raises ModelSourceError.
     """
@@ -65,8 +66,11 @@ def resolve_model_source(source: str, cache_dir: Path | None = None) -> Path:
         dir_name, builder = _BUILTINS[name]
         return _materialize(dir_name, builder, Path(cache_dir) if cache_dir else default_cache_dir())
     if source.startswith("s3://"):
-        raise ModelSourceError(f"{source}: s3 sources arrive with the engine server; use a local directory "
-                               "or a builtin model for now")
+        from kvgate.engine.lora.source import s3_endpoint_url as endpoint_from_env
+        from kvgate.engine.s3_models import fetch_s3_model
+
+        cache = Path(cache_dir) if cache_dir else default_cache_dir()
+        return fetch_s3_model(source, cache, endpoint_from_env(s3_endpoint_url)).path
     if "://" in source:
         raise ModelSourceError(f"{source}: unsupported scheme; use a local directory, s3:// or builtin:<name>")
     path = Path(source).expanduser()

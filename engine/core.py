@@ -54,7 +54,7 @@ class EngineConfig:
     # (name, source) adapters registered at start; source is a local PEFT directory or s3://bucket/prefix.
     # Each is downloaded and validated at start (a bad one fails the start); the first max_loras are loaded.
     adapters: tuple[tuple[str, str], ...] = ()
-    s3_endpoint_url: str | None = None  # for s3:// adapters; None: $KVGATE_S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, AWS
+    s3_endpoint_url: str | None = None  # s3:// models and adapters; None: $KVGATE_S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, AWS
     # CPU decode attention through the compiled kernel (runner/kernels.py): "auto" (cached build at once, else
     # built in the background), "wait" (build before serving) or "off" (always gather the KV blocks).
     attention_kernel: str = "auto"
@@ -131,7 +131,7 @@ class EngineCore:
 
         self.config = config
         started = time.perf_counter()
-        model_dir = resolve_model_source(config.model, config.cache_dir)
+        model_dir = resolve_model_source(config.model, config.cache_dir, config.s3_endpoint_url)
         resolved = time.perf_counter()
         self.model_dir = model_dir
         self.tokenizer = Tokenizer.from_dir(model_dir)

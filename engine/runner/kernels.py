@@ -81,6 +81,13 @@ def build(root: Path, name: str, capability: str) -> ModuleType:
     compiler = os.environ.get("CXX", "c++")  # what torch's builder runs
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++ (Debian: build-essential)")
+    if shutil.which("ninja") is None:
+        # kvgate[engine] brings pip's ninja into the interpreter's bin folder, which is not on PATH when a
+        # venv's python runs without the venv activated; torch's builder looks for ninja on PATH.
+        bin_dir = str(Path(sys.executable).parent)
+        if shutil.which("ninja", path=bin_dir) is None:
+            raise RuntimeError("ninja not found: pip install ninja (kvgate[engine] brings it)")
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     work = root / f"build-{name}-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     try:

@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     parser = argparse.ArgumentParser(
         prog="kvgate engine", description="Serve one model (and its LoRA adapters) over the OpenAI API.")
-    parser.add_argument("--model", required=True, help="builtin:tiny-llama, builtin:smollm2-135m or a local "
-                        "Hugging Face directory")
+    parser.add_argument("--model", required=True, help="builtin:tiny-llama, builtin:smollm2-135m, a local "
+                        "Hugging Face directory, or s3://BUCKET/PREFIX (fetched once with parallel ranged reads "
+                        "into --cache-dir, keyed by the objects' ETags)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=_port, default=8000, help="HTTP port; 0 picks a free one (default: %(default)s)")
     parser.add_argument("--grpc-port", type=_port, help="also serve the replica-state gRPC stream on this port")
@@ -160,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--insecure-open-adapters", action="store_true",
                         help="open the adapter endpoints without a token on a non-loopback --host (default: they "
                         "need $KVGATE_ENGINE_ADMIN_TOKEN there, and are refused without it)")
-    parser.add_argument("--s3-endpoint-url", help="S3 endpoint for s3:// adapter sources (default: AWS's)")
+    parser.add_argument("--s3-endpoint-url", help="S3 endpoint for s3:// models and adapters (default: "
+                        "$KVGATE_S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, else AWS's)")
     parser.add_argument("--attention-kernel", choices=("auto", "wait", "off"), default=defaults["attention_kernel"],
                         help="CPU decode attention through the compiled kernel: auto uses a cached build, or builds "
                         "one in the background (about 20 s, once per machine) and gathers KV blocks meanwhile; "

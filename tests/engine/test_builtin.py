@@ -152,7 +152,6 @@ def test_a_local_directory_passes_through(tiny: Path) -> None:
 
 @pytest.mark.parametrize("source,message", [
     ("builtin:gpt-5", "unknown builtin model 'builtin:gpt-5'; known: builtin:tiny-llama, builtin:smollm2-135m"),
-    ("s3://bucket/llama", "s3 sources arrive with the engine server"),
     ("hf://meta/llama", "unsupported scheme"),
     ("/no/such/dir", "/no/such/dir: no such model directory"),
 ])
