@@ -78,7 +78,8 @@ from kvgate.state import StateStore, StateStoreError
 from kvgate.state.outage import Outage
 from kvgate.state.records import MALFORMED, read_status
 from kvgate.state.schema import SkippedRecords
-from kvgate.providers.base import Offering, Provider, ProviderError, ReplicaHandle, replica_spec_for
+from kvgate.providers.base import (Offering, Provider, ProviderError, ReplicaHandle, WatchesReadiness,
+                                  replica_spec_for)
 from kvgate.registry.snapshot import Snapshot
 
 __all__ = ["LEASE_NAME", "Autoscaler", "AutoscalerSettings", "FixedSnapshot", "ProviderFactory", "SnapshotSource",
@@ -140,6 +141,7 @@ class Autoscaler:
         self._state = LoopState()
         self._outcomes: list[Outcome] = []  # refusals seen while acting, for the next decision
         self._stops: dict[str, asyncio.Task[None]] = {}  # replica id -> its stop_replica under way
+        self._ready_watches: dict[str, asyncio.Task[None]] = {}  # replica id -> a watch for its readiness
         self._members = MemberPublisher(self._store, self.settings.member_ttl_s)
         self._offerings: dict[str, tuple[float, list[Offering]]] = {}
         self._events: tuple[Event, ...] = ()
@@ -150,6 +152,7 @@ class Autoscaler:
         self._skipped = SkippedRecords(log)  # records written by a newer release: said once each
         self._status: AutoscalerStatus | None = None  # the last status written, and what is still provisioning,
         self._provisioning: tuple[Provisioning, ...] = ()  # for the metrics (`reading`)
+        self._woken = asyncio.Event()  # set by wake(): the next tick runs without waiting out interval_s
 
     @property
     def providers(self) -> Mapping[str, Provider]:
@@ -168,6 +171,12 @@ class Autoscaler:
         """Whether the loop's task runs (started and not ended)."""
         return self._task is not None and not self._task.done()
 
+    def wake(self) -> None:
+        """Tick now rather than at the end of the interval (or right after the tick under way): a request waits
+        at a model with no ready replica, or a starting replica became ready. Wakes during one tick make one
+        more tick, not one each."""
+        self._woken.set()
+
     async def stop(self) -> None:
         """Stop ticking and release the lease (a standby takes over at once). Nodes and replicas keep
         running for the next autoscaler to adopt. Idempotent; store errors on release are logged."""
@@ -175,6 +184,11 @@ class Autoscaler:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        watches = list(self._ready_watches.values())
+        for task in watches:
+            task.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)
+        self._ready_watches.clear()
         stopping = [task for task in self._stops.values() if not task.done()]
         if stopping:  # replicas already told to stop: give them a moment, the rest finish on their own
             _, pending = await asyncio.wait(stopping, timeout=self.settings.stop_wait_s)
@@ -216,10 +230,22 @@ class Autoscaler:
         return events
 
     async def run(self) -> None:
-        """Tick every `interval_s` until cancelled."""
+        """Tick every `interval_s`, or sooner when woken (`wake`), until cancelled."""
         while True:
+            self._woken.clear()  # a wake during the tick below is kept: it makes the next tick come at once
             await self.tick()
-            await self._clock.sleep(self.settings.interval_s)
+            await self._rest()
+
+    async def _rest(self) -> None:
+        if self._woken.is_set():
+            return
+        sleeping = asyncio.ensure_future(self._clock.sleep(self.settings.interval_s))
+        woken = asyncio.ensure_future(self._woken.wait())
+        try:
+            await asyncio.wait({sleeping, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeping.cancel()
+            woken.cancel()
 
     # -- one tick --------------------------------------------------------------------------------
 
@@ -383,7 +409,25 @@ class Autoscaler:
         record = member_record(handle, node.pool, draining=False)
         if record is not None:
             await self._members.put(record)
+        self._watch_readiness(self._providers[node.pool], handle.id)
         return handle.id
+
+    def _watch_readiness(self, provider: Provider, replica_id: str) -> None:
+        """Where the provider can watch a starting replica, wake the loop when it is ready (or failed), so that it
+        is published READY, and requests waiting for it go, at once instead of at the next tick."""
+        if not isinstance(provider, WatchesReadiness) or replica_id in self._ready_watches:
+            return
+
+        async def watch() -> None:
+            try:
+                await provider.wait_ready(replica_id, self.settings.ready_watch_s)
+                self.wake()
+            except ProviderError:  # gone before it was ready: the next tick sees to it
+                pass
+            finally:
+                self._ready_watches.pop(replica_id, None)
+
+        self._ready_watches[replica_id] = asyncio.create_task(watch(), name=f"kvgate-ready-{replica_id}")
 
     # -- publishing ------------------------------------------------------------------------------
 

@@ -34,6 +34,9 @@ class AutoscalerSettings:
     backoff_max_s: float = 300.0
     offerings_refresh_s: float = 60.0  # prices and availability are re-read this often per pool
     stop_wait_s: float = 5.0  # on stop(), how long to wait for replica stops already under way
+    # How long a started replica is watched for readiness between ticks, where its provider can (WatchesReadiness):
+    # the tick that publishes it READY runs when it is, not up to interval_s later.
+    ready_watch_s: float = 120.0
     planner: PlannerSettings = field(default_factory=PlannerSettings)
 
     def __post_init__(self) -> None:

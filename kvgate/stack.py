@@ -197,6 +197,7 @@ async def serve(settings: UpSettings, clock: Clock | None = None) -> int:
         if not await _prepare_models(snapshot, settings.cache_dir, stop, clock):
             return 0 if stop.is_set() else 1
         running.autoscaler = _build_autoscaler(watcher, store, clock, settings)
+        _wake_on_demand(runner, running.autoscaler)
         _export_autoscaler_metrics(runner, running.autoscaler, clock)
         await running.autoscaler.start()
         running.progress = asyncio.create_task(_report_progress(store, snapshot, settings, clock),
@@ -210,6 +211,17 @@ async def serve(settings: UpSettings, clock: Clock | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: log.info("already stopping; replicas are being drained"))
         await shut_down(running, clock)
+
+
+def _wake_on_demand(runner: web.AppRunner, autoscaler: Autoscaler) -> None:
+    """From zero replicas, nothing waits out a timer in this one process: the first request waiting at a model
+    makes the gateway publish its observation at once (router.observations), which makes the autoscaler tick
+    (it starts a replica); that replica's readiness wakes it again (it publishes the replica READY), which makes
+    the gateway read membership (the store's member listener, above). Each step otherwise waits for a tick or a
+    poll, which added 1-4 s to a request's first token from zero (loadtests/bench_scale_from_zero.py)."""
+    from kvgate.router.app_keys import PUBLISHER_KEY
+
+    runner.app[PUBLISHER_KEY].on_urgent_publish(autoscaler.wake)
 
 
 async def _open_registry(path: Path, clock: Clock) -> RegistryWatcher | None:
@@ -244,6 +256,7 @@ async def _open_gateway(settings: UpSettings, watcher: RegistryWatcher, store: M
         print(f"kvgate up: {exc}", file=sys.stderr)
         return None
     tracker = ReplicaTracker(clock=clock, store=store, settings=TrackerSettings(poll_interval_s=_PROGRESS_POLL_S))
+    store.on_member_change(tracker.poll_members_soon)  # a replica published READY is routable at once
     gateway = GatewaySettings(admin_token=settings.admin_token, metrics_token=settings.metrics_token,
                               gateway_id="kvgate-up", key_secret=key_secret,
                               usage_log_path=str(settings.usage_log) if settings.usage_log else None)

@@ -312,6 +312,15 @@ class Provider(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class WatchesReadiness(Protocol):
+    """A provider that can watch one starting replica cheaply until it is READY or FAILED (the local provider
+    polls its /health every `poll_s`). The autoscaler uses it to act on a replica the moment it is ready, rather
+    than at its next tick: what a request waiting at zero replicas sees. Raises NotFound for an unknown replica."""
+
+    async def wait_ready(self, replica_id: str, timeout_s: float, poll_s: float = 0.1) -> ReplicaHandle: ...
+
+
 # ------------------------------------------------------------------------------------------ pure helpers
 
 

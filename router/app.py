@@ -28,7 +28,7 @@ from kvgate.router.dashboard import Dashboard, gauge_values
 from kvgate.router.flow_control import FlowGate, FlowGates
 from kvgate.router.handlers import error_middleware, install_routes
 from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_KEY, METRICS_KEY, OPENINGS_KEY, PROMPT_WORK_KEY, PROXY_KEY,
-                         QUEUES_KEY,
+                         PUBLISHER_KEY, QUEUES_KEY,
                          LIMITER_KEY, METER_KEY, REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY, TRACKER_KEY,
                          Drain, GatewaySettings)
 from kvgate.router.metrics import RouterMetrics
@@ -117,6 +117,8 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
             in_flight=lambda: gauge_values(metrics.in_flight),
             ttft_p99_s=lambda: _ttft_p99_s(dashboard), prompt_work=app[PROMPT_WORK_KEY],
             interval_s=settings.observation_interval_s)
+        app[PUBLISHER_KEY] = publisher
+        app[QUEUES_KEY].on_first_waiter(lambda model: publisher.publish_soon())
         app.cleanup_ctx.append(lambda app: _publishing(publisher))
     install_routes(app)
     return app

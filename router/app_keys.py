@@ -11,7 +11,7 @@ from kvgate.clock import Clock
 from kvgate.router.dashboard import Dashboard
 from kvgate.router.flow_control import FlowGates
 from kvgate.router.metrics import RouterMetrics
-from kvgate.router.observations import PromptWork
+from kvgate.router.observations import ObservationPublisher, PromptWork
 from kvgate.router.common_openings import CommonOpenings
 from kvgate.router.proxy import Proxy
 from kvgate.router.replicas import ReplicaTracker
@@ -66,6 +66,8 @@ QUEUES_KEY = web.AppKey("kvgate_queues", WaitQueues)
 GATES_KEY = web.AppKey("kvgate_flow_gates", FlowGates)  # per model: fair queuing while saturated
 PROXY_KEY = web.AppKey("kvgate_proxy", Proxy)
 PROMPT_WORK_KEY = web.AppKey("kvgate_prompt_work", PromptWork)  # what the proxy routed, for observations
+# The gateway's observation publisher, where it has a state store (`router.observations`).
+PUBLISHER_KEY = web.AppKey("kvgate_observation_publisher", ObservationPublisher)
 SEQUENCE_KEY = web.AppKey("kvgate_request_seq", collections.Counter)  # per model: round robin's counter
 DASHBOARD_KEY = web.AppKey("kvgate_dashboard", Dashboard)
 DRAIN_KEY = web.AppKey("kvgate_drain", Drain)

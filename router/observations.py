@@ -13,6 +13,7 @@ The gateway deletes its records when it stops.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
@@ -130,6 +131,19 @@ class ObservationPublisher:
         self._prompt_work = prompt_work or PromptWork()
         self._windows: dict[str, _ModelWindows] = {}
         self._written: set[str] = set()
+        self._soon = asyncio.Event()
+        self._urgent_listeners: list[Callable[[], None]] = []
+
+    def publish_soon(self) -> None:
+        """Publish now, not at the end of the interval: a request waits at a model with no ready replica, and the
+        autoscaler starts one only once it reads that. (The early reading makes one interval of the windows short:
+        rates are per second of window and stay right; the spread's variance counts one short interval.)"""
+        self._soon.set()
+
+    def on_urgent_publish(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after each publish that `publish_soon` asked for: an autoscaler in this process ticks
+        then (`kvgate up`), rather than at its next interval."""
+        self._urgent_listeners.append(listener)
 
     def observe(self) -> list[ObservationRecord]:
         """Every registry model's observation now (synchronous: one consistent reading)."""
@@ -163,17 +177,33 @@ class ObservationPublisher:
         minute while it lasts and once when it ends (`Outage`)."""
         outage = Outage()
         while True:
+            urgent = self._soon.is_set()
+            self._soon.clear()
             try:
                 await self.publish_once()
                 recovered = outage.recovered(self._clock.now())
                 if recovered is not None:
                     log.info("publishing observations to the state store again %s", recovered)
+                if urgent:
+                    for listener in self._urgent_listeners:
+                        listener()
             except StateStoreError as exc:
                 note = outage.failed(self._clock.now())
                 if note is not None:
                     log.warning("cannot publish observations to the state store (the autoscaler does not see this "
                                 "gateway's load meanwhile): %s%s", exc, note)
-            await self._clock.sleep(self._interval_s)
+            await self._rest()
+
+    async def _rest(self) -> None:
+        if self._soon.is_set():
+            return
+        sleeping = asyncio.ensure_future(self._clock.sleep(self._interval_s))
+        soon = asyncio.ensure_future(self._soon.wait())
+        try:
+            await asyncio.wait({sleeping, soon}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeping.cancel()
+            soon.cancel()
 
     async def withdraw(self) -> None:
         """Delete the records this gateway wrote (on shutdown); a store that is down is ignored."""

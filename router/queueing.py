@@ -22,6 +22,12 @@ class WaitQueues:
         self._wait_for_replica = wait_for_replica
         self._on_depth = on_depth
         self._depth: dict[str, int] = {}
+        self._first_waiter_listeners: list[Callable[[str], None]] = []
+
+    def on_first_waiter(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(model)` when a request starts waiting at a model where none waited: demand at zero
+        ready replicas, which the observation publisher and an autoscaler in this process act on at once."""
+        self._first_waiter_listeners.append(listener)
 
     def depth(self, model: str) -> int:
         """Requests of `model` waiting now: the autoscaler's queue observation."""
@@ -38,6 +44,9 @@ class WaitQueues:
             raise no_capacity(f"model '{model}' has no ready replica and {depth} requests already wait for one",
                               retry_after_s=timeout_s)
         self._set(model, depth + 1)
+        if depth == 0:
+            for listener in self._first_waiter_listeners:
+                listener(model)
         try:
             ready = await self._wait_for_replica(model, timeout_s)
         finally:

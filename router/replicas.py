@@ -36,6 +36,7 @@ import aiohttp
 
 from kvgate.clock import Clock
 from kvgate.state.base import MemberRecord, StateStore, StateStoreError
+from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.outage import Outage
 from kvgate.registry.schema import Backend
 from kvgate.registry.snapshot import Snapshot
@@ -130,6 +131,7 @@ class ReplicaTracker:
         self._member_task: asyncio.Task[None] | None = None
         self._store_outage = Outage()  # failed membership polls in a row
         self._changed = asyncio.Event()
+        self._poll_soon = asyncio.Event()  # set by poll_members_soon: the member loop polls without waiting
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -390,7 +392,12 @@ class ReplicaTracker:
         if change is Upsert.KEEP:
             return
         if tracked is not None and change is Upsert.STATE:
+            was_starting = tracked.member_state is MemberState.STARTING
             tracked.member_state = source.member_state
+            if was_starting and source.member_state is MemberState.READY:
+                # Its health checks failed while it loaded (nothing listened yet); the autoscaler has just seen
+                # /health pass, so check again now rather than keep it out of rotation until the next check.
+                self._restart_health(tracked)
             self._notify()
             return
         if tracked is not None:
@@ -433,15 +440,41 @@ class ReplicaTracker:
             tracked.tasks.append(asyncio.create_task(scrape_loop(
                 target, self._clock, self._settings.poll_interval_s, lambda report: self._apply_load(rid, report)),
                 name=f"kvgate-scrape-{rid}"))
-        tracked.tasks.append(asyncio.create_task(health_loop(
+        tracked.tasks.append(self._health_task(tracked, target))
+
+    def _health_task(self, tracked: TrackedReplica, target: HttpTarget) -> asyncio.Task[None]:
+        rid = tracked.replica_id
+        return asyncio.create_task(health_loop(
             target, self._clock, self._settings.health_interval_s, lambda ok: self._apply_health(rid, ok),
-            lambda: self._apply_health(rid, False, answered=False)), name=f"kvgate-health-{rid}"))
+            lambda: self._apply_health(rid, False, answered=False)), name=f"kvgate-health-{rid}")
+
+    def _restart_health(self, tracked: TrackedReplica) -> None:
+        """Cancel its health loop and start another, whose first check runs at once."""
+        for task in [t for t in tracked.tasks if t.get_name() == f"kvgate-health-{tracked.replica_id}"]:
+            task.cancel()
+            tracked.tasks.remove(task)
+        target = HttpTarget(tracked.url, self._http_session, tracked.auth_headers, self._settings.probe_timeout_s,
+                            name=tracked.replica_id)
+        tracked.tasks.append(self._health_task(tracked, target))
 
     # ------------------------------------------------------------------------------ membership
 
+    def poll_members_soon(self) -> None:
+        """Read membership now rather than at the next poll: the store said a member changed (`kvgate up`'s
+        in-memory store does; Redis gateways poll)."""
+        self._poll_soon.set()
+
     async def _member_loop(self) -> None:
         while True:
-            await self._clock.sleep(self._settings.poll_interval_s)
+            if not self._poll_soon.is_set():
+                sleeping = asyncio.ensure_future(self._clock.sleep(self._settings.poll_interval_s))
+                soon = asyncio.ensure_future(self._poll_soon.wait())
+                try:
+                    await asyncio.wait({sleeping, soon}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    sleeping.cancel()
+                    soon.cancel()
+            self._poll_soon.clear()
             await self._poll_members()
 
     async def _poll_members(self) -> None:

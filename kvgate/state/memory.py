@@ -13,7 +13,7 @@ frozen dataclasses and are kept as they are.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
@@ -93,6 +93,7 @@ class MemoryStateStore:
         self._buckets: dict[str, _Bucket] = {}
         self._leases: dict[str, _Expiring[str]] = {}  # name -> holder
         self._records: dict[str, dict[str, _Versioned]] = {}  # collection -> id -> record
+        self._member_listeners: list[Callable[[], None]] = []
 
     def _now(self) -> float:
         if self._closed:
@@ -105,12 +106,22 @@ class MemoryStateStore:
 
     # -- membership ------------------------------------------------------------------------------
 
+    def on_member_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener` when a member is added or changes state or address (not on heartbeats): in one process
+        (`kvgate up`) the gateway reads membership at once instead of at its next poll. Redis has no such call;
+        gateways there poll."""
+        self._member_listeners.append(listener)
+
     async def put_member(self, record: MemberRecord, ttl_s: float) -> MemberRecord:
         check_name("replica_id", record.replica_id)
         check_ttl_s(ttl_s)
         now = self._now()
         stored = replace(record, updated_at=now)
+        before = self._live(self._members.get(record.replica_id), now)
         self._members[record.replica_id] = _Expiring(stored, now + ttl_s)
+        if before is None or replace(before.value, updated_at=now) != stored:
+            for listener in self._member_listeners:
+                listener()
         return stored
 
     async def remove_member(self, replica_id: str) -> bool:

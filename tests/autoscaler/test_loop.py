@@ -377,3 +377,68 @@ async def test_release_fleet_publishes_each_replica_draining_while_it_stops(snap
     await clock.advance(20)
     await release
     assert await store.list_members() == [] and await provider.list_replicas() == []
+
+
+# -- acting at once: a wake, a replica's readiness ------------------------------------------------
+
+
+async def settle(condition, turns: int = 200) -> bool:
+    """Let the event loop run (no clock time passes) until `condition()` holds; whether it did."""
+    for _ in range(turns):
+        if await condition():
+            return True
+        await asyncio.sleep(0)
+    return await condition()
+
+
+async def test_a_wake_ticks_at_once_instead_of_after_the_interval(snapshot, store, clock, provider) -> None:
+    autoscaler = make_autoscaler(snapshot, store, clock, provider, interval_s=10, lease_ttl_s=30)
+    await autoscaler.start()
+    assert await settle(lambda: _leader(store))  # the first tick ran; nothing to do at zero
+    await observe(store, clock, queued=1)
+
+    autoscaler.wake()
+
+    async def bought() -> bool:
+        return len(await provider.list()) == 1
+    started = clock.now()
+    assert await settle(bought)  # without the clock moving: not 10 s later
+    assert clock.now() == started
+    await autoscaler.stop()
+
+
+async def _leader(store) -> bool:
+    return await store.lease_holder("autoscaler") == "a"
+
+
+async def _false() -> bool:
+    return False
+
+
+class WatchingProvider(FakeProvider):
+    """A fake provider that can watch a starting replica, as the local provider does (WatchesReadiness)."""
+
+    async def wait_ready(self, replica_id: str, timeout_s: float, poll_s: float = 0.1):
+        deadline = self._clock.now() + timeout_s
+        while True:
+            [handle] = [r for r in await self.list_replicas() if r.id == replica_id]
+            if handle.state is not ReplicaState.STARTING or self._clock.now() >= deadline:
+                return handle
+            await self._clock.sleep(poll_s)
+
+
+async def test_a_replica_is_published_ready_when_it_is_not_at_the_next_tick(snapshot, store, clock) -> None:
+    provider = WatchingProvider("gpu", snapshot.pools["gpu"].spec, cluster="test", clock=clock,
+                                replica_start_latency_s=3)
+    autoscaler = make_autoscaler(snapshot, store, clock, provider, interval_s=10, lease_ttl_s=30)
+    await observe(store, clock, queued=1)
+    await autoscaler.start()
+    started, ready_at = clock.now(), None
+    for _ in range(200):  # 20 s in steps of 0.1 s: tick 0 buys the node, tick 1 (t=10) starts the replica
+        await clock.advance(0.1)
+        await settle(lambda: _false())
+        if ready_at is None and any(state == "ready" for _, state in await members(store)):
+            ready_at = clock.now() - started
+    await autoscaler.stop()
+    # ready 3 s after its start at t=10; published within a poll of that, not at the tick of t=20
+    assert ready_at is not None and 13.0 <= ready_at <= 13.5

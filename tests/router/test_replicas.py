@@ -588,3 +588,46 @@ def test_a_replicas_api_key_comes_from_the_named_variable_or_not_at_all(value: s
     assert bearer_from_env("KEY", "m-static-0", environ) == expected
     assert (expected is None) == any("sending it no API key" in r.message for r in caplog.records)
 
+
+
+async def test_a_member_published_ready_is_routable_at_once_after_failed_checks_while_it_started() -> None:
+    """`kvgate up`'s wiring: the in-memory store tells the tracker of a member change (no poll wait), and a member
+    turning READY from STARTING is checked again at once (its checks failed while nothing listened), so neither
+    the 60 s poll nor the 60 s health interval below is waited out."""
+    from aiohttp import web
+
+    from tests.services import free_loopback_port
+
+    clock = FakeClock()
+    store = MemoryStateStore(clock)
+    port = free_loopback_port()
+    url = f"http://127.0.0.1:{port}"
+    async with tracking(Snapshot.empty(), clock, store=store, poll_interval_s=60.0, health_interval_s=60.0) as tracker:
+        store.on_member_change(tracker.poll_members_soon)
+        await store.put_member(member(url, MemberState.STARTING), ttl_s=300)
+        await eventually(lambda: "m-1" in tracker._replicas and tracker._replicas["m-1"].health.failed_checks == 1,
+                         "the starting member's first health check to fail (nothing listens yet)")
+        async def healthy(request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/health", healthy)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            await store.put_member(member(url, MemberState.READY), ttl_s=300)
+            await eventually(lambda: tracker.num_ready("m") == 1, "the member to be routable")
+        finally:
+            await runner.cleanup()
+
+
+async def test_the_memory_store_tells_listeners_of_new_members_and_changes_but_not_heartbeats() -> None:
+    store = MemoryStateStore(FakeClock())
+    told = []
+    store.on_member_change(lambda: told.append(1))
+    await store.put_member(member("http://a:1", MemberState.STARTING), ttl_s=30)
+    await store.put_member(member("http://a:1", MemberState.STARTING), ttl_s=30)  # a heartbeat
+    assert len(told) == 1
+    await store.put_member(member("http://a:1", MemberState.READY), ttl_s=30)
+    assert len(told) == 2
