@@ -78,7 +78,7 @@ from kvgate.state import StateStore, StateStoreError
 from kvgate.state.outage import Outage
 from kvgate.state.records import MALFORMED, read_status
 from kvgate.state.schema import SkippedRecords
-from kvgate.providers.base import (Offering, Provider, ProviderError, ReplicaHandle, WatchesReadiness,
+from kvgate.providers.base import (NodeState, Offering, Provider, ProviderError, ReplicaHandle, WatchesReadiness,
                                   replica_spec_for)
 from kvgate.registry.snapshot import Snapshot
 
@@ -382,6 +382,8 @@ class Autoscaler:
                 self._outcomes.append(CreateRefused(
                     action.claim.model or "", action.boots_replica, inputs.now, inputs.wall, refused,
                     result.error.retryable if result.error is not None else True))
+            elif result.node is not None and result.node.state is NodeState.RUNNING:
+                self.wake()  # running at once (a local slot, a Slurm claim): the next tick, now, places replicas
         elif isinstance(action, DeleteNode):
             try:
                 events.extend(await self._reconciler.delete_node(action.node_id, fleet, action.reason))
