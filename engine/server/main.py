@@ -36,7 +36,7 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from kvgate.engine.core import EngineConfig
+from kvgate.engine.core import EngineConfig, start_runner_import
 from kvgate.engine.server.adapter_access import AdapterAccess, access_for, adapter_root, startup_notice
 from kvgate.server_log import MalformedRequestLog
 
@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print("kvgate engine: torch is not installed, and the engine needs it: pip install 'kvgate[engine]' "
               "(on a machine without CUDA, install torch's CPU build first)", file=sys.stderr)
         return 2
+    start_runner_import()  # torch, on a thread, while the server and the model's files are set up
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
