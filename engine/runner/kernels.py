@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -44,6 +46,7 @@ ISA_FLAGS = {
 }
 # -ffast-math lets the compiler vectorise exp and reassociate sums; the kernel avoids infinities for it.
 BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math"]
+BUILD_TIMEOUT_S = 600.0
 
 
 def cache_dir(env: Mapping[str, str]) -> Path:
@@ -73,31 +76,43 @@ def load_cached(root: Path, name: str) -> ModuleType | None:
     return _import(name, path) if path.is_file() else None
 
 
-def build(root: Path, name: str, capability: str) -> ModuleType:
-    """Compile into a private folder, then move the library into place with one rename, so that another
-    process never loads half a file. Raises RuntimeError (with the compiler's words) or OSError."""
-    from torch.utils.cpp_extension import load  # imports setuptools: only when building
+# Run in a child process: torch's builder keeps per-process state (a second build of one name in one process
+# is renamed name_v1), and a compiler's memory never lands in the engine's.
+_BUILD = """
+import json, sys
+from torch.utils.cpp_extension import load
+name, source, work, cflags = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+load(name=name, sources=[source], build_directory=work, extra_cflags=cflags, extra_ldflags=["-fopenmp"])
+"""
 
+
+def build(root: Path, name: str, capability: str) -> ModuleType:
+    """Compile into a private folder (in a child process), then move the library into place with one rename, so
+    that another process never loads half a file. Raises RuntimeError (with the compiler's last words) or
+    OSError."""
     compiler = os.environ.get("CXX", "c++")  # what torch's builder runs
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++ (Debian: build-essential)")
+    env = dict(os.environ)
     if shutil.which("ninja") is None:
         # kvgate[engine] brings pip's ninja into the interpreter's bin folder, which is not on PATH when a
         # venv's python runs without the venv activated; torch's builder looks for ninja on PATH.
         bin_dir = str(Path(sys.executable).parent)
         if shutil.which("ninja", path=bin_dir) is None:
             raise RuntimeError("ninja not found: pip install ninja (kvgate[engine] brings it)")
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     work = root / f"build-{name}-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     try:
-        load(name=name, sources=[str(SOURCE)], build_directory=str(work), verbose=False,
-             extra_cflags=BASE_FLAGS + ISA_FLAGS.get(capability, []), extra_ldflags=["-fopenmp"])
+        flags = json.dumps(BASE_FLAGS + ISA_FLAGS.get(capability, []))
+        done = subprocess.run([sys.executable, "-c", _BUILD, name, str(SOURCE), str(work), flags], env=env,
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).strip().splitlines()
+            raise RuntimeError("the compiler failed: " + " | ".join(said[-5:]))
         os.replace(work / f"{name}.so", root / f"{name}.so")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    # `load` imported the module from the build folder; import the one in place so both paths agree.
-    sys.modules.pop(name, None)
     return _import(name, root / f"{name}.so")
 
 
