@@ -148,6 +148,9 @@ def read_ahead(model_dir: Path) -> None:
     waits): POSIX_FADV_WILLNEED was tried first, and this VM's kernel read only the first 8 MiB of the file for it
     (fincore)."""
     paths = sorted(Path(model_dir).glob("*.safetensors"))
+    available = _available_memory_bytes()
+    if available is not None and sum(p.stat().st_size for p in paths) > available // 2:
+        return  # it would evict what the load itself reads (a model near the machine's memory): let the load read
 
     def run() -> None:
         buffer = bytearray(READ_AHEAD_CHUNK)
@@ -157,6 +160,17 @@ def read_ahead(model_dir: Path) -> None:
                     pass
 
     threading.Thread(target=run, name="kvgate-read-ahead", daemon=True).start()
+
+
+def _available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class EngineCore:

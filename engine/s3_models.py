@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ log = logging.getLogger("kvgate.engine.s3")
 S3_SCHEME = "s3://"
 PART_BYTES = 16 << 20
 WORKERS = 16
+PART_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -126,35 +127,66 @@ def _list(client, bucket: str, prefix: str) -> list[S3Object]:
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=start, Delimiter="/"):
         for item in page.get("Contents", []):
             name = item["Key"][len(start):]
-            if name:  # not the prefix's own placeholder object
-                objects.append(S3Object(name, item["Key"], int(item["Size"]), item["ETag"]))
+            if not name:  # the prefix's own placeholder object
+                continue
+            if "/" in name or "\\" in name or name in (".", ".."):  # a store that ignored Delimiter
+                raise ModelSourceError(f"s3://{bucket}/{item['Key']}: not a file name directly under the prefix")
+            objects.append(S3Object(name, item["Key"], int(item["Size"]), item["ETag"]))
     return objects
 
 
 def _download(client, bucket: str, objects: list[S3Object], work: Path, workers: int, part_bytes: int,
               progress: _Progress) -> None:
+    """Every part of every object, `workers` at a time. The first failure stops the rest: parts not started are
+    cancelled and parts under way stop at their next chunk, so a denied request or a full disk fails in seconds,
+    not after the whole model downloaded."""
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import ReadTimeoutError, ResponseStreamingError
+
+    stop = threading.Event()
     descriptors = {}
     try:
         for obj in objects:
             descriptors[obj.name] = fd = os.open(work / obj.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.ftruncate(fd, obj.size)
-        jobs = [(obj, first, last) for obj in objects for first, last in part_ranges(obj.size, part_bytes)]
 
-        def fetch(job: tuple[S3Object, int, int]) -> None:
-            obj, first, last = job
+        def read_part(obj: S3Object, first: int, last: int) -> None:
             body = client.get_object(Bucket=bucket, Key=obj.key, Range=f"bytes={first}-{last}",
                                      IfMatch=obj.etag)["Body"]
             offset = first
             for chunk in body.iter_chunks(1 << 20):
+                if stop.is_set():
+                    return
                 os.pwrite(descriptors[obj.name], chunk, offset)
                 offset += len(chunk)
             if offset != last + 1:
                 raise OSError(f"{obj.key}: bytes {first}-{last} ended after {offset - first} bytes")
+
+        def fetch(obj: S3Object, first: int, last: int) -> None:
+            # botocore retries a request, not a body cut off while it is read: a dropped connection retries the
+            # part (If-Match still pins the version) instead of failing the model.
+            for attempt in range(PART_ATTEMPTS):
+                if stop.is_set():
+                    return
+                try:
+                    read_part(obj, first, last)
+                    break
+                except (ResponseStreamingError, ReadTimeoutError, BotoConnectionError) as exc:
+                    if attempt + 1 == PART_ATTEMPTS:
+                        raise
+                    log.info("%s bytes %d-%d: %s; reading the part again", obj.key, first, last, exc)
             progress.add(last + 1 - first)
 
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-s3") as pool:
-            for _ in pool.map(fetch, jobs):  # re-raises the first failure
-                pass
+            futures = [pool.submit(fetch, obj, first, last)
+                       for obj in objects for first, last in part_ranges(obj.size, part_bytes)]
+            try:
+                for future in as_completed(futures):
+                    future.result()  # re-raises a part's failure
+            except BaseException:
+                stop.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
     finally:
         for fd in descriptors.values():
             os.close(fd)

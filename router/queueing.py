@@ -44,10 +44,10 @@ class WaitQueues:
             raise no_capacity(f"model '{model}' has no ready replica and {depth} requests already wait for one",
                               retry_after_s=timeout_s)
         self._set(model, depth + 1)
-        if depth == 0:
-            for listener in self._first_waiter_listeners:
-                listener(model)
         try:
+            if depth == 0:
+                for listener in self._first_waiter_listeners:
+                    listener(model)
             ready = await self._wait_for_replica(model, timeout_s)
         finally:
             self._set(model, self.depth(model) - 1)

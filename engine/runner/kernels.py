@@ -17,14 +17,19 @@ torch or a machine without AVX-512 never loads a build that does not fit it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -72,12 +77,25 @@ def _import(name: str, path: Path) -> ModuleType:
 
 
 def load_cached(root: Path, name: str) -> ModuleType | None:
+    """The cached build, or None when there is none. Raises UntrustedCache for a file this user does not own or
+    others may write (loading it would run their code), ImportError or OSError for one that does not load."""
     path = root / f"{name}.so"
-    return _import(name, path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    for item in (root, path):
+        info = item.stat()
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UntrustedCache(f"{item} belongs to uid {info.st_uid} or is writable by others; not loading it")
+    return _import(name, path)
 
 
-# Run in a child process: torch's builder keeps per-process state (a second build of one name in one process
-# is renamed name_v1), and a compiler's memory never lands in the engine's.
+class UntrustedCache(OSError):
+    """A cached kernel that another user could have written."""
+
+
+# Run in a child process of its own session: torch's builder keeps per-process state (a second build of one name
+# in one process is renamed name_v1), a compiler's memory never lands in the engine's, and a timeout ends the
+# whole build (ninja and the compilers too).
 _BUILD = """
 import json, sys
 from torch.utils.cpp_extension import load
@@ -87,9 +105,9 @@ load(name=name, sources=[source], build_directory=work, extra_cflags=cflags, ext
 
 
 def build(root: Path, name: str, capability: str) -> ModuleType:
-    """Compile into a private folder (in a child process), then move the library into place with one rename, so
-    that another process never loads half a file. Raises RuntimeError (with the compiler's last words) or
-    OSError."""
+    """Compile in a private folder, in a child process, under a lock file (replicas starting together on a fresh
+    machine build once; the others wait and load that build), then move the library into place with one rename,
+    so that no process loads half a file. Raises RuntimeError (with the compiler's last words) or OSError."""
     compiler = os.environ.get("CXX", "c++")  # what torch's builder runs
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler}) on PATH; install g++ (Debian: build-essential)")
@@ -101,19 +119,37 @@ def build(root: Path, name: str, capability: str) -> ModuleType:
         if shutil.which("ninja", path=bin_dir) is None:
             raise RuntimeError("ninja not found: pip install ninja (kvgate[engine] brings it)")
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
-    work = root / f"build-{name}-{os.getpid()}"
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        flags = json.dumps(BASE_FLAGS + ISA_FLAGS.get(capability, []))
-        done = subprocess.run([sys.executable, "-c", _BUILD, name, str(SOURCE), str(work), flags], env=env,
-                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            said = (done.stderr or done.stdout).strip().splitlines()
-            raise RuntimeError("the compiler failed: " + " | ".join(said[-5:]))
-        os.replace(work / f"{name}.so", root / f"{name}.so")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True, mode=0o755)
+    with open(root / f".{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = load_cached(root, name)  # built by another process while this one waited
+        if cached is not None:
+            return cached
+        for stale in root.glob(f"build-{name}-*"):  # left by a build that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        work = Path(tempfile.mkdtemp(prefix=f"build-{name}-", dir=root))
+        try:
+            _compile(name, work, capability, env)
+            os.replace(work / f"{name}.so", root / f"{name}.so")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return _import(name, root / f"{name}.so")
+
+
+def _compile(name: str, work: Path, capability: str, env: dict[str, str]) -> None:
+    flags = json.dumps(BASE_FLAGS + ISA_FLAGS.get(capability, []))
+    child = subprocess.Popen([sys.executable, "-c", _BUILD, name, str(SOURCE), str(work), flags], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = child.communicate(timeout=BUILD_TIMEOUT_S)
+    except BaseException:  # a timeout, or this process stopping: end the build's whole process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        raise
+    if child.returncode != 0:
+        said = output.strip().splitlines()
+        raise RuntimeError("the compiler failed: " + " | ".join(said[-5:]))
 
 
 class KernelLoader:
@@ -131,7 +167,13 @@ class KernelLoader:
         self._root = cache_dir(env)
         self._capability = torch.backends.cpu.get_cpu_capability()
         self._name = build_name(SOURCE.read_bytes(), torch.__version__, self._capability)
-        module = load_cached(self._root, self._name)
+        try:
+            module = load_cached(self._root, self._name)
+        except (ImportError, OSError) as exc:  # a cached build that does not load: build a fresh one
+            log.warning("the cached paged-attention kernel does not load (%s); building it again", exc)
+            with contextlib.suppress(OSError):
+                (self._root / f"{self._name}.so").unlink()
+            module = None
         if module is not None:
             self._ready(module)
         elif mode == "wait":
@@ -149,7 +191,6 @@ class KernelLoader:
                  "KV blocks until it is ready)", self._capability, self._root)
         started = time.perf_counter()
         try:
-            self._root.mkdir(parents=True, exist_ok=True)
             module = build(self._root, self._name, self._capability)
         except Exception as exc:  # a missing compiler, a full disk: the engine runs on without the kernel
             detail = str(exc).strip().splitlines()

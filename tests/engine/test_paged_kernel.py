@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgate.engine.runner.kernels import KernelLoader, build_name, cache_dir
+from kvgate.engine.runner.kernels import SOURCE, KernelLoader, UntrustedCache, build_name, cache_dir, load_cached
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +135,13 @@ def test_bad_arguments_are_refused_with_what_is_wrong(kernel) -> None:
         kernel(out, query, kv, tables, query_start[:-1], start_pos, 0.25, 1)
     with pytest.raises(RuntimeError, match="kv must be contiguous"):
         kernel(out, query, kv.transpose(1, 2), tables, query_start, start_pos, 0.25, 1)
+    wild = tables.clone()
+    wild[0, 0] = kv.shape[1]  # one past the last block: refused, never read
+    with pytest.raises(RuntimeError, match=f"block id {kv.shape[1]} outside the cache"):
+        kernel(out, query, kv, wild, query_start, start_pos, 0.25, 1)
+    wild[0, 0] = -1
+    with pytest.raises(RuntimeError, match="block id -1 outside the cache"):
+        kernel(out, query, kv, wild, query_start, start_pos, 0.25, 1)
 
 
 # ------------------------------------------------------------------------------------------ the loader
@@ -158,6 +165,25 @@ def test_off_and_non_cpu_devices_use_no_kernel() -> None:
     assert KernelLoader("auto", torch.device("cuda")).status == "off"  # constructing a device needs no GPU
     with pytest.raises(ValueError, match="attention_kernel must be one of auto, wait, off"):
         KernelLoader("fast", torch.device("cpu"))
+
+
+def test_a_cached_build_that_does_not_load_is_built_again(tmp_path: Path) -> None:
+    env = {"KVGATE_KERNEL_DIR": str(tmp_path)}
+    name = build_name(SOURCE.read_bytes(), torch.__version__, torch.backends.cpu.get_cpu_capability())
+    (tmp_path / f"{name}.so").write_bytes(b"not a shared library")
+
+    loader = KernelLoader("wait", torch.device("cpu"), env=env)
+
+    assert loader.status == "ready" and loader.paged_attention is not None
+
+
+def test_a_cached_build_others_may_write_is_not_loaded(tmp_path: Path) -> None:
+    name = build_name(SOURCE.read_bytes(), torch.__version__, torch.backends.cpu.get_cpu_capability())
+    path = tmp_path / f"{name}.so"
+    path.write_bytes(b"anything")
+    path.chmod(0o666)
+    with pytest.raises(UntrustedCache, match="writable by others"):
+        load_cached(tmp_path, name)
 
 
 def test_without_a_compiler_the_kernel_is_unavailable_and_says_why(tmp_path: Path,

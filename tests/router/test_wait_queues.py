@@ -51,3 +51,17 @@ async def test_a_full_queue_refuses_at_once_without_a_signal() -> None:
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     assert queues.depths() == {}
+
+
+async def test_a_listener_that_raises_leaves_no_phantom_waiter() -> None:
+    async def ready(model: str, timeout_s: float) -> bool:
+        return True
+
+    def broken(model: str) -> None:
+        raise RuntimeError("a bug in a listener")
+
+    queues = WaitQueues(ready)
+    queues.on_first_waiter(broken)
+    with pytest.raises(RuntimeError):
+        await queues.wait("m", max_queued=8, timeout_s=5)
+    assert queues.depths() == {}  # the autoscaler would otherwise see a queue forever

@@ -259,6 +259,8 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv, t
                   start_pos.numel() == num_seqs, "start_pos must be int64 [seqs]");
   TORCH_CHECK(query.size(1) % kv.size(3) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(tile_rows >= 1, "tile_rows must be >= 1");
+  for (const torch::Tensor* t : {&out, &query, &kv, &block_tables, &query_start, &start_pos})
+    TORCH_CHECK(t->device().is_cpu(), "every tensor must be on the CPU");
 
   Shape shape{query.size(1), kv.size(3), query.size(1) / kv.size(3), query.size(2), kv.size(2),
               query.stride(0), query.stride(1), kv.stride(1), kv.stride(2), block_tables.stride(0),
@@ -272,10 +274,17 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv, t
   for (int64_t s = 0; s < num_seqs; ++s) num_tiles += (qs[s + 1] - qs[s] + tile_rows - 1) / tile_rows;
   const int64_t heads_per_item = num_tiles >= 2 * at::get_num_threads() ? shape.num_kv_heads : 1;
   std::vector<Item> items;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t num_blocks = kv.size(1);
+  TORCH_CHECK(num_seqs == 0 || qs[0] >= 0, "query_start out of order or range");
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(qs[s] <= qs[s + 1] && qs[s + 1] <= query.size(0), "query_start out of order or range");
     const int64_t last_pos = sp[s] + qs[s + 1] - qs[s] - 1;
     TORCH_CHECK(sp[s] >= 0 && last_pos / shape.block_size < max_blocks, "block table too short for its keys");
+    for (int64_t b = 0; b <= last_pos / shape.block_size; ++b) {  // every block read: inside the cache
+      const int64_t block = tables[s * shape.table_stride + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache's ", num_blocks, " blocks");
+    }
     for (int64_t row = qs[s]; row < qs[s + 1]; row += tile_rows) {
       const int64_t rows = std::min(tile_rows, qs[s + 1] - row);
       const int64_t keys = sp[s] + (row - qs[s]) + rows;
@@ -285,8 +294,9 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv, t
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const float* q = query.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
+  // No Python object is touched from here on: let the server's event loop run while the step attends.
+  pybind11::gil_scoped_release no_gil;
   switch (kv.scalar_type()) {
     case at::kFloat:
       attend(shape, q, kv[0].data_ptr<float>(), kv[1].data_ptr<float>(), tables, items, qs, sp, o);
