@@ -107,6 +107,17 @@ RUN set -eu; \
 RUN /opt/kvgate/bin/kvgate --version \
  && /opt/kvgate/bin/python /src/docker/check_target.py "${TARGET}"
 
+# CPU engines attend through a kernel compiled on the machine (engine/runner/kernels.py). The cpu target builds it
+# here, for both instruction sets its hosts may have, into the venv that the final stage copies: that image needs
+# no compiler (g++ and Python's headers stay in the builder), and its engines load the build in milliseconds.
+# A host whose set was not built logs once that the kernel is unavailable and gathers KV blocks instead.
+RUN if [ "${TARGET}" = cpu ]; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends g++ python3-dev \
+      && KVGATE_KERNEL_DIR=/opt/kvgate/kernels /opt/kvgate/bin/python -m kvgate.engine.runner.kernels --isa AVX2 AVX512 \
+      && apt-get clean && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 
 FROM python-base AS runtime
 
@@ -138,6 +149,7 @@ COPY --from=builder /opt/kvgate /opt/kvgate
 # Unbuffered: log lines reach `docker logs` as they are written. No bytecode writes: pip compiled the venv at
 # install, and a process should not litter a mounted registry or model folder with __pycache__.
 ENV PATH=/opt/kvgate/bin:$PATH \
+    KVGATE_KERNEL_DIR=/opt/kvgate/kernels \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001

@@ -82,9 +82,9 @@ def load_cached(root: Path, name: str) -> ModuleType | None:
     path = root / f"{name}.so"
     if not path.is_file():
         return None
-    for item in (root, path):
+    for item in (root, path):  # this user's, or root's (an image's, built into it), and no one else may write it
         info = item.stat()
-        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if info.st_uid not in (os.getuid(), 0) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise UntrustedCache(f"{item} belongs to uid {info.st_uid} or is writable by others; not loading it")
     return _import(name, path)
 
@@ -104,7 +104,7 @@ load(name=name, sources=[source], build_directory=work, extra_cflags=cflags, ext
 """
 
 
-def build(root: Path, name: str, capability: str) -> ModuleType:
+def build(root: Path, name: str, capability: str, load: bool = True) -> ModuleType | None:
     """Compile in a private folder, in a child process, under a lock file (replicas starting together on a fresh
     machine build once; the others wait and load that build), then move the library into place with one rename,
     so that no process loads half a file. Raises RuntimeError (with the compiler's last words) or OSError."""
@@ -122,9 +122,8 @@ def build(root: Path, name: str, capability: str) -> ModuleType:
     root.mkdir(parents=True, exist_ok=True, mode=0o755)
     with open(root / f".{name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        cached = load_cached(root, name)  # built by another process while this one waited
-        if cached is not None:
-            return cached
+        if (root / f"{name}.so").is_file():  # built by another process while this one waited
+            return load_cached(root, name) if load else None
         for stale in root.glob(f"build-{name}-*"):  # left by a build that was killed
             shutil.rmtree(stale, ignore_errors=True)
         work = Path(tempfile.mkdtemp(prefix=f"build-{name}-", dir=root))
@@ -133,7 +132,7 @@ def build(root: Path, name: str, capability: str) -> ModuleType:
             os.replace(work / f"{name}.so", root / f"{name}.so")
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    return _import(name, root / f"{name}.so")
+    return _import(name, root / f"{name}.so") if load else None
 
 
 def _compile(name: str, work: Path, capability: str, env: dict[str, str]) -> None:
@@ -202,14 +201,33 @@ class KernelLoader:
         log.info("paged-attention kernel ready in %.1f s", time.perf_counter() - started)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """Build the kernel into the cache now (for images and `make setup`), and say where it is."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvgate.engine.runner.kernels",
+                                     description="Build the engine's CPU attention kernel into the kernel cache "
+                                     "($KVGATE_KERNEL_DIR, else $KVGATE_CACHE_DIR/kernels, else ~/.cache/kvgate/kernels).")
+    parser.add_argument("--isa", nargs="+", choices=sorted(ISA_FLAGS), metavar="ISA",
+                        help=f"build for these instruction sets too ({', '.join(sorted(ISA_FLAGS))}), as an image "
+                        "does for the hosts it may run on (default: this machine's only)")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     loader = KernelLoader("wait", torch.device("cpu"))
     if loader.paged_attention is None:
         print(f"kvgate: the paged-attention kernel is {loader.status}", file=sys.stderr)
         return 1
-    print(f"paged-attention kernel: {loader._root / loader._name}.so")
+    print(f"paged-attention kernel for {loader._capability}: {loader._root / loader._name}.so")
+    for isa in args.isa or ():
+        if isa == loader._capability:
+            continue
+        name = build_name(SOURCE.read_bytes(), torch.__version__, isa)
+        try:
+            build(loader._root, name, isa, load=False)  # never loaded here: this CPU may lack the instructions
+        except (RuntimeError, OSError) as exc:
+            print(f"kvgate: the paged-attention kernel for {isa} was not built: {exc}", file=sys.stderr)
+            return 1
+        print(f"paged-attention kernel for {isa}: {loader._root / name}.so")
     return 0
 
 
