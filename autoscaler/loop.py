@@ -75,6 +75,7 @@ from kvgate.autoscaler.status import (
 )
 from kvgate.clock import Clock
 from kvgate.state import StateStore, StateStoreError
+from kvgate.state.base import raise_if_cancelled
 from kvgate.state.outage import Outage
 from kvgate.state.records import MALFORMED, read_status
 from kvgate.state.schema import SkippedRecords
@@ -234,6 +235,7 @@ class Autoscaler:
         while True:
             self._woken.clear()  # a wake during the tick below is kept: it makes the next tick come at once
             await self.tick()
+            raise_if_cancelled()
             await self._rest()
 
     async def _rest(self) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvgate.clock import Clock
-from kvgate.state.base import StateStore, StateStoreError
+from kvgate.state.base import StateStore, StateStoreError, raise_if_cancelled
 from kvgate.state.outage import Outage
 from kvgate.state.records import OBSERVATIONS_COLLECTION, ObservationRecord, observation_id
 
@@ -192,6 +192,7 @@ class ObservationPublisher:
                 if note is not None:
                     log.warning("cannot publish observations to the state store (the autoscaler does not see this "
                                 "gateway's load meanwhile): %s%s", exc, note)
+            raise_if_cancelled()
             await self._rest()
 
     async def _rest(self) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvgate.clock import Clock
-from kvgate.state.base import MemberRecord, StateStore, StateStoreError
+from kvgate.state.base import MemberRecord, StateStore, StateStoreError, raise_if_cancelled
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.outage import Outage
 from kvgate.registry.schema import Backend
@@ -476,6 +476,7 @@ class ReplicaTracker:
                     soon.cancel()
             self._poll_soon.clear()
             await self._poll_members()
+            raise_if_cancelled()
 
     async def _poll_members(self) -> None:
         assert self._store is not None

@@ -14,6 +14,7 @@ them shortens or lengthens a ttl by the skew.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import math
@@ -29,6 +30,16 @@ if TYPE_CHECKING:
 
 # A JSON value as the record store accepts it. Mappings must have str keys; floats must be finite.
 JSONValue = Any
+
+
+def raise_if_cancelled() -> None:
+    """Raise CancelledError when the current task was asked to stop. A store call can swallow a cancellation
+    that lands while it waits on Redis (redis-py's read timeout under Python 3.11's asyncio.timeout): a loop
+    that then goes back to sleep would never end, and whoever awaits its cancelled task would wait forever (a
+    gateway's shutdown did, on a fake clock). Loops call this after each store call."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class StateStoreError(Exception):

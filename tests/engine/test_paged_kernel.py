@@ -208,3 +208,23 @@ def test_auto_builds_in_the_background_and_later_loads_the_cached_build(tmp_path
     started = time.perf_counter()
     cached = KernelLoader("auto", torch.device("cpu"), env=env)
     assert cached.status == "ready" and time.perf_counter() - started < 1.0
+
+
+def test_the_builder_cli_builds_another_instruction_set_without_loading_it(tmp_path: Path, monkeypatch,
+                                                                           capsys) -> None:
+    import shutil
+    import sys
+
+    from kvgate.engine.runner.kernels import main
+
+    this = torch.backends.cpu.get_cpu_capability()
+    other = "AVX2" if this != "AVX2" else "AVX512"
+    mine = build_name(SOURCE.read_bytes(), torch.__version__, this)
+    shutil.copy2(cache_dir(__import__("os").environ) / f"{mine}.so", tmp_path / f"{mine}.so")  # the session's build
+    monkeypatch.setenv("KVGATE_KERNEL_DIR", str(tmp_path))
+
+    assert main(["--isa", other]) == 0
+
+    theirs = build_name(SOURCE.read_bytes(), torch.__version__, other)
+    assert (tmp_path / f"{theirs}.so").is_file() and theirs not in sys.modules
+    assert f"paged-attention kernel for {other}: {tmp_path / theirs}.so" in capsys.readouterr().out
