@@ -73,7 +73,7 @@ from kvgate.autoscaler.status import (
     build_status,
     cost_per_hour,
 )
-from kvgate.clock import Clock
+from kvgate.clock import Clock, sleep_or_wake
 from kvgate.state import StateStore, StateStoreError
 from kvgate.state.base import raise_if_cancelled
 from kvgate.state.outage import Outage
@@ -236,18 +236,7 @@ class Autoscaler:
             self._woken.clear()  # a wake during the tick below is kept: it makes the next tick come at once
             await self.tick()
             raise_if_cancelled()
-            await self._rest()
-
-    async def _rest(self) -> None:
-        if self._woken.is_set():
-            return
-        sleeping = asyncio.ensure_future(self._clock.sleep(self.settings.interval_s))
-        woken = asyncio.ensure_future(self._woken.wait())
-        try:
-            await asyncio.wait({sleeping, woken}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeping.cancel()
-            woken.cancel()
+            await sleep_or_wake(self._clock, self.settings.interval_s, self._woken)
 
     # -- one tick --------------------------------------------------------------------------------
 

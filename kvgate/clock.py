@@ -106,3 +106,17 @@ async def _let_tasks_run(rounds: int = 5) -> None:
     # sleep; a handful of zero-sleeps covers the chains kvgate's loops use without real waiting.
     for _ in range(rounds):
         await asyncio.sleep(0)
+
+
+async def sleep_or_wake(clock: Clock, seconds: float, wake: asyncio.Event) -> None:
+    """Sleep `seconds` on `clock`, or less: return as soon as `wake` is set (at once when it already is). For
+    loops that also act on a signal (a request waiting at zero replicas, a replica turning ready)."""
+    if wake.is_set():
+        return
+    sleeping = asyncio.ensure_future(clock.sleep(seconds))
+    woken = asyncio.ensure_future(wake.wait())
+    try:
+        await asyncio.wait({sleeping, woken}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeping.cancel()
+        woken.cancel()

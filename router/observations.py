@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from kvgate.clock import Clock
+from kvgate.clock import Clock, sleep_or_wake
 from kvgate.state.base import StateStore, StateStoreError, raise_if_cancelled
 from kvgate.state.outage import Outage
 from kvgate.state.records import OBSERVATIONS_COLLECTION, ObservationRecord, observation_id
@@ -193,18 +193,7 @@ class ObservationPublisher:
                     log.warning("cannot publish observations to the state store (the autoscaler does not see this "
                                 "gateway's load meanwhile): %s%s", exc, note)
             raise_if_cancelled()
-            await self._rest()
-
-    async def _rest(self) -> None:
-        if self._soon.is_set():
-            return
-        sleeping = asyncio.ensure_future(self._clock.sleep(self._interval_s))
-        soon = asyncio.ensure_future(self._soon.wait())
-        try:
-            await asyncio.wait({sleeping, soon}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeping.cancel()
-            soon.cancel()
+            await sleep_or_wake(self._clock, self._interval_s, self._soon)
 
     async def withdraw(self) -> None:
         """Delete the records this gateway wrote (on shutdown); a store that is down is ignored."""

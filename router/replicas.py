@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvgate.clock import Clock
+from kvgate.clock import Clock, sleep_or_wake
 from kvgate.state.base import MemberRecord, StateStore, StateStoreError, raise_if_cancelled
 from kvgate.state.base import ReplicaState as MemberState
 from kvgate.state.outage import Outage
@@ -466,14 +466,7 @@ class ReplicaTracker:
 
     async def _member_loop(self) -> None:
         while True:
-            if not self._poll_soon.is_set():
-                sleeping = asyncio.ensure_future(self._clock.sleep(self._settings.poll_interval_s))
-                soon = asyncio.ensure_future(self._poll_soon.wait())
-                try:
-                    await asyncio.wait({sleeping, soon}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    sleeping.cancel()
-                    soon.cancel()
+            await sleep_or_wake(self._clock, self._settings.poll_interval_s, self._poll_soon)
             self._poll_soon.clear()
             await self._poll_members()
             raise_if_cancelled()
