@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvgate.clock import Clock
+from kvgate.clock import Clock, sleep_or_wake
 from kvgate.log_limit import LogLimiter
 from kvgate.router.load_readers import LoadReport, parse_metrics, replica_url
 
@@ -56,10 +56,11 @@ class ProbeLog:
 
 
 async def health_loop(target: HttpTarget, clock: Clock, interval_s: float, on_result: Callable[[bool], None],
-                      on_unanswered: Callable[[], None] | None = None) -> None:
-    """Check /health now and every `interval_s`: a 200 passes (`on_result(True)`); any other status fails
-    (`on_result(False)`), and so does no answer in `target.timeout_s` (a timeout, a refused or reset connection),
-    which goes to `on_unanswered` instead where one is given."""
+                      on_unanswered: Callable[[], None] | None = None, check_now: asyncio.Event | None = None) -> None:
+    """Check /health now and every `interval_s`, or at once when `check_now` is set: a 200 passes
+    (`on_result(True)`); any other status fails (`on_result(False)`), and so does no answer in `target.timeout_s`
+    (a timeout, a refused or reset connection), which goes to `on_unanswered` instead where one is given."""
+    check_now = check_now or asyncio.Event()
     said = ProbeLog("health check", target.name)
     while True:
         answered = True
@@ -77,7 +78,8 @@ async def health_loop(target: HttpTarget, clock: Clock, interval_s: float, on_re
             on_result(ok)
         else:
             on_unanswered()
-        await clock.sleep(interval_s)
+        await sleep_or_wake(clock, interval_s, check_now)
+        check_now.clear()
 
 
 async def scrape_loop(target: HttpTarget, clock: Clock, interval_s: float, on_load: Callable[[LoadReport], None]) -> None:

@@ -397,7 +397,7 @@ class ReplicaTracker:
             if was_starting and source.member_state is MemberState.READY:
                 # Its health checks failed while it loaded (nothing listened yet); the autoscaler has just seen
                 # /health pass, so check again now rather than keep it out of rotation until the next check.
-                self._restart_health(tracked)
+                tracked.check_now.set()
             self._notify()
             return
         if tracked is not None:
@@ -440,22 +440,10 @@ class ReplicaTracker:
             tracked.tasks.append(asyncio.create_task(scrape_loop(
                 target, self._clock, self._settings.poll_interval_s, lambda report: self._apply_load(rid, report)),
                 name=f"kvgate-scrape-{rid}"))
-        tracked.tasks.append(self._health_task(tracked, target))
-
-    def _health_task(self, tracked: TrackedReplica, target: HttpTarget) -> asyncio.Task[None]:
-        rid = tracked.replica_id
-        return asyncio.create_task(health_loop(
+        tracked.tasks.append(asyncio.create_task(health_loop(
             target, self._clock, self._settings.health_interval_s, lambda ok: self._apply_health(rid, ok),
-            lambda: self._apply_health(rid, False, answered=False)), name=f"kvgate-health-{rid}")
-
-    def _restart_health(self, tracked: TrackedReplica) -> None:
-        """Cancel its health loop and start another, whose first check runs at once."""
-        for task in [t for t in tracked.tasks if t.get_name() == f"kvgate-health-{tracked.replica_id}"]:
-            task.cancel()
-            tracked.tasks.remove(task)
-        target = HttpTarget(tracked.url, self._http_session, tracked.auth_headers, self._settings.probe_timeout_s,
-                            name=tracked.replica_id)
-        tracked.tasks.append(self._health_task(tracked, target))
+            lambda: self._apply_health(rid, False, answered=False), check_now=tracked.check_now),
+            name=f"kvgate-health-{rid}"))
 
     # ------------------------------------------------------------------------------ membership
 

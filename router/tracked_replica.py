@@ -50,6 +50,7 @@ class TrackedReplica:
     health: Health = field(default_factory=Health)  # health checks and ejection (router.health)
     unlisted_since: float | None = None  # a READY member missing from the membership list since (clock)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    check_now: asyncio.Event = field(default_factory=asyncio.Event)  # set: its health loop checks at once
     # The attempts in flight there, told when it stops answering its health checks (`AttemptLease.unresponsive`).
     leases: set[AttemptLease] = field(default_factory=set, repr=False, compare=False)
     # The ReplicaState last built, until a field changes (__setattr__ drops it): every request's view

@@ -126,11 +126,19 @@ def build_step_metadata(batch: ModelInput, *, block_size: int, num_kv_blocks: in
 
     decode_rows = [i for i, n in enumerate(lengths) if n == 1]
     token_starts = list(itertools.accumulate(lengths, initial=0))
-    if decode_kernel is not None:
-        decode = _kernel_decode(decode_rows, token_starts, table, batch, decode_kernel, device)
-    else:
-        decode = _decode_group(decode_rows, token_starts, table, batch, block_size, num_kv_blocks,
-                               max_gather_blocks, device)
+    decode: DecodeGroup | KernelDecode | None = None
+    if decode_rows:
+        # When every sequence decodes, its rows are 0 .. n-1 and so are its tokens: no index to gather by.
+        every_token = len(decode_rows) == len(batch.seqs)
+        decode_tokens = None if every_token else torch.tensor([token_starts[i] for i in decode_rows], dtype=torch.int64)
+        decode_pos = pos if every_token else pos[decode_tokens]
+        decode_tables = table if every_token else table[decode_rows]
+        if decode_kernel is not None:
+            query_start = torch.arange(len(decode_rows) + 1, dtype=torch.int64)
+            decode = KernelDecode(decode_tokens, decode_tables, query_start, decode_pos, decode_kernel)
+        else:
+            decode = _decode_group(decode_tokens, decode_tables, decode_pos, block_size, num_kv_blocks,
+                                   max_gather_blocks, device)
     prefills = tuple(
         _prefill_chunk(seq, token_starts[i], tables[i], block_size, num_kv_blocks, device)
         for i, seq in enumerate(batch.seqs) if lengths[i] > 1
@@ -152,43 +160,25 @@ def _kv_block_ids(block_ids: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
     return torch.cat((flat, flat + num_kv_blocks))
 
 
-def _kernel_decode(rows: list[int], token_starts: list[int], table: torch.Tensor, batch: ModelInput,
-                   kernel: Callable[..., None], device: torch.device) -> KernelDecode | None:
-    if not rows:
-        return None
-    every_token = len(rows) == len(batch.seqs)
-    return KernelDecode(
-        token_indices=None if every_token else torch.tensor([token_starts[i] for i in rows], dtype=torch.int64),
-        block_tables=table if every_token else table[rows],
-        query_start=torch.arange(len(rows) + 1, dtype=torch.int64),
-        start_pos=torch.tensor([batch.seqs[i].start_pos for i in rows], dtype=torch.int64),
-        kernel=kernel,
-    )
-
-
-def _decode_group(rows: list[int], token_starts: list[int], table: torch.Tensor, batch: ModelInput,
-                  block_size: int, num_kv_blocks: int, max_gather_blocks: int | None,
-                  device: torch.device) -> DecodeGroup | None:
-    if not rows:
-        return None
-    num_keys = torch.tensor([batch.seqs[i].start_pos + 1 for i in rows], dtype=torch.int64)
+def _decode_group(token_indices: torch.Tensor | None, tables: torch.Tensor, positions: torch.Tensor, block_size: int,
+                  num_kv_blocks: int, max_gather_blocks: int | None, device: torch.device) -> DecodeGroup:
+    num_seqs = positions.numel()
+    num_keys = positions + 1
     max_blocks = -(-int(num_keys.max()) // block_size)
-    every_token = len(rows) == len(batch.seqs)  # then rows are 0 .. n-1 and so are the token indices
-    block_ids = table[:, :max_blocks] if every_token else table[rows, :max_blocks]
+    block_ids = tables[:, :max_blocks]
     key_mask = torch.arange(max_blocks * block_size)[None, :] < num_keys[:, None]
-    token_indices = None if every_token else torch.tensor([token_starts[i] for i in rows], dtype=torch.int64)
-    per_chunk = len(rows) if max_gather_blocks is None else max(1, max_gather_blocks // (2 * max_blocks))
+    per_chunk = num_seqs if max_gather_blocks is None else max(1, max_gather_blocks // (2 * max_blocks))
     chunks = tuple(
-        DecodeChunk(start, min(start + per_chunk, len(rows)),
+        DecodeChunk(start, min(start + per_chunk, num_seqs),
                     _kv_block_ids(block_ids[start:start + per_chunk], num_kv_blocks).to(device, non_blocking=True))
-        for start in range(0, len(rows), per_chunk)
+        for start in range(0, num_seqs, per_chunk)
     )
     return DecodeGroup(
         token_indices=None if token_indices is None else token_indices.to(device, non_blocking=True),
         chunks=chunks,
-        num_seqs=len(rows),
+        num_seqs=num_seqs,
         max_blocks=max_blocks,
-        key_mask=key_mask.view(len(rows), 1, 1, -1).to(device, non_blocking=True),
+        key_mask=key_mask.view(num_seqs, 1, 1, -1).to(device, non_blocking=True),
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -37,6 +38,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from kvgate.engine.builtin import CACHE_DIR_ENV
 
 log = logging.getLogger("kvgate.engine.kernels")
 
@@ -57,7 +60,7 @@ BUILD_TIMEOUT_S = 600.0
 def cache_dir(env: Mapping[str, str]) -> Path:
     if env.get("KVGATE_KERNEL_DIR"):
         return Path(env["KVGATE_KERNEL_DIR"]).expanduser()
-    root = Path(env["KVGATE_CACHE_DIR"]).expanduser() if env.get("KVGATE_CACHE_DIR") else Path.home() / ".cache" / "kvgate"
+    root = Path(env[CACHE_DIR_ENV]).expanduser() if env.get(CACHE_DIR_ENV) else Path.home() / ".cache" / "kvgate"
     return root / "kernels"
 
 
@@ -66,6 +69,12 @@ def build_name(source: bytes, torch_version: str, capability: str) -> str:
     digest = hashlib.sha256(b"\0".join([source, torch_version.encode(), capability.encode(),
                                         " ".join(BASE_FLAGS).encode()])).hexdigest()
     return f"kvgate_paged_attention_{digest[:16]}"
+
+
+@functools.cache
+def kernel_name(capability: str) -> str:
+    """This source's build name for `capability` (the file is read and hashed once per process)."""
+    return build_name(SOURCE.read_bytes(), torch.__version__, capability)
 
 
 def _import(name: str, path: Path) -> ModuleType:
@@ -163,15 +172,15 @@ class KernelLoader:
         if mode == "off" or device.type != "cpu":
             return
         env = os.environ if env is None else env
-        self._root = cache_dir(env)
-        self._capability = torch.backends.cpu.get_cpu_capability()
-        self._name = build_name(SOURCE.read_bytes(), torch.__version__, self._capability)
+        self.root = cache_dir(env)
+        self.capability = torch.backends.cpu.get_cpu_capability()
+        self.name = kernel_name(self.capability)
         try:
-            module = load_cached(self._root, self._name)
+            module = load_cached(self.root, self.name)
         except (ImportError, OSError) as exc:  # a cached build that does not load: build a fresh one
             log.warning("the cached paged-attention kernel does not load (%s); building it again", exc)
             with contextlib.suppress(OSError):
-                (self._root / f"{self._name}.so").unlink()
+                (self.root / f"{self.name}.so").unlink()
             module = None
         if module is not None:
             self._ready(module)
@@ -187,10 +196,10 @@ class KernelLoader:
 
     def _build(self) -> None:
         log.info("building the paged-attention kernel for %s into %s (once per machine; decodes gather their "
-                 "KV blocks until it is ready)", self._capability, self._root)
+                 "KV blocks until it is ready)", self.capability, self.root)
         started = time.perf_counter()
         try:
-            module = build(self._root, self._name, self._capability)
+            module = build(self.root, self.name, self.capability)
         except Exception as exc:  # a missing compiler, a full disk: the engine runs on without the kernel
             detail = str(exc).strip().splitlines()
             self.status = f"unavailable: {detail[-1] if detail else type(exc).__name__}"
@@ -217,17 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     if loader.paged_attention is None:
         print(f"kvgate: the paged-attention kernel is {loader.status}", file=sys.stderr)
         return 1
-    print(f"paged-attention kernel for {loader._capability}: {loader._root / loader._name}.so")
+    print(f"paged-attention kernel for {loader.capability}: {loader.root / loader.name}.so")
     for isa in args.isa or ():
-        if isa == loader._capability:
+        if isa == loader.capability:
             continue
-        name = build_name(SOURCE.read_bytes(), torch.__version__, isa)
+        name = kernel_name(isa)
         try:
-            build(loader._root, name, isa, load=False)  # never loaded here: this CPU may lack the instructions
+            build(loader.root, name, isa, load=False)  # never loaded here: this CPU may lack the instructions
         except (RuntimeError, OSError) as exc:
             print(f"kvgate: the paged-attention kernel for {isa} was not built: {exc}", file=sys.stderr)
             return 1
-        print(f"paged-attention kernel for {isa}: {loader._root / name}.so")
+        print(f"paged-attention kernel for {isa}: {loader.root / name}.so")
     return 0
 
 

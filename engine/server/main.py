@@ -222,7 +222,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     log.info("loading model %s", config.model)
     try:
         engine = await AsyncLLM.create(config)
-        args.startup_phases = {**phases, **engine.core.load_seconds}
+        phases.update(engine.core.load_seconds)
     except Exception as exc:  # any load failure is the operator's to fix; the message says what
         log.debug("model load failed", exc_info=True)
         print(f"kvgate engine: cannot load model {config.model!r}: {exc}", file=sys.stderr)
@@ -230,12 +230,14 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         if signals.stop.is_set():
             return 0
-        return await _serve_engine(engine, args, signals)
+        return await _serve_engine(engine, args, signals, phases)
     finally:
         await engine.close()
 
 
-async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals) -> int:
+async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals,
+                        phases: dict[str, float | None]) -> int:
+    """`phases`: the start-up so far (process, loading), for the start-up line once serving."""
     from kvgate.engine.server.app import build_app
     from kvgate.engine.server.context import CONTEXT, ServerSettings
 
@@ -273,7 +275,7 @@ async def _serve_engine(engine: Any, args: argparse.Namespace, signals: _Signals
                 return 1
         lifecycle.ready = True
         log.info("kvgate engine ready: model %s on http://%s:%d", settings.served_model_name, args.host, port)
-        phases = {**getattr(args, "startup_phases", {}), "warm_up": warm_up_s}
+        phases = {**phases, "warm_up": warm_up_s}
         age = process_age_s()
         if age is not None:  # the rest: the HTTP app, its listener, the state stream, the event loop's turns
             phases["other"] = max(0.0, age - sum(s for s in phases.values() if s is not None))

@@ -3,7 +3,6 @@ adapter into its cache and serves it exactly as the same adapter from a local di
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import boto3
@@ -13,6 +12,7 @@ from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.core import EngineConfig, EngineCore
 from kvgate.engine.lora import AdapterLoadError
 from kvgate.engine.lora.source import fetch_adapter
+from tests.s3_objects import new_bucket, upload_dir
 from tests.engine.lora_adapters import ALL_MODULES, AdapterSpec, tiny_hf_model, write_adapter
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -29,21 +29,14 @@ def model_and_adapter(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture
 def bucket(moto_endpoint_url: str, moto_credentials: None) -> str:
-    name = f"adapters-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_endpoint_url).create_bucket(Bucket=name)
-    return name
+    return new_bucket(moto_endpoint_url, "adapters")
 
-
-def upload(endpoint_url: str, bucket: str, prefix: str, directory: Path) -> None:
-    s3 = boto3.client("s3", endpoint_url=endpoint_url)
-    for path in directory.iterdir():
-        s3.upload_file(str(path), bucket, f"{prefix}/{path.name}")
 
 
 def test_an_adapter_from_s3_serves_the_same_tokens_as_from_a_directory(
         model_and_adapter, moto_endpoint_url: str, bucket: str, tmp_path: Path, monkeypatch) -> None:
     model_dir, adapter_dir = model_and_adapter
-    upload(moto_endpoint_url, bucket, "team/sql-lora", adapter_dir)
+    upload_dir(moto_endpoint_url, bucket, "team/sql-lora", adapter_dir)
     monkeypatch.setenv("KVGATE_S3_ENDPOINT_URL", moto_endpoint_url)  # as a deployment would set it
     llm = LLM(str(model_dir), kv_cache_bytes=2 << 20, cache_dir=tmp_path / "cache")
     llm.core.load_adapter("local", str(adapter_dir))
@@ -60,7 +53,7 @@ def test_an_adapter_from_s3_serves_the_same_tokens_as_from_a_directory(
 def test_fetching_an_unchanged_adapter_again_reuses_the_download(
         model_and_adapter, moto_endpoint_url: str, bucket: str, tmp_path: Path) -> None:
     _, adapter_dir = model_and_adapter
-    upload(moto_endpoint_url, bucket, "a", adapter_dir)
+    upload_dir(moto_endpoint_url, bucket, "a", adapter_dir)
 
     first = fetch_adapter(f"s3://{bucket}/a", tmp_path, endpoint_url=moto_endpoint_url)
     again = fetch_adapter(f"s3://{bucket}/a", tmp_path, endpoint_url=moto_endpoint_url)

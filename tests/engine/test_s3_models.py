@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import filecmp
 import logging
-import uuid
 from pathlib import Path
 
 import boto3
@@ -16,6 +15,7 @@ import pytest
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.builtin import ModelSourceError, resolve_model_source
 from kvgate.engine.s3_models import fetch_s3_model, part_ranges
+from tests.s3_objects import new_bucket, upload_dir
 from tests.engine.builtin_cache import tiny_llama_dir
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -23,16 +23,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def bucket(moto_endpoint_url: str, moto_credentials: None) -> str:
-    name = f"models-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_endpoint_url).create_bucket(Bucket=name)
-    return name
+    return new_bucket(moto_endpoint_url, "models")
 
-
-def upload(endpoint_url: str, bucket: str, prefix: str, directory: Path) -> None:
-    s3 = boto3.client("s3", endpoint_url=endpoint_url)
-    for path in directory.iterdir():
-        if path.is_file():
-            s3.upload_file(str(path), bucket, f"{prefix}/{path.name}")
 
 
 def same_files(left: Path, right: Path) -> bool:
@@ -53,7 +45,7 @@ def test_part_ranges_cover_every_byte_once() -> None:
 def test_the_fetched_copy_is_the_uploaded_directory(moto_endpoint_url: str, bucket: str, tmp_path: Path,
                                                     part_bytes: int) -> None:
     model = tiny_llama_dir()
-    upload(moto_endpoint_url, bucket, "llama/tiny", model)
+    upload_dir(moto_endpoint_url, bucket, "llama/tiny", model)
 
     stats = fetch_s3_model(f"s3://{bucket}/llama/tiny", tmp_path, moto_endpoint_url, workers=4,
                            part_bytes=part_bytes)
@@ -66,7 +58,7 @@ def test_the_fetched_copy_is_the_uploaded_directory(moto_endpoint_url: str, buck
 
 def test_an_unchanged_model_is_found_in_the_cache_and_a_changed_one_is_fetched_anew(
         moto_endpoint_url: str, bucket: str, tmp_path: Path) -> None:
-    upload(moto_endpoint_url, bucket, "m", tiny_llama_dir())
+    upload_dir(moto_endpoint_url, bucket, "m", tiny_llama_dir())
     url = f"s3://{bucket}/m/"
     first = fetch_s3_model(url, tmp_path, moto_endpoint_url)
 
@@ -100,7 +92,7 @@ def test_an_unreachable_endpoint_is_an_error_not_a_hang(moto_credentials: None, 
 def test_an_engine_serves_an_s3_model_as_it_serves_the_directory(moto_endpoint_url: str, bucket: str,
                                                                  tmp_path: Path, monkeypatch, caplog) -> None:
     model = tiny_llama_dir()
-    upload(moto_endpoint_url, bucket, "team/tiny", model)
+    upload_dir(moto_endpoint_url, bucket, "team/tiny", model)
     monkeypatch.setenv("KVGATE_S3_ENDPOINT_URL", moto_endpoint_url)  # as a deployment would set it
     prompt = [5, 17, 99, 3, 42, 250, 7]
 
