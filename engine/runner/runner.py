@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kvgate.engine.config import ModelConfig, ModelLoadError, load_model_config
+from kvgate.engine.runner.allocator import keep_freed_memory
 from kvgate.engine.runner.attention import build_step_metadata
 from kvgate.engine.runner.kernels import KernelLoader
 from kvgate.engine.runner.kv_cache import PagedKVCache, bytes_per_block
@@ -70,6 +71,8 @@ class ModelRunner:
                              f"got {max_loras!r} and {max_lora_rank!r}")
         self.config = load_model_config(model_dir)
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # steps reuse their activations' memory instead of faulting it in anew
         # First, so that a kernel build (when there is no cached one) overlaps loading the model.
         self.kernels = KernelLoader(attention_kernel, self.device)
         self.dtype = resolve_dtype(dtype, self.config)
