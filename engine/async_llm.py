@@ -37,7 +37,7 @@ class _Add:
     params: SamplingParams
     adapter: str | None
     on_delta: Callable[[TokenDelta | BaseException], None]
-    result: concurrent.futures.Future[int]
+    result: concurrent.futures.Future[list[int]]
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,13 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams,
                        adapter: str | None = None) -> AsyncIterator[TokenDelta]:
-        """Stream the deltas of one request, the last one carrying its finish reason.
+        """Stream the deltas of one request, the last one carrying its finish reason. With params.n > 1,
+        the deltas of its n samples interleave (TokenDelta.index says whose), and the stream ends when all
+        n have finished.
 
-        Raises ValueError (bad prompt) or UnknownAdapter before the first delta, and AdapterLoadError
-        if the adapter's weights cannot be loaded when the request is scheduled. Closing the iterator
-        early, or cancelling the task that reads it, aborts the request.
+        Raises ValueError (bad prompt, a constraint that does not compile) or UnknownAdapter before the
+        first delta, and AdapterLoadError if the adapter's weights cannot be loaded when the request is
+        scheduled. Closing the iterator early, or cancelling the task that reads it, aborts the request.
         """
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
@@ -96,19 +98,17 @@ class AsyncLLM:
         def on_delta(item: TokenDelta | BaseException) -> None:
             loop.call_soon_threadsafe(deltas.put_nowait, item)
 
-        seq_id = await self._submit(prompt, params, adapter, on_delta)
-        finished = False
+        open_ids = set(await self._submit(prompt, params, adapter, on_delta))
         try:
-            while True:
+            while open_ids:
                 item = await deltas.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finish_reason is not None
+                if item.finish_reason is not None:
+                    open_ids.discard(item.seq_id)
                 yield item
-                if finished:
-                    return
         finally:
-            if not finished:
+            for seq_id in open_ids:
                 self._commands.put(_Abort(seq_id))
 
     async def close(self) -> None:
@@ -201,10 +201,10 @@ class AsyncLLM:
     # ---------------------------------------------------------------------------------- internals
 
     async def _submit(self, prompt: str | Seq[int], params: SamplingParams, adapter: str | None,
-                      on_delta: Callable[[TokenDelta | BaseException], None]) -> int:
+                      on_delta: Callable[[TokenDelta | BaseException], None]) -> list[int]:
         if self._failure is not None or not self._thread.is_alive():
             raise EngineDead(f"the engine stopped: {self._failure!r}")
-        result: concurrent.futures.Future[int] = concurrent.futures.Future()
+        result: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
         self._commands.put(_Add(prompt, params, adapter, on_delta, result))
         try:
             return await asyncio.wrap_future(result)
@@ -214,9 +214,10 @@ class AsyncLLM:
             result.add_done_callback(self._abort_if_added)
             raise
 
-    def _abort_if_added(self, result: concurrent.futures.Future[int]) -> None:
+    def _abort_if_added(self, result: concurrent.futures.Future[list[int]]) -> None:
         if not result.cancelled() and result.exception() is None:
-            self._commands.put(_Abort(result.result()))
+            for seq_id in result.result():
+                self._commands.put(_Abort(seq_id))
 
     async def _call_on_worker(self, fn: Callable[[EngineCore], T]) -> T:
         if self._failure is not None or not self._thread.is_alive():
@@ -241,12 +242,13 @@ class AsyncLLM:
             self.core.abort(command.seq_id)
             return
         try:
-            seq_id = self.core.add_request(command.prompt, command.params, command.adapter)
+            seq_ids = self.core.add_requests(command.prompt, command.params, command.adapter)
         except Exception as exc:  # bad input: the caller gets it, the engine carries on
             command.result.set_exception(exc)
             return
-        self._sinks[seq_id] = command.on_delta
-        command.result.set_result(seq_id)
+        for seq_id in seq_ids:
+            self._sinks[seq_id] = command.on_delta
+        command.result.set_result(seq_ids)
 
     def _run(self) -> None:
         try:

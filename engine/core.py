@@ -17,6 +17,7 @@ step() loads the adapters that the step's admissions need (evicting least recent
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import itertools
 import os
@@ -33,7 +34,9 @@ from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.engine.lora import AdapterInfo, AdapterManager, UnknownAdapter
 from kvgate.engine.lora.source import fetch_adapter
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
-from kvgate.engine.sequence import FinishReason, ModelInput, ModelOutput, SampledToken, SamplingParams, Sequence
+from kvgate.engine.sequence import (FinishReason, ModelInput, ModelOutput, SampledToken, SamplingParams,
+                                   ScheduledSeq, Sequence)
+from kvgate.engine.structured import GrammarBook
 from kvgate.tokenizer import Tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -106,6 +109,7 @@ class TokenDelta:
     sampled: SampledToken
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # prompt tokens this request found in the prefix cache
+    index: int = 0  # which sample of its request (n > 1) this sequence is: 0 .. n - 1
 
 
 @dataclass
@@ -223,8 +227,10 @@ class EngineCore:
             self.block_manager, adapters=self.adapter_manager,
         )
         self.sampler = Sampler()
+        self.grammars = GrammarBook(self.tokenizer.to_json(), tuple(sorted(eos)), model_config.vocab_size)
         self._ids = itertools.count()
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._sample_index: dict[int, int] = {}  # seq_id -> its sample's index, for samples after the first
         self._num_generated_tokens_total = 0
         self._num_prompt_tokens_total = 0
         self._num_requests_finished_total = 0
@@ -248,24 +254,46 @@ class EngineCore:
         return ids
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams, adapter: str | None = None) -> int:
-        """Queue a request; returns its id. Raises ValueError for an empty or too long prompt, and
-        UnknownAdapter for an adapter that is not registered."""
+        """Queue a request of one sample; returns its id. Raises ValueError for an empty or too long prompt,
+        n > 1 (see add_requests), a constraint that does not compile (GrammarError), and UnknownAdapter for an
+        adapter that is not registered."""
+        if params.n != 1:
+            raise ValueError(f"add_request takes n = 1; got n = {params.n} (use add_requests)")
+        return self.add_requests(prompt, params, adapter)[0]
+
+    def add_requests(self, prompt: str | Seq[int], params: SamplingParams, adapter: str | None = None) -> list[int]:
+        """Queue the params.n samples of one prompt; returns their ids, sample 0 first. The samples after the
+        first fork from it once it has computed the prompt, sharing its KV blocks; sample i draws from its own
+        seed stream (seed + i when a seed is given). Raises as add_request."""
         token_ids = self.encode_prompt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this model takes at most "
                              f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})")
-        seq_id = next(self._ids)
-        seq = Sequence(seq_id=seq_id, prompt_token_ids=tuple(token_ids), params=params, adapter=adapter)
-        self.scheduler.add(seq)
-        self._detokenizers[seq_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        samples = [Sequence(seq_id=next(self._ids), prompt_token_ids=tuple(token_ids),
+                            params=_sample_params(params, i), adapter=adapter) for i in range(params.n)]
+        try:
+            if params.constraint is not None:
+                for seq in samples:  # GrammarError (a ValueError) refuses the request
+                    self.grammars.start(seq.seq_id, params.constraint)
+            self.scheduler.add(samples[0], tuple(samples[1:]))
+        except Exception:
+            for seq in samples:
+                self.grammars.release(seq.seq_id)
+            raise
+        for index, seq in enumerate(samples):
+            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+            if index:
+                self._sample_index[seq.seq_id] = index
         self._num_prompt_tokens_total += len(token_ids)
-        return seq_id
+        return [seq.seq_id for seq in samples]
 
     def abort(self, seq_id: int) -> bool:
         """Cancel a request; its KV blocks are freed at once. False if it was unknown or finished."""
         self._detokenizers.pop(seq_id, None)
+        self.grammars.release(seq_id)
+        self._sample_index.pop(seq_id, None)
         aborted = self.scheduler.abort(seq_id)
         self._num_requests_aborted_total += aborted
         return aborted
@@ -350,6 +378,10 @@ class EngineCore:
             return []
         logits = self.runner.compute_logits(batch)
         sampling = [s for s in batch.seqs if s.sample]
+        if any(s.forks for s in sampling):
+            logits, sampling = _with_fork_rows(logits, sampling)
+        if self.grammars.num_matchers:
+            logits = self.grammars.mask(logits, [s.seq_id for s in sampling])
         sampled = self.sampler(logits, sampling) if sampling else []
         deltas = []
         for result in self.scheduler.update(batch, ModelOutput(tuple(sampled))):
@@ -358,23 +390,28 @@ class EngineCore:
             if detokenizer is None:
                 continue  # aborted between schedule and update
             reason = result.finish_reason
+            complete = self.grammars.advance(seq_id, result.new_token_id)  # the constrained output is whole
             if reason is FinishReason.STOP:
                 # EOS or a stop token id: like vLLM, its text is not part of the output.
                 text = detokenizer.flush()
             else:
                 text, stopped = detokenizer.add(result.new_token_id)
-                if stopped:  # a stop string completed: the detokenizer cut the text before it
+                if stopped or (complete and reason is None):  # a stop string completed (the text is cut before it)
                     if reason is None:
                         self.scheduler.finish(seq_id, FinishReason.STOP)
                     reason = FinishReason.STOP
+                    text += detokenizer.flush()
                 elif reason is not None:
                     text += detokenizer.flush()
+            index = self._sample_index.get(seq_id, 0)
             if reason is not None:
                 del self._detokenizers[seq_id]
+                self.grammars.release(seq_id)
+                self._sample_index.pop(seq_id, None)
                 self._num_requests_finished_total += 1
             self._num_generated_tokens_total += 1
             deltas.append(TokenDelta(seq_id, result.new_token_id, text, result.sampled, reason,
-                                     result.seq.num_cached_tokens))
+                                     result.seq.num_cached_tokens, index))
         return deltas
 
     def _load_adapters(self, batch: ModelInput) -> ModelInput:
@@ -391,6 +428,35 @@ class EngineCore:
                 continue
             self.scheduler.finish(work.seq_id, FinishReason.ABORT)
             self._detokenizers.pop(work.seq_id, None)
+            self.grammars.release(work.seq_id)
+            self._sample_index.pop(work.seq_id, None)
             self._num_requests_aborted_total += 1
             self._request_errors.append((work.seq_id, error))
-        return ModelInput(tuple(kept), batch.released_seq_ids)
+        return dataclasses.replace(batch, seqs=tuple(kept))
+
+
+_SEED_MODULUS = 2 ** 64  # torch.Generator.manual_seed takes -2**63 .. 2**64 - 1
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of sample `index` of a request: n = 1, and seed + index when a seed is given."""
+    seed = params.seed
+    if seed is not None and index:
+        seed = (seed + index) % _SEED_MODULUS
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _with_fork_rows(logits, sampling: list[ScheduledSeq]):  # torch.Tensor in, torch.Tensor out
+    """The step's logits and sampling rows with a row per fork: a fork samples from the logits of the
+    sequence it forks from, under its own params (seed)."""
+    import torch
+
+    rows: list[int] = []
+    expanded: list[ScheduledSeq] = []
+    for row, work in enumerate(sampling):
+        rows.append(row)
+        expanded.append(work)
+        for seq_id, params in work.forks:
+            rows.append(row)
+            expanded.append(dataclasses.replace(work, seq_id=seq_id, params=params, forks=()))
+    return logits.index_select(0, torch.tensor(rows, device=logits.device)), expanded

@@ -108,15 +108,25 @@ class Scheduler:
         self._running: list[Sequence] = []  # admission order: the newest is last
         self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
         self._released: list[int] = []  # finished since the last schedule()
+        # Further samples (n > 1) of a sequence whose prompt is not computed yet, by that sequence's id.
+        self._forks: dict[int, list[Sequence]] = {}
+        self._block_copies: list[tuple[int, int, int]] = []  # (forked seq_id, source, destination), for the next step
         self.num_preemptions_total = 0  # a counter for metrics: preemptions mean the KV pool is too small
         self.num_prefix_waits_total = 0  # admissions put off a step for a prefix another sequence computes
 
     # ----- requests in and out
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Raises ValueError for an empty prompt, a prompt that leaves no room
-        to generate (len(prompt) >= max_model_len), a seq_id in use, or a sequence already started, and
-        the gate's UnknownAdapter for an adapter it does not serve."""
+    def add(self, seq: Sequence, forks: tuple[Sequence, ...] = ()) -> None:
+        """Queue a new sequence, with `forks`: further samples of the same prompt (n > 1), which wait until
+        `seq` has computed the prompt and then share its KV blocks (`update` forks them), each sampling its
+        own first token from the same logits. Raises ValueError for an empty prompt, a prompt that leaves no
+        room to generate (len(prompt) >= max_model_len), a seq_id in use, or a sequence already started,
+        and the gate's UnknownAdapter for an adapter it does not serve."""
+        for fork in forks:
+            if fork.prompt_token_ids != seq.prompt_token_ids or fork.adapter != seq.adapter:
+                raise ValueError(f"fork {fork.seq_id} must have the prompt and adapter of sequence {seq.seq_id}")
+            if fork.seq_id in self._seqs or fork.seq_id == seq.seq_id:
+                raise ValueError(f"seq_id {fork.seq_id} is already in use")
         num_prompt = seq.num_prompt_tokens
         if num_prompt == 0:
             raise ValueError("the prompt is empty; a request needs at least one prompt token")
@@ -128,9 +138,15 @@ class Scheduler:
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id} has already been scheduled")
         if seq.adapter is not None and self.adapters is not None:
-            self.adapters.on_add(seq.adapter)
+            for _ in (seq, *forks):
+                self.adapters.on_add(seq.adapter)
         self._seqs[seq.seq_id] = seq
         self._waiting.append(seq)
+        if forks:
+            self._forks[seq.seq_id] = list(forks)
+            for fork in forks:
+                fork.status = SequenceStatus.FORKING
+                self._seqs[fork.seq_id] = fork
 
     def abort(self, seq_id: int) -> bool:
         """Cancel a sequence: free its blocks at once, finish it with ABORT. False if it is unknown or
@@ -171,7 +187,9 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(scheduled, budget)
         released, self._released = tuple(self._released), []
-        return ModelInput(seqs=tuple(scheduled.values()), released_seq_ids=released)
+        copies = tuple((source, dest) for seq_id, source, dest in self._block_copies if seq_id in self._seqs)
+        self._block_copies.clear()
+        return ModelInput(seqs=tuple(scheduled.values()), released_seq_ids=released, block_copies=copies)
 
     def update(self, batch: ModelInput, output: ModelOutput) -> list[StepResult]:
         """Apply the runner's answer to `batch`: advance each scheduled sequence by its chunk, cache
@@ -189,12 +207,15 @@ class Scheduler:
             self.block_manager.commit_full_blocks(seq)
             if not work.sample:
                 continue
+            # Forked before the token is appended (they share the prompt's blocks only), reported after it.
+            forked = self._fork(seq, work, sampled) if work.forks else []
             token = sampled[work.seq_id]
             seq.output_token_ids.append(token.token_id)
             reason = self._stop_reason(seq, token.token_id)
             if reason is not None:
                 self._finish(seq, reason)
             results.append(StepResult(seq, token.token_id, token, reason))
+            results.extend(forked)
         return results
 
     # ----- internals
@@ -267,6 +288,34 @@ class Scheduler:
             scheduled[seq.seq_id] = self._work(seq, num_new)
             budget -= num_new
 
+    def _fork(self, parent: Sequence, work: ScheduledSeq, sampled: dict[int, SampledToken]) -> list[StepResult]:
+        """Start the forks of `parent`, whose prompt is now computed, each with its own sampled token. A fork
+        that finds no free block for its copy on write computes the prompt itself instead, later."""
+        results = []
+        for fork in self._forks.pop(parent.seq_id, []):
+            if fork.status is not SequenceStatus.FORKING:
+                continue  # finished (aborted) while it waited
+            if not self.block_manager.can_fork(parent):
+                fork.status = SequenceStatus.WAITING
+                self._waiting.appendleft(fork)
+                continue
+            copy = self.block_manager.fork(parent, fork)
+            if copy is not None:
+                self._block_copies.append((fork.seq_id, *copy))
+            fork.num_computed_tokens = parent.num_computed_tokens
+            fork.num_cached_tokens = parent.num_cached_tokens
+            fork.status = SequenceStatus.RUNNING
+            self._running.append(fork)
+            if fork.adapter is not None and self.adapters is not None:
+                self.adapters.on_run(fork.adapter)
+            token = sampled[fork.seq_id]
+            fork.output_token_ids.append(token.token_id)
+            reason = self._stop_reason(fork, token.token_id)
+            if reason is not None:
+                self._finish(fork, reason)
+            results.append(StepResult(fork, token.token_id, token, reason))
+        return results
+
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if self.config.long_prefill_chunk is not None:
@@ -282,10 +331,13 @@ class Scheduler:
         else:  # the chunk reaches into generated tokens: a decode, or recomputing after preemption
             outputs = seq.output_token_ids[max(0, start - len(prompt)):end - len(prompt)]
             token_ids = (*prompt[start:], *outputs)
+        sample = end == seq.num_tokens
+        forks = self._forks.get(seq.seq_id, ()) if sample and not seq.output_token_ids else ()
         return ScheduledSeq(seq_id=seq.seq_id, token_ids=tuple(token_ids), start_pos=start,
-                            block_table=tuple(seq.block_table), sample=end == seq.num_tokens,
+                            block_table=tuple(seq.block_table), sample=sample,
                             params=seq.params, output_token_ids=tuple(seq.output_token_ids),
-                            adapter=seq.adapter)
+                            adapter=seq.adapter,
+                            forks=tuple((f.seq_id, f.params) for f in forks if f.status is SequenceStatus.FORKING))
 
     def _preempt(self, seq: Sequence, scheduled: dict[int, ScheduledSeq]) -> int:
         """Preempt by recompute; returns the budget it gave back if it was already scheduled."""
@@ -317,8 +369,13 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
             self._unpin(seq)
-        else:
+        elif seq.status is SequenceStatus.WAITING:
             self._waiting.remove(seq)
+        # A sequence that ends before its forks could share its prompt leaves them to compute it themselves.
+        for fork in self._forks.pop(seq.seq_id, []):
+            if fork.status is SequenceStatus.FORKING:
+                fork.status = SequenceStatus.WAITING
+                self._waiting.append(fork)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -333,7 +390,7 @@ class Scheduler:
 
 
 def _pair_samples(batch: ModelInput, output: ModelOutput) -> dict[int, SampledToken]:
-    expected = [work.seq_id for work in batch.seqs if work.sample]
+    expected = [seq_id for work in batch.seqs if work.sample for seq_id in (work.seq_id, *(f for f, _ in work.forks))]
     got = [token.seq_id for token in output.sampled]
     if got != expected:
         raise ValueError(f"the runner sampled for sequences {got}; the batch asked for {expected}")

@@ -21,6 +21,15 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """What a constrained output must match (engine/structured.py compiles it). Hashable: compiled
+    grammars are cached by it."""
+
+    kind: str  # "json_schema": `source` is the schema as JSON text; "lark": a Lark grammar (llguidance's dialect)
+    source: str
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop; the meaning follows OpenAI's and vLLM's APIs."""
 
@@ -36,6 +45,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # stop on these tokens in addition to EOS
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's logprob and the top n
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias, -100 to 100).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None  # the output must match this (JSON schema, grammar)
+    n: int = 1  # samples of the prompt; they share its KV blocks (engine/scheduler.py forks them)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +67,10 @@ class SamplingParams:
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "a number from -2 to 2")
         _check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "0 to 20")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        _check(all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias", self.logit_bias,
+               "token ids >= 0 with biases from -100 to 100")
+        _check(self.n >= 1, "n", self.n, "an integer >= 1")
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +85,7 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
     RUNNING = "running"  # holds KV blocks; prefilling in chunks or decoding
+    FORKING = "forking"  # a further sample of a prompt (n > 1): waits for its first sample's prefill to share it
     FINISHED = "finished"
 
 
@@ -120,6 +138,9 @@ class ScheduledSeq:
     params: SamplingParams
     output_token_ids: tuple[int, ...]  # generated so far, for presence/frequency penalties
     adapter: str | None = None
+    # The further samples (n > 1) that fork from this sequence once its prompt is computed: (seq_id, params)
+    # each. Each samples its own first token from this sequence's logits; the sampler sees them as rows.
+    forks: tuple[tuple[int, SamplingParams], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +152,9 @@ class ModelInput:
     # per-sequence state (random generators). Preempted sequences are not released: their sampling
     # state must survive recomputation so a seeded request gives the same tokens either way.
     released_seq_ids: tuple[int, ...] = ()
+    # KV blocks to copy, (source, destination), before this step's forward pass: the partly filled last
+    # prompt block of each forked sample, which it is about to write its own tokens into (copy on write).
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -159,6 +159,10 @@ class Tokenizer:
             out[token.content] = token_id
         return out
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar library builds its vocabulary from)."""
+        return self._tokenizer.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
 
@@ -166,9 +170,11 @@ class Tokenizer:
         return self._tokenizer.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}, ...]) into the prompt text.
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) into the prompt text; `tools` (OpenAI's
+        [{"type": "function", "function": {...}}]) go to the template as transformers passes them.
 
         Encode the result with add_special_tokens=False. Raises ChatTemplateError when the template
         rejects the messages (for example a role order it does not support).
@@ -181,6 +187,7 @@ class Tokenizer:
                 eos_token=self._special.eos or "",
                 pad_token=self._special.pad or "",
                 unk_token=self._special.unk or "",
+                **({"tools": [dict(t) for t in tools]} if tools else {}),
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from exc

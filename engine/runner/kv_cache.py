@@ -69,6 +69,14 @@ class PagedKVCache:
         slots[0].index_copy_(0, slot_mapping, key)
         slots[1].index_copy_(0, slot_mapping, value)
 
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy whole blocks, every layer's K and V: (source, destination) pairs (copy on write of a fork)."""
+        if not copies:
+            return
+        sources = torch.tensor([s for s, _ in copies], device=self.kv.device)
+        dests = torch.tensor([d for _, d in copies], device=self.kv.device)
+        self.kv.index_copy_(2, dests, self.kv.index_select(2, sources))
+
     def gather(self, layer: int, kv_block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy blocks into the workspace and return (keys, values), each [n, block_size, heads, dim] in
         `attention_dtype`. `kv_block_ids` is (block ids, block ids + num_blocks) concatenated, n each.

@@ -124,6 +124,7 @@ class ModelRunner:
         if batch.num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"batch has {batch.num_tokens} tokens; max_num_batched_tokens is "
                              f"{self.max_num_batched_tokens}")
+        self.kv_cache.copy_blocks(batch.block_copies)
         groups, sample_order = None, None
         if any(seq.adapter is not None for seq in batch.seqs):
             if self.lora is None:

@@ -108,14 +108,14 @@ async def test_cancelling_a_request_before_the_worker_takes_it_adds_nothing(engi
 
 async def test_cancelling_a_request_while_the_worker_adds_it_aborts_it(engine: AsyncLLM, monkeypatch) -> None:
     added, caller_cancelled = threading.Event(), threading.Event()
-    real_add = engine.core.add_request
+    real_add = engine.core.add_requests
 
     def slow_add(*args, **kwargs):
         added.set()
         caller_cancelled.wait(30)  # the caller is cancelled meanwhile: it never learns the request's id
         return real_add(*args, **kwargs)
 
-    monkeypatch.setattr(engine.core, "add_request", slow_add)
+    monkeypatch.setattr(engine.core, "add_requests", slow_add)
     long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
     task = asyncio.ensure_future(anext(engine.generate(prompts(1, seed=16)[0], long)))
     await asyncio.to_thread(added.wait, 5)

@@ -1,0 +1,164 @@
+"""Constrained decoding: output that must match a JSON schema or a grammar, through llguidance.
+
+Why llguidance (loadtests/bench_grammar.py measures the candidates on this machine; docs/benchmarks.md
+has the table): it needs neither torch nor transformers (xgrammar pulls in both, and triton), its
+token masks cost tens of microseconds for SmolLM2's 49,152-token vocabulary, it compiles a JSON schema
+lazily (no up-front index over the vocabulary as outlines-core builds), and it names the schema
+keyword it does not support instead of ignoring it. vLLM and SGLang ship it as a backend.
+
+Per step, for each row of the logits whose sequence is constrained, `GrammarBook.mask` fills that row's
+bitmask from the sequence's matcher and sets every token the grammar forbids to -inf; other rows are
+untouched. After sampling, `advance` feeds each constrained sequence its token; a matcher that can
+take no further token (the JSON is complete) finishes the sequence. Grammars are compiled once per
+constraint and kept (least recently used dropped past `max_grammars`); a matcher per sequence.
+
+JSON is generated compactly (", " and ": " separators, no free whitespace): a model with random
+weights would otherwise fill the output with blanks (flexible whitespace lets it), and real models
+write JSON that way anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvgate.engine.sequence import Constraint
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_GRAMMARS = 256
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled; the message names the part of the schema or grammar at fault."""
+
+
+class GrammarBook:
+    """Compiled grammars for one model's tokenizer, and the matcher of each constrained sequence.
+
+    `compile` may be called from any thread (the server validates a request before queuing it); the rest
+    only from the engine's worker thread, which owns the matchers."""
+
+    def __init__(self, tokenizer_json: str, eos_token_ids: Sequence[int], vocab_size: int,
+                 max_grammars: int = MAX_GRAMMARS) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size  # rows of logits are this wide (the model's vocabulary)
+        self._max_grammars = max_grammars
+        self._lock = threading.Lock()
+        self._lltokenizer = None  # built on first use: ~0.2 s for a 49k vocabulary, paid only by servers that constrain
+        self._grammars: OrderedDict[Constraint, str] = OrderedDict()
+        self._matchers: dict[int, object] = {}
+
+    def _tokenizer(self):  # -> llguidance.LLTokenizer
+        import llguidance
+
+        with self._lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                           eos_token=self._eos_token_ids or None)
+            return self._lltokenizer
+
+    def compile(self, constraint: Constraint) -> str:
+        """llguidance's grammar for `constraint`, checked against the tokenizer. Raises GrammarError."""
+        with self._lock:
+            grammar = self._grammars.get(constraint)
+            if grammar is not None:
+                self._grammars.move_to_end(constraint)
+                return grammar
+        grammar = _grammar_text(constraint)
+        import llguidance
+
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer())
+        if is_error:
+            raise GrammarError(_tidy(messages[0]))
+        with self._lock:
+            self._grammars[constraint] = grammar
+            while len(self._grammars) > self._max_grammars:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    # ----- per sequence (engine thread)
+
+    def start(self, seq_id: int, constraint: Constraint) -> None:
+        """Give sequence `seq_id` a fresh matcher. Raises GrammarError."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer(), self.compile(constraint), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_tidy(matcher.get_error()))
+        self._matchers[seq_id] = matcher
+
+    def release(self, seq_id: int) -> None:
+        self._matchers.pop(seq_id, None)
+
+    def is_constrained(self, seq_id: int) -> bool:
+        return seq_id in self._matchers
+
+    @property
+    def num_matchers(self) -> int:
+        return len(self._matchers)
+
+    def mask(self, logits: torch.Tensor, seq_ids: Sequence[int]) -> torch.Tensor:
+        """`logits` with the tokens the grammar forbids at -inf in the rows of constrained sequences (row i
+        belongs to seq_ids[i]); other rows as they are. `logits` itself when no row is constrained."""
+        rows = [(i, self._matchers[s]) for i, s in enumerate(seq_ids) if s in self._matchers]
+        if not rows:
+            return logits
+        import torch
+
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty(len(rows), words, dtype=torch.int32)
+        for j, (_, matcher) in enumerate(rows):
+            row = bitmask[j]
+            matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+        forbidden = torch.zeros(logits.shape, dtype=torch.bool)
+        forbidden[[i for i, _ in rows]] = ~_unpack_bits(bitmask, logits.shape[1])
+        return logits.masked_fill(forbidden.to(logits.device), float("-inf"))
+
+    def advance(self, seq_id: int, token_id: int) -> bool:
+        """Feed a constrained sequence its sampled token. Returns True when the grammar is complete and takes
+        no further token (the sequence should stop), or the matcher failed. Unconstrained: False."""
+        matcher = self._matchers.get(seq_id)
+        if matcher is None:
+            return False
+        if not matcher.consume_token(token_id):
+            return True
+        return matcher.is_stopped()
+
+
+def _grammar_text(constraint: Constraint) -> str:
+    import llguidance
+
+    if constraint.kind == "json_schema":
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(constraint.source, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
+    if constraint.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(constraint.source)
+    raise GrammarError(f"unknown constraint kind {constraint.kind!r}")
+
+
+def json_object_constraint() -> Constraint:
+    """response_format {"type": "json_object"}: any JSON object."""
+    return Constraint("json_schema", json.dumps({"type": "object"}))
+
+
+def _tidy(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+def _unpack_bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 (bit b of word w allows token 32 w + b) -> [rows, vocab] bool. Little-endian:
+    byte k of the int32 view holds tokens 8 k .. 8 k + 7, bit j token 8 k + j."""
+    import torch
+
+    as_bytes = bitmask.view(torch.uint8)
+    bits = (as_bytes.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
