@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
 
-from kvgate.engine.builtin_models import build_smollm2_135m, build_tiny_llama
+from kvgate.engine.builtin_models import build_smollm2_135m, build_tiny_llama, build_tiny_tools
 
 BUILTIN_PREFIX = "builtin:"
 CACHE_DIR_ENV = "KVGATE_CACHE_DIR"
@@ -38,6 +38,7 @@ class ModelSourceError(ValueError):
 # builtin name -> (directory name in <cache>/models, builder(out_dir, cache_dir))
 _BUILTINS: MappingProxyType[str, tuple[str, Callable[[Path, Path], None]]] = MappingProxyType({
     "tiny-llama": ("tiny-llama-v1", build_tiny_llama),
+    "tiny-tools": ("tiny-tools-v1", build_tiny_tools),
     "smollm2-135m": ("smollm2-135m-v1", build_smollm2_135m),
 })
 

@@ -48,10 +48,63 @@ TINY_SHAPE = {
 }
 
 
+# tiny-tools: tiny-llama's weights and tokenizer, plus the two tags and the tool-aware ChatML template of
+# Qwen2.5 (Hermes-style calls: <tool_call>{"name": ..., "arguments": ...}</tool_call>), shortened.
+TINY_TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+TINY_TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}You are a helpful assistant."
+    "{%- endif %}"
+    "{{- '\n\n# Tools\n\nYou may call one or more functions. Their signatures are within <tools></tools>:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
 def build_tiny_llama(out_dir: Path, cache_dir: Path) -> None:
     """Write builtin:tiny-llama into `out_dir` (about 0.5 MB; well under a second after torch loads)."""
     del cache_dir  # nothing to download
+    _build_tiny(out_dir, TINY_CHAT_TEMPLATE, ())
+
+
+def build_tiny_tools(out_dir: Path, cache_dir: Path) -> None:
+    """Write builtin:tiny-tools: tiny-llama (random weights) with a chat template that renders tools and two
+    added, non-special tokens for its Hermes-style call tags, for tests of tools end to end."""
+    del cache_dir
+    _build_tiny(out_dir, TINY_TOOLS_CHAT_TEMPLATE, TINY_TOOL_TOKENS)
+
+
+def _build_tiny(out_dir: Path, chat_template: str, extra_tokens: tuple[str, ...]) -> None:
+    from tokenizers import AddedToken
+
     tokenizer = _tiny_tokenizer()
+    if extra_tokens:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     tokenizer.save(str(out_dir / "tokenizer.json"))
     ids = {token: tokenizer.token_to_id(token) for token in TINY_SPECIAL_TOKENS}
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -87,7 +140,7 @@ def build_tiny_llama(out_dir: Path, cache_dir: Path) -> None:
         "add_bos_token": True,
         "clean_up_tokenization_spaces": False,
         "model_max_length": TINY_SHAPE["max_position_embeddings"],
-        "chat_template": TINY_CHAT_TEMPLATE,
+        "chat_template": chat_template,
     })
     _write_tiny_weights(out_dir / "model.safetensors", vocab_size)
 

@@ -19,7 +19,10 @@ from aiohttp import web
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.server.adapter_access import AdapterAccess
 from kvgate.engine.server.metrics import ServerMetrics
+from kvgate.engine.sequence import Constraint, SamplingParams
 from kvgate.engine.server.protocol import ChatMessage, model_not_found
+from kvgate.engine.server.tools import ToolChoice, ToolFormat, ToolSpec, detect_tool_format
+from kvgate.engine.structured import GrammarError
 from kvgate.openai_wire import bad_request
 from kvgate.tokenizer import ChatTemplateError
 
@@ -112,6 +115,12 @@ class ServerContext:
         self.model_name = settings.served_model_name
         self._encode_prompt = core.encode_prompt  # text or token ids -> ids; ValueError for ids out of range
         self._token_texts: dict[int, str] = {}
+        self.vocab_size: int = core.runner.config.vocab_size
+        self.max_num_seqs: int = core.config.max_num_seqs
+        self._grammars = core.grammars  # compile() is safe off the engine's thread
+        # How this model writes tool calls, from its own chat template; None: no tools (the fallback template has none).
+        template = self.tokenizer.chat_template if self.tokenizer.has_own_chat_template else ""
+        self.tool_format: ToolFormat | None = detect_tool_format(template, self.tokenizer.token_to_id)
 
     @property
     def now(self) -> Callable[[], float]:
@@ -147,15 +156,45 @@ class ServerContext:
         except ValueError as exc:
             raise bad_request(str(exc), "prompt") from exc
 
-    async def chat_prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of a chat rendered with the model's template (which writes its own BOS).
-        Raises ApiError 400 when the template rejects the messages."""
-        dicts = [{"role": m.role, "content": m.content} for m in messages]
+    async def chat_prompt_ids(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = ()) -> list[int]:
+        """Token ids of a chat rendered with the model's template (which writes its own BOS), with `tools`
+        offered through the template. Raises ApiError 400 when the template rejects the messages."""
+        dicts = [m.to_template() for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(dicts, add_generation_prompt=True,
+                                                      tools=[t.to_template() for t in tools] or None)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
         return await _maybe_off_loop(lambda t: self.tokenizer.encode(t, add_special_tokens=False), text, len(text))
+
+    def tool_format_for(self, tools: Sequence[ToolSpec], choice: ToolChoice) -> ToolFormat | None:
+        """The call format to render and parse `tools` with; None when there are none. Raises ApiError 400
+        when tools are asked for and the model's chat template has no tool support kvgate can parse."""
+        if not tools:
+            return None
+        if self.tool_format is None and choice.mode != "none":
+            raise bad_request(f"model '{self.model_name}' has no chat template with tool support that this server can "
+                              "parse (formats: hermes <tool_call>, llama3 JSON, mistral [TOOL_CALLS]); send the "
+                              "request without tools", "tools")
+        return self.tool_format
+
+    async def check_constraint(self, constraint: Constraint, param: str) -> None:
+        """Compile `constraint` now (cached), so a schema the grammar library cannot take is a 400 naming the
+        part at fault rather than a failure inside the engine. Compiling runs on a thread."""
+        try:
+            await asyncio.to_thread(self._grammars.compile, constraint)
+        except GrammarError as exc:
+            raise bad_request(f"{param}: the schema cannot be enforced: {exc}", param) from exc
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """What only this server knows: n within its sequences, logit_bias ids within its vocabulary."""
+        if params.n > self.max_num_seqs:
+            raise bad_request(f"n is {params.n}; this server runs at most {self.max_num_seqs} sequences at once "
+                              "(max_num_seqs)", "n")
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias names token ids outside the vocabulary (0 .. {self.vocab_size - 1}): "
+                              f"{bad[:5]}", "logit_bias")
 
     def token_text(self, token_id: int) -> str:
         """One token's own string (special tokens kept), for logprobs. Memoized: the vocabulary is finite."""

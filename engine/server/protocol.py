@@ -17,10 +17,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.engine.sequence import SamplingParams
+from kvgate.engine.sequence import Constraint, SamplingParams
+from kvgate.engine.server.tools import (ToolCall, ToolChoice, ToolSpec, parse_message_tool_calls,
+                                        parse_response_format, parse_tools)
 from kvgate.openai_wire import ApiError, BodyWording, bad_request, json_type, parse_json_body
 
 MAX_LOGPROBS = 20  # the sampler returns at most this many alternatives per token
+MAX_N = 128  # OpenAI's limit on choices; the server also keeps n within the engine's max_num_seqs
+MAX_LOGIT_BIAS_ENTRIES = 1024
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default, which vLLM keeps
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # The engine's words for a body that is not a JSON object, as its clients have seen them.
@@ -56,6 +60,8 @@ class SamplingRequest:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the chosen token's logprob and the top n
+    n: int = 1  # choices, sampled from one prompt
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); ids are checked against the vocabulary later
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,18 @@ class CompletionRequest:
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str | None = None  # a "tool" turn: the call it answers
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' convention: a call's arguments as a mapping
+        when they are a JSON object, which templates print with tojson)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,9 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    response_format: Constraint | None = None  # json_object / json_schema; None: text
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
 
 
 # ------------------------------------------------------------------------------------- parsing
@@ -117,11 +138,16 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", None, low=1)
     stream, include_usage = _stream_fields(fields)
+    tools, tool_choice = parse_tools(body.get("tools"), body.get("tool_choice"))
+    response_format = parse_response_format(body.get("response_format"))
+    if response_format is not None and tool_choice.forces_call:
+        raise bad_request("response_format and a tool_choice that forces a call cannot be combined", "response_format")
     return ChatRequest(
         model=fields.string("model", required=True),
         messages=_messages(fields),
         sampling=_sampling(fields, max_tokens, (top_logprobs or 0) if want_logprobs else None),
         stream=stream, include_usage=include_usage, user=fields.string("user"),
+        response_format=response_format, tools=tools, tool_choice=tool_choice,
     )
 
 
@@ -137,7 +163,8 @@ def parse_unload_adapter_request(body: dict[str, Any]) -> str:
 
 
 def sampling_params(request: SamplingRequest, *, num_prompt_tokens: int, max_model_len: int,
-                    prompt_param: str, default_max_tokens: int | None = None) -> SamplingParams:
+                    prompt_param: str, default_max_tokens: int | None = None,
+                    constraint: Constraint | None = None) -> SamplingParams:
     """The engine's SamplingParams once the prompt is tokenized.
 
     A prompt and its completion share the model's context: with max_model_len 2048, a 2000-token
@@ -170,6 +197,7 @@ def sampling_params(request: SamplingRequest, *, num_prompt_tokens: int, max_mod
             top_p=request.top_p, top_k=request.top_k, seed=request.seed, stop=request.stop,
             stop_token_ids=request.stop_token_ids, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, ignore_eos=request.ignore_eos, logprobs=request.logprobs,
+            logit_bias=request.logit_bias, n=request.n, constraint=constraint,
         )
     except ValueError as exc:  # every field was checked above; this is a backstop, still the client's fault
         raise bad_request(str(exc)) from exc
@@ -179,9 +207,6 @@ def sampling_params(request: SamplingRequest, *, num_prompt_tokens: int, max_mod
 
 
 def _sampling(fields: _Fields, max_tokens: int | None, logprobs: int | None) -> SamplingRequest:
-    n = fields.integer("n", 1)
-    if n != 1:
-        raise bad_request("n must be 1", "n")
     top_k = fields.integer("top_k", 0, low=-1)
     return SamplingRequest(
         max_tokens=max_tokens,
@@ -196,7 +221,30 @@ def _sampling(fields: _Fields, max_tokens: int | None, logprobs: int | None) -> 
         frequency_penalty=fields.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
         ignore_eos=fields.boolean("ignore_eos", False),
         logprobs=logprobs,
+        n=fields.integer("n", 1, low=1, high=MAX_N),
+        logit_bias=_logit_bias(fields),
     )
+
+
+def _logit_bias(fields: _Fields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id as a string": bias from -100 to 100}."""
+    value = fields.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request(f"logit_bias must be an object of token ids to numbers; got {json_type(value)}",
+                          "logit_bias", code="invalid_type")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                          "logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids (non-negative integers); got {key!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request(f"logit_bias[{key!r}] must be a number from -100 to 100; got {bias!r}", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
 
 
 def _stream_fields(fields: _Fields) -> tuple[bool, bool]:
@@ -248,12 +296,15 @@ def _messages(fields: _Fields) -> tuple[ChatMessage, ...]:
 def _message(value: Any, where: str) -> ChatMessage:
     if not isinstance(value, dict):
         raise bad_request(f"{where} must be an object with role and content", where, code="invalid_type")
-    role = _Fields(value, prefix=f"{where}.").string("role", required=True)
+    fields = _Fields(value, prefix=f"{where}.")
+    role = fields.string("role", required=True)
+    tool_calls = parse_message_tool_calls(value.get("tool_calls"), f"{where}.tool_calls")
+    tool_call_id = fields.string("tool_call_id")
     content = value.get("content")
     if content is None:  # an assistant turn that only called tools
-        return ChatMessage(role, "")
+        return ChatMessage(role, "", tool_calls, tool_call_id)
     if isinstance(content, str):
-        return ChatMessage(role, content)
+        return ChatMessage(role, content, tool_calls, tool_call_id)
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of text parts", f"{where}.content",
                           code="invalid_type")
@@ -265,7 +316,7 @@ def _message(value: Any, where: str) -> ChatMessage:
             raise bad_request(f"{param} must be a text part {{\"type\": \"text\", \"text\": ...}}; got {kind!r} "
                               f"(this server takes text only)", param)
         texts.append(part["text"])
-    return ChatMessage(role, "\n".join(texts))  # vLLM joins text parts with newlines
+    return ChatMessage(role, "\n".join(texts), tool_calls, tool_call_id)  # vLLM joins text parts with newlines
 
 
 def _stop(fields: _Fields) -> tuple[str, ...]:

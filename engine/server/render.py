@@ -20,6 +20,7 @@ from typing import Any
 
 from kvgate.engine.core import TokenDelta
 from kvgate.engine.sequence import FinishReason
+from kvgate.engine.server.tools import ToolCallParser, ToolFormat
 
 TokenText = Callable[[int], str]
 
@@ -43,15 +44,24 @@ def _reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value
 
 
+def by_choice(deltas: Sequence[TokenDelta], n: int) -> list[list[TokenDelta]]:
+    """Each choice's deltas, in order (a request with n > 1 interleaves them)."""
+    choices: list[list[TokenDelta]] = [[] for _ in range(n)]
+    for delta in deltas:
+        choices[delta.index].append(delta)
+    return choices
+
+
 class _Renderer:
     def __init__(self, *, request_id: str, created: int, model: str, token_text: TokenText,
-                 logprobs: bool, include_usage: bool = False) -> None:
+                 logprobs: bool, include_usage: bool = False, n: int = 1) -> None:
         self.request_id = request_id
         self.created = created
         self.model = model
         self.token_text = token_text
         self.logprobs = logprobs  # the client asked for logprobs
         self.include_usage = include_usage  # streamed: every chunk says "usage": null, the last one has it
+        self.n = n  # choices
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
@@ -63,38 +73,39 @@ class _Renderer:
             chunk["usage"] = None
         return chunk
 
-    def must_send(self, delta: TokenDelta) -> bool:
-        """Whether a streamed delta makes a chunk: text held back (a partial character or a possible stop
-        string) makes none unless it ends the request or carries logprobs the client asked for."""
-        return bool(delta.text) or delta.finish_reason is not None or self.logprobs
-
 
 class CompletionRenderer(_Renderer):
     """/v1/completions: "text_completion" objects, streamed or not."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._text_offset = 0  # characters of token text streamed so far, for text_offset
+        self._text_offset = [0] * self.n  # characters of token text streamed so far per choice, for text_offset
 
     def response(self, deltas: Sequence[TokenDelta], usage: Usage) -> dict[str, Any]:
-        choice = {"index": 0, "text": "".join(d.text for d in deltas),
-                  "logprobs": self._logprobs(deltas) if self.logprobs else None,
-                  "finish_reason": _reason(deltas[-1].finish_reason), "stop_reason": None}
-        return {**self._envelope("text_completion", [choice]), "usage": usage.to_json()}
+        choices = []
+        for index, mine in enumerate(by_choice(deltas, self.n)):
+            choices.append({"index": index, "text": "".join(d.text for d in mine),
+                            "logprobs": self._logprobs(mine, index) if self.logprobs else None,
+                            "finish_reason": _reason(mine[-1].finish_reason), "stop_reason": None})
+        return {**self._envelope("text_completion", choices), "usage": usage.to_json()}
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, delta: TokenDelta) -> dict[str, Any]:
-        choice = {"index": 0, "text": delta.text,
-                  "logprobs": self._logprobs([delta]) if self.logprobs else None,
+    def chunks(self, delta: TokenDelta) -> list[dict[str, Any]]:
+        """The stream chunks one delta makes: none while text is held back (a partial character or a possible
+        stop string), unless it ends its choice or carries logprobs the client asked for."""
+        if not (delta.text or delta.finish_reason is not None or self.logprobs):
+            return []
+        choice = {"index": delta.index, "text": delta.text,
+                  "logprobs": self._logprobs([delta], delta.index) if self.logprobs else None,
                   "finish_reason": _reason(delta.finish_reason), "stop_reason": None}
-        return self._chunk_envelope("text_completion", [choice])
+        return [self._chunk_envelope("text_completion", [choice])]
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._envelope("text_completion", []), "usage": usage.to_json()}
 
-    def _logprobs(self, deltas: Sequence[TokenDelta]) -> dict[str, Any]:
+    def _logprobs(self, deltas: Sequence[TokenDelta], index: int) -> dict[str, Any]:
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
         for delta in deltas:
             token = self.token_text(delta.token_id)
@@ -103,35 +114,78 @@ class CompletionRenderer(_Renderer):
             tokens.append(token)
             token_logprobs.append(delta.sampled.logprob)
             top_logprobs.append(top)
-            text_offset.append(self._text_offset)
-            self._text_offset += len(token)
+            text_offset.append(self._text_offset[index])
+            self._text_offset[index] += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offset}
 
 
 class ChatRenderer(_Renderer):
-    """/v1/chat/completions: a "chat.completion", or "chat.completion.chunk"s of which the first
-    carries the assistant role and the last content chunk carries the finish reason."""
+    """/v1/chat/completions: a "chat.completion", or "chat.completion.chunk"s of which the first of each
+    choice carries the assistant role and the last carries the finish reason. With a `tool_format`, each
+    choice's text goes through a ToolCallParser: calls come back as `tool_calls` (finish reason
+    "tool_calls"); streamed, each call is a chunk with its id and name, then one with its arguments."""
+
+    def __init__(self, *, tool_format: ToolFormat | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tool_format = tool_format
+        self._parsers = [ToolCallParser(tool_format) for _ in range(self.n)] if tool_format is not None else None
 
     def response(self, deltas: Sequence[TokenDelta], usage: Usage) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                  "logprobs": self._logprobs(deltas) if self.logprobs else None,
-                  "finish_reason": _reason(deltas[-1].finish_reason)}
-        return {**self._envelope("chat.completion", [choice]), "usage": usage.to_json()}
+        choices = []
+        for index, mine in enumerate(by_choice(deltas, self.n)):
+            content, calls = "".join(d.text for d in mine), []
+            if self.tool_format is not None:
+                parser = ToolCallParser(self.tool_format)
+                sent = parser.feed(content)
+                rest, calls = parser.finish()
+                content = sent + rest
+            message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+            if calls:
+                message["tool_calls"] = [call.to_json() for call in calls]
+            choices.append({"index": index, "message": message,
+                            "logprobs": self._logprobs(mine) if self.logprobs else None,
+                            "finish_reason": "tool_calls" if calls else _reason(mine[-1].finish_reason)})
+        return {**self._envelope("chat.completion", choices), "usage": usage.to_json()}
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None}
-        return [self._chunk_envelope("chat.completion.chunk", [choice])]
+        return [self._chunk_envelope("chat.completion.chunk", [
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            for index in range(self.n)]
 
-    def chunk(self, delta: TokenDelta) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"content": delta.text},
-                  "logprobs": self._logprobs([delta]) if self.logprobs else None,
-                  "finish_reason": _reason(delta.finish_reason)}
-        return self._chunk_envelope("chat.completion.chunk", [choice])
+    def chunks(self, delta: TokenDelta) -> list[dict[str, Any]]:
+        """The stream chunks one delta makes (see CompletionRenderer.chunks); with tools, held text and the
+        calls come out when the choice ends."""
+        text, calls = delta.text, []
+        if self._parsers is not None:
+            parser = self._parsers[delta.index]
+            text = parser.feed(text)
+            if delta.finish_reason is not None:
+                rest, calls = parser.finish()
+                text += rest
+        logprobs = self._logprobs([delta]) if self.logprobs else None
+        if not calls:  # content, the last of it with the finish reason (as before tools existed)
+            if not (text or delta.finish_reason is not None or self.logprobs):
+                return []
+            return [self._choice_chunk(delta.index, {"content": text}, logprobs, _reason(delta.finish_reason))]
+        out = []
+        if text or logprobs is not None:
+            out.append(self._choice_chunk(delta.index, {"content": text}, logprobs, None))
+        for k, call in enumerate(calls):
+            opening = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            out.append(self._choice_chunk(delta.index, {"tool_calls": [opening]}, None, None))
+            arguments = {"index": k, "function": {"arguments": call.arguments}}
+            out.append(self._choice_chunk(delta.index, {"tool_calls": [arguments]}, None, None))
+        out.append(self._choice_chunk(delta.index, {}, None, "tool_calls"))
+        return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage.to_json()}
+
+    def _choice_chunk(self, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,
+                      finish_reason: str | None) -> dict[str, Any]:
+        return self._chunk_envelope("chat.completion.chunk", [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
 
     def _logprobs(self, deltas: Sequence[TokenDelta]) -> dict[str, Any]:
         return {"content": [self._entry(d.token_id, d.sampled.logprob,

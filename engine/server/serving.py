@@ -30,6 +30,7 @@ from kvgate.engine.core import TokenDelta
 from kvgate.engine.lora import UnknownAdapter
 from kvgate.engine.sequence import SamplingParams
 from kvgate.engine.server.context import CONTEXT, ServerContext
+from kvgate.engine.server.tools import call_constraint
 from kvgate.engine.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     body_too_large,
@@ -81,9 +82,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = await context.completion_prompt_ids(parsed.prompt)
     params = sampling_params(parsed.sampling, num_prompt_tokens=len(prompt_ids), max_model_len=context.max_model_len,
                              prompt_param="prompt", default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    context.check_sampling(params)
     renderer = CompletionRenderer(request_id=f"cmpl-{uuid.uuid4().hex}", created=int(context.settings.wall()),
                                   model=parsed.model, token_text=context.token_text,
-                                  logprobs=params.logprobs is not None, include_usage=parsed.include_usage)
+                                  logprobs=params.logprobs is not None, include_usage=parsed.include_usage,
+                                  n=params.n)
     job = Job(prompt_ids, params, adapter, parsed.stream, parsed.include_usage, arrival_s)
     return await _generate(request, context, job, renderer)
 
@@ -93,12 +96,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival_s = context.now()
     parsed = parse_chat_request(await read_json(request))
     adapter = context.resolve_model(parsed.model)
-    prompt_ids = await context.chat_prompt_ids(parsed.messages)
+    tool_format = context.tool_format_for(parsed.tools, parsed.tool_choice)
+    prompt_ids = await context.chat_prompt_ids(parsed.messages, parsed.tools if tool_format is not None else ())
+    constraint, param = parsed.response_format, "response_format"
+    if tool_format is not None and parsed.tool_choice.forces_call:
+        constraint, param = call_constraint(tool_format, parsed.tools, parsed.tool_choice), "tools"
+    if constraint is not None:
+        await context.check_constraint(constraint, param)
     params = sampling_params(parsed.sampling, num_prompt_tokens=len(prompt_ids),
-                             max_model_len=context.max_model_len, prompt_param="messages")
+                             max_model_len=context.max_model_len, prompt_param="messages", constraint=constraint)
+    context.check_sampling(params)
     renderer = ChatRenderer(request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(context.settings.wall()),
                             model=parsed.model, token_text=context.token_text,
-                            logprobs=params.logprobs is not None, include_usage=parsed.include_usage)
+                            logprobs=params.logprobs is not None, include_usage=parsed.include_usage,
+                            n=params.n, tool_format=tool_format if parsed.tool_choice.mode != "none" else None)
     job = Job(prompt_ids, params, adapter, parsed.stream, parsed.include_usage, arrival_s)
     return await _generate(request, context, job, renderer)
 
@@ -139,10 +150,9 @@ async def _generate(request: web.Request, context: ServerContext, job: Job, rend
             if job.stream:
                 return await _stream(request, context, job, renderer, first, deltas, record)
             collected = [first]
-            if first.finish_reason is None:
-                async for delta in deltas:
-                    record.token(delta, context.now())
-                    collected.append(delta)
+            async for delta in deltas:  # until every choice has finished
+                record.token(delta, context.now())
+                collected.append(delta)
             usage = Usage(len(job.prompt_ids), record.num_tokens, record.cached_tokens)
             return web.json_response(renderer.response(collected, usage), dumps=_dumps)
     except _ENGINE_ERRORS as exc:
@@ -174,14 +184,13 @@ async def _stream(request: web.Request, context: ServerContext, job: Job, render
     try:
         for chunk in renderer.opening_chunks():
             await _send(response, chunk)
-        delta = first
-        while True:
-            if renderer.must_send(delta):
-                await _send(response, renderer.chunk(delta))
-            if delta.finish_reason is not None:
-                break
-            delta = await anext(deltas)
-            record.token(delta, context.now())
+        delta: TokenDelta | None = first
+        while delta is not None:  # until every choice has finished
+            for chunk in renderer.chunks(delta):
+                await _send(response, chunk)
+            delta = await anext(deltas, None)
+            if delta is not None:
+                record.token(delta, context.now())
         if job.include_usage:
             await _send(response, renderer.usage_chunk(Usage(len(job.prompt_ids), record.num_tokens,
                                                              record.cached_tokens)))

@@ -149,7 +149,14 @@ async def test_errors_are_openai_error_objects_with_their_status(engine: AsyncLL
         cases = [
             ("/v1/completions", b"{oops", 400, "invalid_json"),
             ("/v1/completions", b'{"model": "gpt-9", "prompt": "x"}', 404, "model_not_found"),
-            ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 2}', 400, "invalid_value"),
+            ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 0}', 400, "invalid_value"),
+            ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 129}', 400, "invalid_value"),
+            ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}', 400, "invalid_value"),
+            ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+             b'"tools": [{"type": "function", "function": {"name": "f"}}]}', 400, "invalid_value"),  # no tool template
+            ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+             b'"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": '
+             b'{"type": "string", "format": "no-such-format"}}}}', 400, "invalid_value"),
             ("/v1/completions", b'{"model": "tiny", "prompt": [1, 99999]}', 400, "invalid_value"),
             ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 4000}', 400,
              "context_length_exceeded"),

@@ -136,7 +136,10 @@ BAD_COMPLETIONS = [
     ({"frequency_penalty": -3}, "frequency_penalty", "invalid_value", "from -2 to 2"),
     ({"logprobs": 21}, "logprobs", "invalid_value", "from 0 to 20"),
     ({"logprobs": True}, "logprobs", "invalid_type", "an integer; got a boolean"),
-    ({"n": 2}, "n", "invalid_value", "n must be 1"),
+    ({"n": 0}, "n", "invalid_value", "n must be an integer from 1 to 128"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "invalid_value", "keys must be token ids"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value", "from -100 to 100"),
+    ({"logit_bias": [5]}, "logit_bias", "invalid_type", "must be an object"),
     ({"stream": "yes"}, "stream", "invalid_type", "true or false"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value", "only allowed when stream"),
     ({"stream": True, "stream_options": []}, "stream_options", "invalid_type", "must be an object"),
@@ -168,7 +171,15 @@ BAD_CHATS = [
     ({"top_logprobs": 2}, "top_logprobs", "invalid_value", "requires logprobs"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "invalid_value", "from 0 to 20"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "invalid_value", ">= 1"),
-    ({"n": 3}, "n", "invalid_value", "n must be 1"),
+    ({"n": 129}, "n", "invalid_value", "n must be an integer from 1 to 128"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value", "must be \"text\""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "invalid_type", "must be a JSON schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name",
+     "invalid_value", "letters, digits"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+      "function": {"name": "g"}}}, "tool_choice.function.name", "invalid_value", "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value", "needs tools"),
 ]
 
 
@@ -191,9 +202,9 @@ def test_a_body_that_is_not_a_json_object_is_a_400(raw, words) -> None:
 
 
 def test_the_error_body_is_an_openai_error_object() -> None:
-    error = error_of(parse_completion_request, {**COMPLETION, "n": 2})
-    assert error.body() == {"error": {"message": "n must be 1", "type": "BadRequestError", "param": "n",
-                                      "code": "invalid_value"}}
+    error = error_of(parse_completion_request, {**COMPLETION, "n": 0})
+    assert error.body() == {"error": {"message": "n must be an integer from 1 to 128; got 0", "type": "BadRequestError",
+                                      "param": "n", "code": "invalid_value"}}
 
 
 # ----------------------------------------------------------------------- context length, max_tokens
