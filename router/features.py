@@ -83,6 +83,8 @@ class RouteRequest:
     # Leading chunks that nearly every recent request of the model opens with (`openings.CommonOpenings`,
     # set by the shell): held by one replica or by all, they say nothing about where this request's cache is.
     common_opening_chunks: int = 0
+    # The sequences it makes a replica decode: max(n, best_of, 1). It counts as that much load in flight there.
+    num_sequences: int = 1
 
     def affinity_key_after(self, skip_chunks: int) -> int:
         """The affinity key of the text after its first `skip_chunks` chunks: the chain hash reaching
@@ -221,6 +223,12 @@ def affinity_key(text: str, hashes: tuple[int, ...], adapter: str | None, depth_
     return hashes[min(len(hashes), max(depth_chunks, 1)) - 1]
 
 
+def _num_sequences(body: Mapping[str, object]) -> int:
+    """n (or best_of) of a body that passed the gateway's caps; 1 when neither is given."""
+    values = [v for key in ("n", "best_of") if isinstance(v := body.get(key), int) and not isinstance(v, bool)]
+    return max([1, *values])
+
+
 def _max_tokens(body: Mapping[str, object]) -> int | None:
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
@@ -252,7 +260,7 @@ def build_route_request(body: Mapping[str, object], model: str, adapter: str | N
             estimated_prompt_tokens=len(token_ids), max_tokens=_max_tokens(body),
             stream=bool(body.get("stream", False)), request_seq=request_seq, chunk_chars=chunk_chars,
             affinity_depth_chunks=depth, chars_per_token=chars_per_token, hash_tokens=block_size_tokens,
-            text_hashes=prefix_hashes(text, chunk_chars, adapter))
+            text_hashes=prefix_hashes(text, chunk_chars, adapter), num_sequences=_num_sequences(body))
     hashes = prefix_hashes(text, chunk_chars, adapter)
     return RouteRequest(
         model=model,
@@ -267,4 +275,5 @@ def build_route_request(body: Mapping[str, object], model: str, adapter: str | N
         chunk_chars=chunk_chars,
         chars_per_token=chars_per_token,
         affinity_depth_chunks=max(affinity_depth_chars // chunk_chars, 1),
+        num_sequences=_num_sequences(body),
     )

@@ -297,19 +297,20 @@ class ReplicaTracker:
     # ------------------------------------------------------------------ the gateway's own signals
 
     def start_attempt(self, replica_id: str, prefix_hashes: tuple[int, ...], prefill_tokens: int = 0,
-                      predict_blocks: bool = False) -> AttemptLease:
-        """Count one attempt at the replica until the lease's `end`: one more in flight, `prefill_tokens`
+                      predict_blocks: bool = False, num_sequences: int = 1) -> AttemptLease:
+        """Count one attempt at the replica until the lease's `end`: `num_sequences` more in flight (a request
+        with n = 4 decodes four sequences there), `prefill_tokens`
         (its uncached prompt) pending until `prefilled`, its prefix chain in flight (what makes a prefix
         hot), and with `predict_blocks` its chain as the replica's predicted KV blocks. An unknown id (a
         replica that just left) counts nothing."""
         tracked = self._replicas.get(replica_id)
         if tracked is None:
             return AttemptLease(None, None, None, prefix_hashes, 0)
-        tracked.in_flight += 1
+        tracked.in_flight += num_sequences
         tracked.pending_prefill_tokens += prefill_tokens
         chains = self.in_flight_chains.add(replica_id, prefix_hashes)
         blocks = self.blocks.predict(replica_id, prefix_hashes) if predict_blocks else None
-        return AttemptLease(tracked, chains, blocks, prefix_hashes, prefill_tokens)
+        return AttemptLease(tracked, chains, blocks, prefix_hashes, prefill_tokens, num_sequences)
 
     def chars_per_token_of(self, model: str) -> float:
         """The model's learnt prompt characters per token (features.CharsPerToken)."""

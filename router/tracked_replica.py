@@ -142,8 +142,9 @@ class AttemptLease:
     replica stopped answering its health checks (`when_unresponsive`)."""
 
     def __init__(self, tracked: TrackedReplica | None, chains: ChainHold | None, blocks: BlockIndex | None,
-                 prefix_hashes: tuple[int, ...], prefill_tokens: int) -> None:
+                 prefix_hashes: tuple[int, ...], prefill_tokens: int, num_sequences: int = 1) -> None:
         self._tracked, self._chains, self._blocks = tracked, chains, blocks
+        self._num_sequences = num_sequences
         self._hashes, self._prefill_tokens = prefix_hashes, prefill_tokens
         self._prefilled = self._ended = False
         self._told: float | None = None  # the last `unresponsive(silent_for_s)` heard, if any
@@ -187,8 +188,8 @@ class AttemptLease:
         self.prefilled()
         if self._tracked is not None:
             self._tracked.leases.discard(self)
-            self._tracked.in_flight = max(0, self._tracked.in_flight - 1)
-            self._tracked.num_ended_since_report += 1
+            self._tracked.in_flight = max(0, self._tracked.in_flight - self._num_sequences)
+            self._tracked.num_ended_since_report += self._num_sequences
         if self._chains is not None:
             self._chains.release()
         if self._blocks is not None:

@@ -98,6 +98,9 @@ def test_build_route_request_fills_every_field() -> None:
     assert len(request.prefix_hashes) == 6  # 107 // 16
     assert request.affinity_key == request.prefix_hashes[0]
     assert request.max_tokens == 32 and request.stream and request.request_seq == 7
+    assert request.num_sequences == 1
+    assert build_route_request({**body, "n": 3}, "tiny", None, 16, 0).num_sequences == 3
+    assert build_route_request({**body, "n": 2, "best_of": 5}, "tiny", None, 16, 0).num_sequences == 5
 
 
 def test_short_prompts_get_distinct_affinity_keys() -> None:

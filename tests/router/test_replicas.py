@@ -194,6 +194,17 @@ async def test_an_attempt_counts_in_flight_pending_prefill_and_its_chain_until_i
         assert tracker.in_flight_chains.num_hashes("gone") == 0
 
 
+async def test_a_request_of_n_samples_counts_as_n_decodes_in_flight(tmp_path, sim) -> None:
+    async with tracking(registry(tmp_path, [sim.url])) as tracker:
+        four = tracker.start_attempt(ID, (1,), num_sequences=4)
+        one = tracker.start_attempt(ID, (2,))
+        assert only(tracker).in_flight == only(tracker).load == 5
+        four.end()
+        assert only(tracker).in_flight == 1
+        one.end()
+        assert only(tracker).in_flight == 0
+
+
 async def test_three_failures_in_a_row_eject_until_a_probe_after_eject_for_s(tmp_path, sim) -> None:
     clock = FakeClock()
     async with tracking(registry(tmp_path, [sim.url]), clock, poll_interval_s=1.0, health_interval_s=1.0,
