@@ -9,6 +9,7 @@ test_gateway.py, so nothing but requests and the state stream moves during a tes
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -135,6 +136,22 @@ async def test_the_openai_sdk_streams_and_not_through_the_gateway(tmp_path: Path
         assert chunks[-2].choices[0].finish_reason == "length"
         text = await gw.client.completions.create(model=SERVED, prompt="Hello", max_tokens=3, stream=True, **GREEDY)
         assert sum(1 for c in [c async for c in text] if c.choices and c.choices[0].text is not None) >= 3
+
+
+async def test_structured_output_and_n_samples_pass_through_the_gateway(tmp_path: Path, engines: list[Engine]) -> None:
+    schema = {"type": "object", "required": ["ok"], "additionalProperties": False,
+              "properties": {"ok": {"type": "boolean"}}}
+    async with gateway(tmp_path, engines) as gw:
+        reply = await gw.client.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": "Hi"}], n=3, seed=5, temperature=1.0, max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        assert [c.index for c in reply.choices] == [0, 1, 2]
+        assert all(json.loads(c.message.content)["ok"] in (True, False) for c in reply.choices)
+        with pytest.raises(openai.BadRequestError, match="no-such-format"):  # the engine's 400, passed on
+            await gw.client.chat.completions.create(
+                model=SERVED, messages=[{"role": "user", "content": "Hi"}], response_format={
+                    "type": "json_schema", "json_schema": {"name": "s", "schema": {"format": "no-such-format",
+                                                                                   "type": "string"}}})
 
 
 async def test_a_repeated_long_prompt_stays_on_one_engine_and_hits_its_cache(tmp_path: Path,
