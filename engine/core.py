@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.builtin import default_cache_dir, resolve_model_source
@@ -38,6 +39,9 @@ from kvgate.engine.sequence import (FinishReason, ModelInput, ModelOutput, Sampl
                                    ScheduledSeq, Sequence)
 from kvgate.engine.structured import GrammarBook
 from kvgate.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch is imported on a thread at start (start_runner_import), never at import time
+    import torch
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -446,7 +450,7 @@ def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, n=1, seed=seed)
 
 
-def _with_fork_rows(logits, sampling: list[ScheduledSeq]):  # torch.Tensor in, torch.Tensor out
+def _with_fork_rows(logits: torch.Tensor, sampling: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
     """The step's logits and sampling rows with a row per fork: a fork samples from the logits of the
     sequence it forks from, under its own params (seed)."""
     import torch

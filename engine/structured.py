@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 from kvgate.engine.sequence import Constraint
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # both imported on first use: an engine that never constrains never loads llguidance
+    import llguidance
     import torch
 
 MAX_GRAMMARS = 256
@@ -52,11 +53,11 @@ class GrammarBook:
         self.vocab_size = vocab_size  # rows of logits are this wide (the model's vocabulary)
         self._max_grammars = max_grammars
         self._lock = threading.Lock()
-        self._lltokenizer = None  # built on first use: ~0.2 s for a 49k vocabulary, paid only by servers that constrain
+        self._lltokenizer: llguidance.LLTokenizer | None = None  # built on first use: ~0.2 s for a 49k vocabulary
         self._grammars: OrderedDict[Constraint, str] = OrderedDict()
-        self._matchers: dict[int, object] = {}
+        self._matchers: dict[int, llguidance.LLMatcher] = {}
 
-    def _tokenizer(self):  # -> llguidance.LLTokenizer
+    def _tokenizer(self) -> llguidance.LLTokenizer:
         import llguidance
 
         with self._lock:
