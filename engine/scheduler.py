@@ -209,12 +209,7 @@ class Scheduler:
                 continue
             # Forked before the token is appended (they share the prompt's blocks only), reported after it.
             forked = self._fork(seq, work, sampled) if work.forks else []
-            token = sampled[work.seq_id]
-            seq.output_token_ids.append(token.token_id)
-            reason = self._stop_reason(seq, token.token_id)
-            if reason is not None:
-                self._finish(seq, reason)
-            results.append(StepResult(seq, token.token_id, token, reason))
+            results.append(self._append(seq, sampled[work.seq_id]))
             results.extend(forked)
         return results
 
@@ -308,13 +303,16 @@ class Scheduler:
             self._running.append(fork)
             if fork.adapter is not None and self.adapters is not None:
                 self.adapters.on_run(fork.adapter)
-            token = sampled[fork.seq_id]
-            fork.output_token_ids.append(token.token_id)
-            reason = self._stop_reason(fork, token.token_id)
-            if reason is not None:
-                self._finish(fork, reason)
-            results.append(StepResult(fork, token.token_id, token, reason))
+            results.append(self._append(fork, sampled[fork.seq_id]))
         return results
+
+    def _append(self, seq: Sequence, token: SampledToken) -> StepResult:
+        """Append a sampled token to a running sequence and apply the token-level stops."""
+        seq.output_token_ids.append(token.token_id)
+        reason = self._stop_reason(seq, token.token_id)
+        if reason is not None:
+            self._finish(seq, reason)
+        return StepResult(seq, token.token_id, token, reason)
 
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
