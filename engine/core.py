@@ -275,6 +275,8 @@ class EngineCore:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this model takes at most "
                              f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})")
+        if params.n > self.config.max_num_seqs:  # its samples run together, so they must fit in one batch
+            raise ValueError(f"n is {params.n}; this engine runs at most {self.config.max_num_seqs} sequences at once")
         samples = [Sequence(seq_id=next(self._ids), prompt_token_ids=tuple(token_ids),
                             params=_sample_params(params, i), adapter=adapter) for i in range(params.n)]
         try:
@@ -287,7 +289,8 @@ class EngineCore:
                 self.grammars.release(seq.seq_id)
             raise
         for index, seq in enumerate(samples):
-            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                                                                    params.skip_special_tokens)
             if index:
                 self._sample_index[seq.seq_id] = index
         self._num_prompt_tokens_total += len(token_ids)
@@ -384,9 +387,10 @@ class EngineCore:
         sampling = [s for s in batch.seqs if s.sample]
         if any(s.forks for s in sampling):
             logits, sampling = _with_fork_rows(logits, sampling)
+        raw = logits  # logprobs report the model's distribution, not the grammar's cut of it
         if self.grammars.num_matchers:
             logits = self.grammars.mask(logits, [s.seq_id for s in sampling])
-        sampled = self.sampler(logits, sampling) if sampling else []
+        sampled = self.sampler(logits, sampling, raw) if sampling else []
         deltas = []
         for result in self.scheduler.update(batch, ModelOutput(tuple(sampled))):
             seq_id = result.seq.seq_id

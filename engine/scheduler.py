@@ -252,8 +252,11 @@ class Scheduler:
     def _admit_in_order(self, scheduled: dict[int, ScheduledSeq], budget: int, passed_over: list[Sequence]) -> None:
         blocks = self.block_manager
         lora_held = False
-        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while self._waiting and budget > 0:
             seq = self._waiting[0]
+            # A sequence with forks pending takes their seats too: they join the batch when it samples.
+            if self._seats_taken() + 1 + len(self._forks.get(seq.seq_id, ())) > self.config.max_num_seqs:
+                return
             # Once one LoRA sequence waits for a slot, later ones wait too (arrival order across adapters).
             if seq.adapter is not None and self.adapters is not None and (
                     lora_held or not self.adapters.can_run(seq.adapter)):
@@ -283,16 +286,24 @@ class Scheduler:
             scheduled[seq.seq_id] = self._work(seq, num_new)
             budget -= num_new
 
+    def _seats_taken(self) -> int:
+        """Running sequences, and the seats their pending forks will take."""
+        return len(self._running) + sum(len(forks) for parent_id, forks in self._forks.items()
+                                        if self._seqs[parent_id].status is SequenceStatus.RUNNING)
+
     def _fork(self, parent: Sequence, work: ScheduledSeq, sampled: dict[int, SampledToken]) -> list[StepResult]:
         """Start the forks of `parent`, whose prompt is now computed, each with its own sampled token. A fork
-        that finds no free block for its copy on write computes the prompt itself instead, later."""
+        that finds no free block for its copy on write (or no seat, which admission reserved) computes the
+        prompt itself instead, later: its drawn token is dropped, and so is its sampling state (released), so
+        that its seeded draws start over as a lone request's would."""
         results = []
         for fork in self._forks.pop(parent.seq_id, []):
             if fork.status is not SequenceStatus.FORKING:
                 continue  # finished (aborted) while it waited
-            if not self.block_manager.can_fork(parent):
+            if not self.block_manager.can_fork(parent) or len(self._running) >= self.config.max_num_seqs:
                 fork.status = SequenceStatus.WAITING
                 self._waiting.appendleft(fork)
+                self._released.append(fork.seq_id)
                 continue
             copy = self.block_manager.fork(parent, fork)
             if copy is not None:

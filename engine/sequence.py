@@ -49,6 +49,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     constraint: Constraint | None = None  # the output must match this (JSON schema, grammar)
     n: int = 1  # samples of the prompt; they share its KV blocks (engine/scheduler.py forks them)
+    skip_special_tokens: bool = True  # False keeps special tokens in the text (tool-call tags some models mark special)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -148,9 +149,10 @@ class ModelInput:
     """What the scheduler hands the runner for one step."""
 
     seqs: tuple[ScheduledSeq, ...]
-    # Sequences that finished or were aborted since the last step: the runner drops their
-    # per-sequence state (random generators). Preempted sequences are not released: their sampling
-    # state must survive recomputation so a seeded request gives the same tokens either way.
+    # Sequences that finished or were aborted since the last step, or forks that start over (their drawn
+    # token dropped): the runner drops their per-sequence state (random generators). Preempted sequences
+    # are not released: their sampling state must survive recomputation so a seeded request gives the same
+    # tokens either way.
     released_seq_ids: tuple[int, ...] = ()
     # KV blocks to copy, (source, destination), before this step's forward pass: the partly filled last
     # prompt block of each forked sample, which it is about to write its own tokens into (copy on write).

@@ -20,6 +20,7 @@ write JSON that way anyway.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections import OrderedDict
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # both imported on first use: an engine that never constrains
     import torch
 
 MAX_GRAMMARS = 256
+MAX_GRAMMAR_BYTES = 64 << 20  # of grammar text kept; a schema is capped by the request body's size (8 MiB)
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -43,18 +45,23 @@ class GrammarError(ValueError):
 class GrammarBook:
     """Compiled grammars for one model's tokenizer, and the matcher of each constrained sequence.
 
-    `compile` may be called from any thread (the server validates a request before queuing it); the rest
-    only from the engine's worker thread, which owns the matchers."""
+    A compiled grammar is a ready matcher (llguidance builds one in 0.1-100 ms, longer for a huge schema) kept
+    as a prototype; each sequence gets a copy of it (~40 us), so the engine's worker thread never builds one
+    for a schema the server compiled first. `compile` may be called from any thread (the server compiles a
+    request's constraint on a worker thread before queuing it); the rest only from the engine's worker
+    thread, which owns the sequences' matchers. Prototypes are kept by a hash of their constraint, least
+    recently used dropped past `max_grammars` or `max_grammar_bytes` of grammar text."""
 
     def __init__(self, tokenizer_json: str, eos_token_ids: Sequence[int], vocab_size: int,
-                 max_grammars: int = MAX_GRAMMARS) -> None:
+                 max_grammars: int = MAX_GRAMMARS, max_grammar_bytes: int = MAX_GRAMMAR_BYTES) -> None:
         self._tokenizer_json = tokenizer_json
         self._eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size  # rows of logits are this wide (the model's vocabulary)
-        self._max_grammars = max_grammars
+        self._max_grammars, self._max_grammar_bytes = max_grammars, max_grammar_bytes
         self._lock = threading.Lock()
         self._lltokenizer: llguidance.LLTokenizer | None = None  # built on first use: ~0.2 s for a 49k vocabulary
-        self._grammars: OrderedDict[Constraint, str] = OrderedDict()
+        self._prototypes: OrderedDict[bytes, tuple[llguidance.LLMatcher, int]] = OrderedDict()  # key -> (matcher, bytes)
+        self._prototype_bytes = 0
         self._matchers: dict[int, llguidance.LLMatcher] = {}
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
@@ -66,35 +73,42 @@ class GrammarBook:
                                                            eos_token=self._eos_token_ids or None)
             return self._lltokenizer
 
-    def compile(self, constraint: Constraint) -> str:
-        """llguidance's grammar for `constraint`, checked against the tokenizer. Raises GrammarError."""
+    def compile(self, constraint: Constraint) -> None:
+        """Compile `constraint` into a kept prototype matcher, unless one is kept. Raises GrammarError for a
+        grammar llguidance refuses (naming what), or one that allows no output at all."""
+        self._prototype(constraint)
+
+    def _prototype(self, constraint: Constraint) -> llguidance.LLMatcher:
+        key = hashlib.sha256(f"{constraint.kind}\0{constraint.source}".encode()).digest()
         with self._lock:
-            grammar = self._grammars.get(constraint)
-            if grammar is not None:
-                self._grammars.move_to_end(constraint)
-                return grammar
-        grammar = _grammar_text(constraint)
+            kept = self._prototypes.get(key)
+            if kept is not None:
+                self._prototypes.move_to_end(key)
+                return kept[0]
         import llguidance
 
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer())
-        if is_error:
-            raise GrammarError(_tidy(messages[0]))
+        grammar = _grammar_text(constraint)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_first_line(matcher.get_error()))
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_stopped() or probe.is_error():
+            raise GrammarError("it allows no output at all (a reference loop, or keywords that contradict each other)")
         with self._lock:
-            self._grammars[constraint] = grammar
-            while len(self._grammars) > self._max_grammars:
-                self._grammars.popitem(last=False)
-        return grammar
+            self._prototypes[key] = (matcher, len(grammar))
+            self._prototype_bytes += len(grammar)
+            while len(self._prototypes) > 1 and (len(self._prototypes) > self._max_grammars
+                                                 or self._prototype_bytes > self._max_grammar_bytes):
+                _, (_, size) = self._prototypes.popitem(last=False)
+                self._prototype_bytes -= size
+        return matcher
 
     # ----- per sequence (engine thread)
 
     def start(self, seq_id: int, constraint: Constraint) -> None:
-        """Give sequence `seq_id` a fresh matcher. Raises GrammarError."""
-        import llguidance
-
-        matcher = llguidance.LLMatcher(self._tokenizer(), self.compile(constraint), log_level=0)
-        if matcher.is_error():
-            raise GrammarError(_tidy(matcher.get_error()))
-        self._matchers[seq_id] = matcher
+        """Give sequence `seq_id` a fresh matcher (a copy of the constraint's prototype). Raises GrammarError."""
+        self._matchers[seq_id] = self._prototype(constraint).deep_copy()
 
     def release(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
@@ -140,8 +154,8 @@ def _grammar_text(constraint: Constraint) -> str:
     if constraint.kind == "json_schema":
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(constraint.source, defaults=_JSON_OPTIONS)
-        except ValueError as exc:
-            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise GrammarError(f"the JSON schema cannot be read: {_first_line(str(exc))}") from exc
     if constraint.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(constraint.source)
     raise GrammarError(f"unknown constraint kind {constraint.kind!r}")
@@ -152,8 +166,10 @@ def json_object_constraint() -> Constraint:
     return Constraint("json_schema", json.dumps({"type": "object"}))
 
 
-def _tidy(message: str) -> str:
-    return " ".join(str(message).split())
+def _first_line(message: str) -> str:
+    """llguidance's error without the grammar text it appends (which repeats the whole schema)."""
+    text = str(message).split("<state>")[0].split("<grammar>")[0]
+    return " ".join(text.split())[:1000]
 
 
 def _unpack_bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -45,8 +45,10 @@ class Sampler:
         self._shared: torch.Generator | None = None
         self._per_seq: dict[int, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
+                 raw_logits: torch.Tensor | None = None) -> list[SampledToken]:
         """`logits`: float32 [len(seqs), vocab], row i for seqs[i]. Returns one token per row, in order.
+        `raw_logits`: the model's logits before a grammar masked them, which logprobs report (default `logits`).
 
         `logits` is not modified. Raises ValueError when the shapes disagree.
         """
@@ -62,7 +64,7 @@ class Sampler:
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not logprob_rows:
             return [SampledToken(seq_id=s.seq_id, token_id=t) for s, t in zip(seqs, chosen)]
-        return _with_logprobs(logits, seqs, chosen, logprob_rows)
+        return _with_logprobs(logits if raw_logits is None else raw_logits, seqs, chosen, logprob_rows)
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Drop the generators of finished or aborted sequences. Unknown ids are ignored (idempotent)."""

@@ -120,7 +120,8 @@ class ServerContext:
         self._grammars = core.grammars  # compile() is safe off the engine's thread
         # How this model writes tool calls, from its own chat template; None: no tools (the fallback template has none).
         template = self.tokenizer.chat_template if self.tokenizer.has_own_chat_template else ""
-        self.tool_format: ToolFormat | None = detect_tool_format(template, self.tokenizer.token_to_id)
+        self.tool_format: ToolFormat | None = detect_tool_format(
+            template, self.tokenizer.token_to_id, lambda t: self.tokenizer.decode([t], skip_special_tokens=True) == "")
 
     @property
     def now(self) -> Callable[[], float]:

@@ -164,7 +164,7 @@ def parse_unload_adapter_request(body: dict[str, Any]) -> str:
 
 def sampling_params(request: SamplingRequest, *, num_prompt_tokens: int, max_model_len: int,
                     prompt_param: str, default_max_tokens: int | None = None,
-                    constraint: Constraint | None = None) -> SamplingParams:
+                    constraint: Constraint | None = None, skip_special_tokens: bool = True) -> SamplingParams:
     """The engine's SamplingParams once the prompt is tokenized.
 
     A prompt and its completion share the model's context: with max_model_len 2048, a 2000-token
@@ -198,6 +198,7 @@ def sampling_params(request: SamplingRequest, *, num_prompt_tokens: int, max_mod
             stop_token_ids=request.stop_token_ids, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, ignore_eos=request.ignore_eos, logprobs=request.logprobs,
             logit_bias=request.logit_bias, n=request.n, constraint=constraint,
+            skip_special_tokens=skip_special_tokens,
         )
     except ValueError as exc:  # every field was checked above; this is a backstop, still the client's fault
         raise bad_request(str(exc)) from exc
@@ -239,7 +240,7 @@ def _logit_bias(fields: _Fields) -> tuple[tuple[int, float], ...]:
                           "logit_bias")
     out = []
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
             raise bad_request(f"logit_bias keys must be token ids (non-negative integers); got {key!r}", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise bad_request(f"logit_bias[{key!r}] must be a number from -100 to 100; got {bias!r}", "logit_bias")

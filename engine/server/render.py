@@ -44,6 +44,11 @@ def _reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value
 
 
+def _call_reason(calls: list, reason: FinishReason | None) -> str | None:
+    """"tool_calls" when the output held calls, unless max_tokens cut it ("length", as OpenAI says then)."""
+    return "tool_calls" if calls and reason is not FinishReason.LENGTH else _reason(reason)
+
+
 def by_choice(deltas: Sequence[TokenDelta], n: int) -> list[list[TokenDelta]]:
     """Each choice's deltas, in order (a request with n > 1 interleaves them)."""
     choices: list[list[TokenDelta]] = [[] for _ in range(n)]
@@ -145,7 +150,7 @@ class ChatRenderer(_Renderer):
                 message["tool_calls"] = [call.to_json() for call in calls]
             choices.append({"index": index, "message": message,
                             "logprobs": self._logprobs(mine) if self.logprobs else None,
-                            "finish_reason": "tool_calls" if calls else _reason(mine[-1].finish_reason)})
+                            "finish_reason": _call_reason(calls, mine[-1].finish_reason)})
         return {**self._envelope("chat.completion", choices), "usage": usage.to_json()}
 
     def opening_chunks(self) -> list[dict[str, Any]]:
@@ -176,7 +181,7 @@ class ChatRenderer(_Renderer):
             out.append(self._choice_chunk(delta.index, {"tool_calls": [opening]}, None, None))
             arguments = {"index": k, "function": {"arguments": call.arguments}}
             out.append(self._choice_chunk(delta.index, {"tool_calls": [arguments]}, None, None))
-        out.append(self._choice_chunk(delta.index, {}, None, "tool_calls"))
+        out.append(self._choice_chunk(delta.index, {}, None, _call_reason(calls, delta.finish_reason)))
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

@@ -104,7 +104,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if constraint is not None:
         await context.check_constraint(constraint, param)
     params = sampling_params(parsed.sampling, num_prompt_tokens=len(prompt_ids),
-                             max_model_len=context.max_model_len, prompt_param="messages", constraint=constraint)
+                             max_model_len=context.max_model_len, prompt_param="messages", constraint=constraint,
+                             skip_special_tokens=not (tool_format is not None and tool_format.tags_special))
     context.check_sampling(params)
     renderer = ChatRenderer(request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(context.settings.wall()),
                             model=parsed.model, token_text=context.token_text,

@@ -17,9 +17,11 @@ tool's parameter schema. "auto" leaves the model free and parses whatever calls 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +74,7 @@ class ToolCall:
     def to_template(self) -> dict[str, Any]:
         try:
             arguments: Any = json.loads(self.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON (or nested past the parser's limit): the text as it is
             arguments = self.arguments
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
 
@@ -194,11 +196,21 @@ class ToolFormat:
     # must name those by id (llguidance's <[id]>), as a grammar library never spells them out of pieces.
     opener_token: int | None = None
     closer_token: int | None = None
+    # The opener is a special token, which decoding drops by default: the text must keep special tokens.
+    tags_special: bool = False
 
 
-def detect_tool_format(chat_template: str, token_to_id: Any) -> ToolFormat | None:
+def detect_tool_format(chat_template: str, token_to_id: Callable[[str], int | None],
+                       is_special: Callable[[int], bool] = lambda _: False) -> ToolFormat | None:
     """The call format a chat template teaches its model, from the template's text; None when the template
-    does not render tools or uses a format kvgate cannot parse."""
+    does not render tools or uses a format kvgate cannot parse. `is_special(id)`: whether decoding drops it."""
+    fmt = _template_format(chat_template, token_to_id)
+    if fmt is not None and fmt.opener_token is not None and is_special(fmt.opener_token):
+        return dataclasses.replace(fmt, tags_special=True)
+    return fmt
+
+
+def _template_format(chat_template: str, token_to_id: Callable[[str], int | None]) -> ToolFormat | None:
     if not re.search(r"\btools\b", chat_template):
         return None
     if "<tool_call>" in chat_template:
@@ -211,13 +223,24 @@ def detect_tool_format(chat_template: str, token_to_id: Any) -> ToolFormat | Non
 
 
 def call_constraint(fmt: ToolFormat, tools: tuple[ToolSpec, ...], choice: ToolChoice) -> Constraint:
-    """The grammar of exactly one call in `fmt`, to one of `tools` (or the named one), arguments valid."""
+    """The grammar of exactly one call in `fmt`, to one of `tools` (or the named one), arguments valid.
+    Raises ApiError 400 for parameter schemas nested past what can be read."""
     offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
-    options = [{"type": "object", "additionalProperties": False, "required": ["name", fmt.arguments_key],
-                "properties": {"name": {"const": t.name}, fmt.arguments_key: json.loads(t.parameters)}}
-               for t in offered]
+    definitions: dict[str, Any] = {}
+    options = []
+    try:
+        for i, tool in enumerate(offered):
+            name = f"tool{i}"
+            parameters, own = _hoist_definitions(json.loads(tool.parameters), name)
+            definitions.update(own)
+            definitions[name] = parameters
+            options.append({"type": "object", "additionalProperties": False, "required": ["name", fmt.arguments_key],
+                            "properties": {"name": {"const": tool.name},
+                                           fmt.arguments_key: {"$ref": f"#/$defs/{name}"}}})
+    except RecursionError:
+        raise bad_request("a tool's parameters are nested too deeply to enforce", "tools") from None
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    schema = {**schema, "x-guidance": _COMPACT}
+    schema = {**schema, "$defs": definitions, "x-guidance": _COMPACT}
     call = f"%json {json.dumps(schema)}"
     if fmt.name == "hermes":
         body = f'{_literal(fmt.opener_token, _HERMES_OPEN)} "\\n" call "\\n" {_literal(fmt.closer_token, _HERMES_CLOSE)}'
@@ -226,6 +249,36 @@ def call_constraint(fmt: ToolFormat, tools: tuple[ToolSpec, ...], choice: ToolCh
     else:
         body = "call"
     return Constraint("lark", f"start: {body}\ncall: {call}\n")
+
+
+def _hoist_definitions(schema: Any, name: str) -> tuple[Any, dict[str, Any]]:
+    """A tool's parameter schema made to live at #/$defs/<name> of a larger schema: its own $defs (or
+    definitions) move beside it as <name>__<def>, and every local $ref is rewritten to match ("#" is the
+    schema itself, "#/$defs/Loc" its Loc, "#/properties/a" a part of it). pydantic writes nested models so."""
+    own: dict[str, Any] = {}
+    if isinstance(schema, dict):
+        schema = dict(schema)
+        for key in ("$defs", "definitions"):
+            moved = schema.pop(key, None)
+            if isinstance(moved, dict):
+                own.update({f"{name}__{k}": v for k, v in moved.items()})
+
+    def rewrite(ref: str) -> str:
+        for key in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(key):
+                return f"#/$defs/{name}__{ref[len(key):]}"
+        if ref == "#" or ref.startswith("#/"):
+            return f"#/$defs/{name}{ref[1:]}"
+        return ref  # not local: llguidance refuses it, naming it
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: rewrite(v) if k == "$ref" and isinstance(v, str) else walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema), {k: walk(v) for k, v in own.items()}
 
 
 def _literal(token_id: int | None, text: str) -> str:
@@ -323,12 +376,12 @@ def _json_calls(text: str, arguments_key: str) -> tuple[str, list[ToolCall]] | N
         text = text[len("[TOOL_CALLS]"):].lstrip()
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         # Llama 3 may separate several calls with semicolons
         parts = [p for p in text.split(";") if p.strip()]
         try:
             value = [json.loads(p) for p in parts]
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     objects = value if isinstance(value, list) else [value]
     calls = [_call_from(obj, arguments_key) for obj in objects]
@@ -340,7 +393,7 @@ def _json_calls(text: str, arguments_key: str) -> tuple[str, list[ToolCall]] | N
 def _one_call(text: str, arguments_key: str) -> ToolCall | None:
     try:
         return _call_from(json.loads(text), arguments_key)
-    except ValueError:
+    except (ValueError, RecursionError):  # what the model wrote is not a call: it stays content
         return None
 
 

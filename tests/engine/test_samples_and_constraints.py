@@ -24,8 +24,8 @@ SAMPLED = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True
 
 def make_core(**overrides) -> EngineCore:
     tiny_llama_dir()
-    return EngineCore(EngineConfig(model="builtin:tiny-llama", cache_dir=shared_cache_dir(), kv_cache_bytes=4 << 20,
-                                   **overrides))
+    return EngineCore(EngineConfig(model="builtin:tiny-llama", cache_dir=shared_cache_dir(),
+                                   **{"kv_cache_bytes": 4 << 20, **overrides}))
 
 
 def run(core: EngineCore, seq_ids: list[int]) -> dict[int, list[int]]:
@@ -82,6 +82,38 @@ def test_samples_ending_early_or_aborted_free_what_they_hold() -> None:
     for s in ids:
         core.abort(s)
     assert not core.has_unfinished() and core.block_manager.num_free_blocks == total
+
+
+def test_samples_never_push_a_batch_past_max_num_seqs() -> None:
+    core = make_core(max_num_seqs=4)
+    ids = [*core.add_requests(PROMPT, dataclasses.replace(SAMPLED, n=3)),
+           *core.add_requests(PROMPT[:20], dataclasses.replace(SAMPLED, n=3)),
+           core.add_request(PROMPT[:30], SAMPLED)]
+    most = 0
+    tokens = {s: 0 for s in ids}
+    while core.has_unfinished():
+        for delta in core.step():
+            tokens[delta.seq_id] += 1
+        most = max(most, core.scheduler.num_running)
+    assert most <= 4 and all(count == 12 for count in tokens.values())
+    with pytest.raises(ValueError, match="at most 4 sequences"):
+        core.add_requests(PROMPT, dataclasses.replace(SAMPLED, n=5))
+
+
+def test_a_fork_that_finds_no_block_starts_over_with_its_own_seed() -> None:
+    # A pool of 4 blocks of 16 (tiny-llama: 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB each):
+    # the 40-token prompt takes 3, so only the first fork finds a block for its copy.
+    core = make_core(kv_cache_bytes=4 * 8192, max_model_len=60)
+    ids = core.add_requests(PROMPT, dataclasses.replace(SAMPLED, n=3, max_tokens=4))
+    first = core.step()
+    assert core.scheduler.get(ids[2]).status.value == "waiting"  # it computes the prompt itself, later
+    together = run(core, ids)
+    for delta in first:
+        together[delta.seq_id].insert(0, delta.token_id)
+    for index, seq_id in enumerate(ids):
+        alone = make_core()
+        lone_id = alone.add_request(PROMPT, dataclasses.replace(SAMPLED, max_tokens=4, seed=SAMPLED.seed + index))
+        assert run(alone, [lone_id])[lone_id] == together[seq_id], f"sample {index}"
 
 
 def test_forks_of_a_sequence_aborted_before_its_prefill_compute_the_prompt_themselves() -> None:
@@ -141,3 +173,26 @@ def test_a_schema_the_library_cannot_enforce_is_refused_naming_the_part() -> Non
     with pytest.raises(GrammarError, match="no-such-format"):
         core.add_request(PROMPT, dataclasses.replace(SAMPLED, constraint=bad))
     assert not core.has_unfinished() and core.grammars.num_matchers == 0
+
+
+def test_sequences_copy_a_compiled_prototype_and_the_book_is_bounded_by_bytes(monkeypatch) -> None:
+    import llguidance
+
+    from kvgate.engine.structured import GrammarBook
+
+    book = GrammarBook(make_core().tokenizer.to_json(), (1,), 290, max_grammar_bytes=3_000)
+    built = []
+    real = llguidance.LLMatcher
+    monkeypatch.setattr(llguidance, "LLMatcher", type("Counting", (), {
+        "__new__": lambda cls, *a, **k: built.append(1) or real(*a, **k),
+        "grammar_from_json_schema": staticmethod(real.grammar_from_json_schema),
+        "grammar_from_lark": staticmethod(real.grammar_from_lark)}))
+    schema = Constraint("json_schema", json.dumps(SCHEMA))
+    book.compile(schema)  # on the server's thread
+    for seq_id in range(16):  # on the engine's: copies only
+        book.start(seq_id, schema)
+    assert len(built) == 1 and book.num_matchers == 16
+    for i in range(6):  # each grammar is ~1 KB of text: the book keeps the last few only
+        book.compile(Constraint("json_schema", json.dumps({**SCHEMA, "title": f"v{i}"})))
+    book.compile(schema)
+    assert len(built) == 8  # the first was evicted and compiled again

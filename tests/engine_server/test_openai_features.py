@@ -14,6 +14,8 @@ import jsonschema
 import openai
 import pytest
 
+from kvgate.engine.builtin import resolve_model_source
+from tests.engine.builtin_cache import shared_cache_dir
 from tests.engine_server.test_process import Replica, start_replica
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "mood", "stops"],
@@ -178,3 +180,73 @@ def test_logit_bias_reaches_the_sampler(tiny: Replica) -> None:
     answer = tiny.openai().completions.create(model="tiny-llama", prompt="hello", max_tokens=5, temperature=0,
                                               logit_bias={"97": 100}, extra_body={"ignore_eos": True})
     assert answer.choices[0].text == "aaaaa"  # token 97 is the byte "a"
+
+
+NESTED_TOOL = {"type": "function", "function": {  # as pydantic writes a model with a nested one
+    "name": "ship", "parameters": {
+        "$defs": {"Address": {"type": "object", "additionalProperties": False, "required": ["city"],
+                              "properties": {"city": {"type": "string", "maxLength": 10}}}},
+        "type": "object", "additionalProperties": False, "required": ["to"],
+        "properties": {"to": {"$ref": "#/$defs/Address"}}}}}
+
+
+def test_a_forced_call_to_a_tool_whose_schema_refers_to_its_own_defs(tools_model: Replica) -> None:
+    answer = tools_model.openai().chat.completions.create(
+        model="tiny-tools", messages=ASK, tools=[NESTED_TOOL, WEATHER], tool_choice="required", seed=2,
+        temperature=1.0, max_tokens=200)
+    [call] = answer.choices[0].message.tool_calls
+    schema = next(t for t in (NESTED_TOOL, WEATHER) if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+
+
+def test_a_call_cut_by_max_tokens_says_length(tools_model: Replica) -> None:
+    answer = tools_model.openai().chat.completions.create(
+        model="tiny-tools", messages=ASK, tools=TOOLS, tool_choice="required", seed=1, max_tokens=6)
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_odd_inputs_are_400s_or_served_never_500s(tiny: Replica, tools_model: Replica) -> None:
+    client = tiny.openai(max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="allows no output"):
+        client.chat.completions.create(model="tiny-llama", messages=ASK, response_format=schema_format({"$ref": "#"}))
+    with pytest.raises(openai.BadRequestError, match="token ids"):
+        client.completions.create(model="tiny-llama", prompt="x", logit_bias={"9" * 5000: 1})
+    # Arguments nested past json's recursion limit are rendered as the text they are: here into a prompt longer
+    # than the model takes, which is the 400 that says so, not a 500.
+    deep = "[" * 990 + "]" * 990
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": deep}}
+    with pytest.raises(openai.BadRequestError, match="your prompt has 2"):
+        tools_model.openai(max_retries=0).chat.completions.create(
+            model="tiny-tools", max_tokens=2, tools=TOOLS,
+            messages=[*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c", "content": "ok"}])
+
+
+def test_logprobs_of_constrained_output_are_the_models_and_finite(tiny: Replica) -> None:
+    response = tiny.openai().chat.completions.with_raw_response.create(
+        model="tiny-llama", messages=ASK, max_tokens=20, logprobs=True, top_logprobs=5,
+        response_format=schema_format({"const": "hello world"}))
+    assert "Infinity" not in response.text  # strict JSON parsers refuse it
+    content = response.parse().choices[0].logprobs.content
+    assert len(content) > 1 and all(len(entry.top_logprobs) == 5 for entry in content)
+
+
+def test_call_tags_that_are_special_tokens_are_kept_for_the_parser(tmp_path: Path) -> None:
+    # Some Hermes-style models mark <tool_call> special, which decoding drops unless told to keep it.
+    model_dir = tmp_path / "special-tags"
+    model_dir.mkdir()
+    for item in resolve_model_source("builtin:tiny-tools", shared_cache_dir()).iterdir():  # built once, here
+        (model_dir / item.name).write_bytes(item.read_bytes())
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    for token in tokenizer["added_tokens"]:
+        if token["content"] in ("<tool_call>", "</tool_call>"):
+            token["special"] = True
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    replica = start_replica(tmp_path, "--served-model-name", "special", model=str(model_dir))
+    try:
+        answer = replica.openai().chat.completions.create(model="special", messages=ASK, tools=TOOLS,
+                                                          tool_choice="required", seed=3, max_tokens=200)
+        assert answer.choices[0].finish_reason == "tool_calls" and len(answer.choices[0].message.tool_calls) == 1
+    finally:
+        replica.process.terminate()
+        replica.process.wait(30)
