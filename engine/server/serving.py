@@ -99,8 +99,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tool_format = context.tool_format_for(parsed.tools, parsed.tool_choice)
     prompt_ids = await context.chat_prompt_ids(parsed.messages, parsed.tools if tool_format is not None else ())
     constraint, param = parsed.response_format, "response_format"
-    if tool_format is not None and parsed.tool_choice.forces_call:
-        constraint, param = call_constraint(tool_format, parsed.tools, parsed.tool_choice), "tools"
+    if tool_format is not None and parsed.tool_choice.mode != "none":
+        calls = call_constraint(tool_format, parsed.tools, parsed.tool_choice)
+        if parsed.tool_choice.forces_call:
+            constraint, param = calls, "tools"
+        else:  # "auto" leaves the model free, but a parameter schema that cannot be read is the client's error now
+            await context.check_constraint(calls, "tools")
     if constraint is not None:
         await context.check_constraint(constraint, param)
     params = sampling_params(parsed.sampling, num_prompt_tokens=len(prompt_ids),

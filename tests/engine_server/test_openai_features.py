@@ -250,3 +250,10 @@ def test_call_tags_that_are_special_tokens_are_kept_for_the_parser(tmp_path: Pat
     finally:
         replica.process.terminate()
         replica.process.wait(30)
+
+
+def test_a_tool_schema_that_cannot_be_read_is_a_400_in_auto_mode_too(tools_model: Replica) -> None:
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        tools_model.openai(max_retries=0).chat.completions.create(model="tiny-tools", messages=ASK, tools=[bad])
+    assert caught.value.body["param"] == "tools"
