@@ -151,7 +151,7 @@ def test_a_local_directory_passes_through(tiny: Path) -> None:
 
 
 @pytest.mark.parametrize("source,message", [
-    ("builtin:gpt-5", "unknown builtin model 'builtin:gpt-5'; known: builtin:tiny-llama, builtin:smollm2-135m"),
+    ("builtin:gpt-5", "unknown builtin model 'builtin:gpt-5'; known: builtin:tiny-llama, builtin:tiny-tools, builtin:smollm2-135m"),
     ("hf://meta/llama", "unsupported scheme"),
     ("/no/such/dir", "/no/such/dir: no such model directory"),
 ])
