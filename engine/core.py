@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import importlib
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -34,14 +35,16 @@ from kvgate.engine.builtin import default_cache_dir, resolve_model_source
 from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.engine.lora import AdapterInfo, AdapterManager, UnknownAdapter
 from kvgate.engine.lora.source import fetch_adapter
-from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.scheduler import Scheduler, SchedulerConfig, StepResult
 from kvgate.engine.sequence import (FinishReason, ModelInput, ModelOutput, SampledToken, SamplingParams,
                                    ScheduledSeq, Sequence)
-from kvgate.engine.structured import GrammarBook
+from kvgate.engine.structured import GrammarBook, GrammarStep
 from kvgate.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch is imported on a thread at start (start_runner_import), never at import time
     import torch
+
+log = logging.getLogger("kvgate.engine")
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -231,6 +234,7 @@ class EngineCore:
             self.block_manager, adapters=self.adapter_manager,
         )
         self.sampler = Sampler()
+        self.vocab_size = model_config.vocab_size  # rows of logits; logit_bias ids must be below it
         self.grammars = GrammarBook(self.tokenizer.to_json(), tuple(sorted(eos)), model_config.vocab_size)
         self._ids = itertools.count()
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
@@ -298,9 +302,7 @@ class EngineCore:
 
     def abort(self, seq_id: int) -> bool:
         """Cancel a request; its KV blocks are freed at once. False if it was unknown or finished."""
-        self._detokenizers.pop(seq_id, None)
-        self.grammars.release(seq_id)
-        self._sample_index.pop(seq_id, None)
+        self._forget(seq_id)
         aborted = self.scheduler.abort(seq_id)
         self._num_requests_aborted_total += aborted
         return aborted
@@ -382,45 +384,64 @@ class EngineCore:
         self.sampler.release(batch.released_seq_ids)
         batch = self._load_adapters(batch)
         if not batch.seqs:
+            self.runner.copy_blocks(batch.block_copies)  # a fork's copy must not wait for a step that runs
             return []
         logits = self.runner.compute_logits(batch)
-        sampling = [s for s in batch.seqs if s.sample]
+        sampled = self._sample(logits, [s for s in batch.seqs if s.sample])
+        deltas = []
+        for result in self.scheduler.update(batch, ModelOutput(tuple(sampled))):
+            delta = self._delta(result)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[SampledToken]:
+        """One token per sampling sequence and per fork it names, each fork from its sequence's logits."""
+        if not sampling:
+            return []
         if any(s.forks for s in sampling):
             logits, sampling = _with_fork_rows(logits, sampling)
         raw = logits  # logprobs report the model's distribution, not the grammar's cut of it
         if self.grammars.num_matchers:
             logits = self.grammars.mask(logits, [s.seq_id for s in sampling])
-        sampled = self.sampler(logits, sampling, raw) if sampling else []
-        deltas = []
-        for result in self.scheduler.update(batch, ModelOutput(tuple(sampled))):
-            seq_id = result.seq.seq_id
-            detokenizer = self._detokenizers.get(seq_id)
-            if detokenizer is None:
-                continue  # aborted between schedule and update
-            reason = result.finish_reason
-            complete = self.grammars.advance(seq_id, result.new_token_id)  # the constrained output is whole
-            if reason is FinishReason.STOP:
-                # EOS or a stop token id: like vLLM, its text is not part of the output.
-                text = detokenizer.flush()
-            else:
-                text, stopped = detokenizer.add(result.new_token_id)
-                if stopped or (complete and reason is None):  # a stop string completed (the text is cut before it)
-                    if reason is None:
-                        self.scheduler.finish(seq_id, FinishReason.STOP)
-                    reason = FinishReason.STOP
-                    text += detokenizer.flush()
-                elif reason is not None:
-                    text += detokenizer.flush()
-            index = self._sample_index.get(seq_id, 0)
+        return self.sampler(logits, sampling, raw)
+
+    def _delta(self, result: StepResult) -> TokenDelta | None:
+        """The text one sampled token adds, with the sequence's end: a stop token, a stop string, its grammar
+        complete (which wins over a length limit reached by the same token), or the length limit. None for a
+        sequence aborted between schedule and update."""
+        seq_id = result.seq.seq_id
+        detokenizer = self._detokenizers.get(seq_id)
+        if detokenizer is None:
+            return None
+        reason = result.finish_reason
+        grammar = self.grammars.advance(seq_id, result.new_token_id)
+        if grammar is GrammarStep.REJECTED:  # the mask allowed it, so this is a bug: say so, and end cleanly
+            log.warning("sequence %d: its grammar rejected token %d; stopping it", seq_id, result.new_token_id)
+        if reason is FinishReason.STOP:
+            # EOS or a stop token id: like vLLM, its text is not part of the output.
+            text = detokenizer.flush()
+        else:
+            text, stopped = detokenizer.add(result.new_token_id)
+            if stopped or grammar is not GrammarStep.CONTINUE:
+                if reason is None:
+                    self.scheduler.finish(seq_id, FinishReason.STOP)
+                reason = FinishReason.STOP
             if reason is not None:
-                del self._detokenizers[seq_id]
-                self.grammars.release(seq_id)
-                self._sample_index.pop(seq_id, None)
-                self._num_requests_finished_total += 1
-            self._num_generated_tokens_total += 1
-            deltas.append(TokenDelta(seq_id, result.new_token_id, text, result.sampled, reason,
-                                     result.seq.num_cached_tokens, index))
-        return deltas
+                text += detokenizer.flush()  # "" after a stop string (the detokenizer cut the text before it)
+        index = self._sample_index.get(seq_id, 0)
+        if reason is not None:
+            self._forget(seq_id)
+            self._num_requests_finished_total += 1
+        self._num_generated_tokens_total += 1
+        return TokenDelta(seq_id, result.new_token_id, text, result.sampled, reason, result.seq.num_cached_tokens,
+                          index)
+
+    def _forget(self, seq_id: int) -> None:
+        """Drop what the core keeps per sequence once it has ended (the scheduler frees its blocks)."""
+        self._detokenizers.pop(seq_id, None)
+        self.grammars.release(seq_id)
+        self._sample_index.pop(seq_id, None)
 
     def _load_adapters(self, batch: ModelInput) -> ModelInput:
         """Load the adapters that this step's admissions need. A failed load fails the sequences that
@@ -435,9 +456,7 @@ class EngineCore:
                 kept.append(work)
                 continue
             self.scheduler.finish(work.seq_id, FinishReason.ABORT)
-            self._detokenizers.pop(work.seq_id, None)
-            self.grammars.release(work.seq_id)
-            self._sample_index.pop(work.seq_id, None)
+            self._forget(work.seq_id)
             self._num_requests_aborted_total += 1
             self._request_errors.append((work.seq_id, error))
         return dataclasses.replace(batch, seqs=tuple(kept))

@@ -26,6 +26,12 @@ Policy of one `schedule()` (modelled on vLLM v1, with decodes first as in Sarath
 
 LoRA slots: with an `AdapterGate` (engine/lora/manager.py), a sequence pins its adapter's slot from
 admission until it is preempted or finishes, and the gate counts every request per adapter.
+
+Samples (n > 1): the first sample is queued as usual and its forks wait (FORKING) for it to compute the
+prompt. Its admission reserves a seat for each of them. When it samples, `update` forks them: they share its
+full blocks and each gets a copy of its partly filled last one (ModelInput.block_copies, applied before the
+next forward pass), and each takes its own first token from the same logits. A fork that finds no block, or
+whose first sample ended before its prefill, computes the prompt itself instead, from the front of the queue.
 """
 
 from __future__ import annotations
@@ -122,6 +128,9 @@ class Scheduler:
         own first token from the same logits. Raises ValueError for an empty prompt, a prompt that leaves no
         room to generate (len(prompt) >= max_model_len), a seq_id in use, or a sequence already started,
         and the gate's UnknownAdapter for an adapter it does not serve."""
+        if 1 + len(forks) > self.config.max_num_seqs:  # the samples run together, so they must fit in one batch
+            raise ValueError(f"{1 + len(forks)} samples; this engine runs at most {self.config.max_num_seqs} "
+                             "sequences at once")
         for fork in forks:
             if fork.prompt_token_ids != seq.prompt_token_ids or fork.adapter != seq.adapter:
                 raise ValueError(f"fork {fork.seq_id} must have the prompt and adapter of sequence {seq.seq_id}")
@@ -171,7 +180,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Queued sequences, the forks waiting for their first sample's prefill included."""
+        return len(self._waiting) + self._num_pending_forks(running_parents_only=False)
 
     @property
     def num_running(self) -> int:
@@ -187,15 +197,16 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(scheduled, budget)
         released, self._released = tuple(self._released), []
-        copies = tuple((source, dest) for seq_id, source, dest in self._block_copies if seq_id in self._seqs)
+        copies = tuple((source, dest) for seq_id, source, dest in self._block_copies if self._holds(seq_id, dest))
         self._block_copies.clear()
         return ModelInput(seqs=tuple(scheduled.values()), released_seq_ids=released, block_copies=copies)
 
     def update(self, batch: ModelInput, output: ModelOutput) -> list[StepResult]:
         """Apply the runner's answer to `batch`: advance each scheduled sequence by its chunk, cache
-        its newly full blocks, append each sampled token and apply token-level stops. Sequences
-        finished or aborted since schedule() are skipped. Raises ValueError if `output` does not hold
-        exactly one token per sampling sequence of `batch`, in order."""
+        its newly full blocks, start the forks of sequences that computed their prompt, append each sampled
+        token and apply token-level stops. Sequences finished or aborted since schedule() are skipped. Raises
+        ValueError if `output` does not hold exactly one token per sampling sequence of `batch` and one per
+        fork it names, in order (each sequence, then its forks)."""
         sampled = _pair_samples(batch, output)
         results = []
         for work in batch.seqs:
@@ -254,9 +265,6 @@ class Scheduler:
         lora_held = False
         while self._waiting and budget > 0:
             seq = self._waiting[0]
-            # A sequence with forks pending takes their seats too: they join the batch when it samples.
-            if self._seats_taken() + 1 + len(self._forks.get(seq.seq_id, ())) > self.config.max_num_seqs:
-                return
             # Once one LoRA sequence waits for a slot, later ones wait too (arrival order across adapters).
             if seq.adapter is not None and self.adapters is not None and (
                     lora_held or not self.adapters.can_run(seq.adapter)):
@@ -267,6 +275,9 @@ class Scheduler:
                 self.num_prefix_waits_total += 1
                 passed_over.append(self._waiting.popleft())
                 continue
+            # A sequence with forks pending takes their seats too: they join the batch when it samples.
+            if self._seats_taken() + 1 + len(self._forks.get(seq.seq_id, ())) > self.config.max_num_seqs:
+                return
             num_cached = blocks.allocate_prefix(seq)
             seq.num_computed_tokens = num_cached
             num_new = self._chunk_len(seq, budget)
@@ -286,10 +297,20 @@ class Scheduler:
             scheduled[seq.seq_id] = self._work(seq, num_new)
             budget -= num_new
 
+    def _holds(self, seq_id: int, block: int) -> bool:
+        """Whether sequence `seq_id` is running with `block` in its table (a fork preempted or finished before
+        its copy ran has freed it)."""
+        seq = self._seqs.get(seq_id)
+        return seq is not None and seq.status is SequenceStatus.RUNNING and block in seq.block_table
+
     def _seats_taken(self) -> int:
         """Running sequences, and the seats their pending forks will take."""
-        return len(self._running) + sum(len(forks) for parent_id, forks in self._forks.items()
-                                        if self._seqs[parent_id].status is SequenceStatus.RUNNING)
+        return len(self._running) + self._num_pending_forks(running_parents_only=True)
+
+    def _num_pending_forks(self, running_parents_only: bool) -> int:
+        return sum(1 for parent_id, forks in self._forks.items()
+                   if not running_parents_only or self._seqs[parent_id].status is SequenceStatus.RUNNING
+                   for fork in forks if fork.status is SequenceStatus.FORKING)
 
     def _fork(self, parent: Sequence, work: ScheduledSeq, sampled: dict[int, SampledToken]) -> list[StepResult]:
         """Start the forks of `parent`, whose prompt is now computed, each with its own sampled token. A fork
@@ -380,11 +401,13 @@ class Scheduler:
             self._unpin(seq)
         elif seq.status is SequenceStatus.WAITING:
             self._waiting.remove(seq)
-        # A sequence that ends before its forks could share its prompt leaves them to compute it themselves.
-        for fork in self._forks.pop(seq.seq_id, []):
+        # A sequence that ends before its forks could share its prompt leaves them to compute it themselves, at
+        # the front of the queue, with fresh sampling state (a fork's row may have been sampled already).
+        for fork in reversed(self._forks.pop(seq.seq_id, [])):
             if fork.status is SequenceStatus.FORKING:
                 fork.status = SequenceStatus.WAITING
-                self._waiting.append(fork)
+                self._waiting.appendleft(fork)
+                self._released.append(fork.seq_id)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -399,7 +422,10 @@ class Scheduler:
 
 
 def _pair_samples(batch: ModelInput, output: ModelOutput) -> dict[int, SampledToken]:
-    expected = [seq_id for work in batch.seqs if work.sample for seq_id in (work.seq_id, *(f for f, _ in work.forks))]
+    expected = []  # each sampling sequence, then its forks (which sample from its logits)
+    for work in batch.seqs:
+        if work.sample:
+            expected += [work.seq_id, *(fork_id for fork_id, _ in work.forks)]
     got = [token.seq_id for token in output.sampled]
     if got != expected:
         raise ValueError(f"the runner sampled for sequences {got}; the batch asked for {expected}")

@@ -20,11 +20,13 @@ write JSON that way anyway.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from kvgate.engine.sequence import Constraint
@@ -35,7 +37,14 @@ if TYPE_CHECKING:  # both imported on first use: an engine that never constrains
 
 MAX_GRAMMARS = 256
 MAX_GRAMMAR_BYTES = 64 << 20  # of grammar text kept; a schema is capped by the request body's size (8 MiB)
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's JSON options for every schema kvgate compiles (response_format and tool calls alike).
+COMPACT_JSON = MappingProxyType({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+
+
+class GrammarStep(enum.Enum):
+    CONTINUE = "continue"
+    COMPLETE = "complete"
+    REJECTED = "rejected"
 
 
 class GrammarError(ValueError):
@@ -46,8 +55,8 @@ class GrammarBook:
     """Compiled grammars for one model's tokenizer, and the matcher of each constrained sequence.
 
     A compiled grammar is a ready matcher (llguidance builds one in 0.1-100 ms, longer for a huge schema) kept
-    as a prototype; each sequence gets a copy of it (~40 us), so the engine's worker thread never builds one
-    for a schema the server compiled first. `compile` may be called from any thread (the server compiles a
+    as a prototype; each sequence gets a copy of it (~40 us), so the engine's worker thread does not build one
+    for a schema the server compiled first (unless it was evicted in between: then the engine compiles it). `compile` may be called from any thread (the server compiles a
     request's constraint on a worker thread before queuing it); the rest only from the engine's worker
     thread, which owns the sequences' matchers. Prototypes are kept by a hash of their constraint, least
     recently used dropped past `max_grammars` or `max_grammar_bytes` of grammar text."""
@@ -96,6 +105,8 @@ class GrammarBook:
         if probe.is_stopped() or probe.is_error():
             raise GrammarError("it allows no output at all (a reference loop, or keywords that contradict each other)")
         with self._lock:
+            if key in self._prototypes:  # another thread compiled it meanwhile: keep one, count it once
+                return self._prototypes[key][0]
             self._prototypes[key] = (matcher, len(grammar))
             self._prototype_bytes += len(grammar)
             while len(self._prototypes) > 1 and (len(self._prototypes) > self._max_grammars
@@ -112,9 +123,6 @@ class GrammarBook:
 
     def release(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
-
-    def is_constrained(self, seq_id: int) -> bool:
-        return seq_id in self._matchers
 
     @property
     def num_matchers(self) -> int:
@@ -137,15 +145,16 @@ class GrammarBook:
         forbidden[[i for i, _ in rows]] = ~_unpack_bits(bitmask, logits.shape[1])
         return logits.masked_fill(forbidden.to(logits.device), float("-inf"))
 
-    def advance(self, seq_id: int, token_id: int) -> bool:
-        """Feed a constrained sequence its sampled token. Returns True when the grammar is complete and takes
-        no further token (the sequence should stop), or the matcher failed. Unconstrained: False."""
+    def advance(self, seq_id: int, token_id: int) -> GrammarStep:
+        """Feed a constrained sequence its sampled token. COMPLETE: the grammar takes no further token (the
+        sequence should stop); REJECTED: the token broke it (the mask allowed it, so a bug). Unconstrained
+        sequences always CONTINUE."""
         matcher = self._matchers.get(seq_id)
         if matcher is None:
-            return False
+            return GrammarStep.CONTINUE
         if not matcher.consume_token(token_id):
-            return True
-        return matcher.is_stopped()
+            return GrammarStep.REJECTED
+        return GrammarStep.COMPLETE if matcher.is_stopped() else GrammarStep.CONTINUE
 
 
 def _grammar_text(constraint: Constraint) -> str:
@@ -153,17 +162,12 @@ def _grammar_text(constraint: Constraint) -> str:
 
     if constraint.kind == "json_schema":
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(constraint.source, defaults=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(constraint.source, defaults=dict(COMPACT_JSON))
         except (ValueError, RecursionError) as exc:
             raise GrammarError(f"the JSON schema cannot be read: {_first_line(str(exc))}") from exc
     if constraint.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(constraint.source)
     raise GrammarError(f"unknown constraint kind {constraint.kind!r}")
-
-
-def json_object_constraint() -> Constraint:
-    """response_format {"type": "json_object"}: any JSON object."""
-    return Constraint("json_schema", json.dumps({"type": "object"}))
 
 
 def _first_line(message: str) -> str:

@@ -9,9 +9,10 @@ kept, rotary 3.5 ms against 0.6, SiLU-and-multiply 7.8 ms against 1.25; a batch-
 (256-token prompts, 128 new tokens) went from 8.17 s to 7.12 s in float32 and 5.37 s to 4.64 s in
 bfloat16. vLLM's CPU backend gets the same effect by preloading tcmalloc.
 
-The settings are process-wide and one-way, so only the engine's own processes call `keep_freed_memory`
-(the model runner, on CPU). The cost is that memory freed after a peak stays with the process, up to
-TRIM_THRESHOLD_BYTES above what it uses; an engine returns to that peak at its next large step anyway.
+The settings are process-wide and one-way: the model runner sets them when it is built on CPU, so any
+process that builds one (`kvgate engine`, or a script or test using engine.LLM) keeps them. The cost is that
+memory freed after a peak stays with the process, up to TRIM_THRESHOLD_BYTES above what it uses; an engine
+returns to that peak at its next large step anyway.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 
 def keep_freed_memory() -> bool:
     """Set glibc malloc to reuse freed blocks up to 32 MiB and keep up to 1 GiB of freed heap.
-    Returns whether both settings took; False (and nothing changed) off glibc. Idempotent."""
+    Returns whether both settings took (False off glibc, where nothing is changed). Idempotent."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:

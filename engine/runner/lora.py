@@ -31,6 +31,8 @@ matmul cost ~5x in prefill.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -225,7 +227,7 @@ class LoraSlots:
         groups = LoraGroups(tuple(ranges), batch_layout(ranges, self.device))
         if order == sorted(order):
             return batch, groups, None
-        reordered = ModelInput(tuple(seqs[i] for i in order), batch.released_seq_ids)
+        reordered = dataclasses.replace(batch, seqs=tuple(seqs[i] for i in order))
         sampled_position = {i: k for k, i in enumerate(i for i in order if seqs[i].sample)}
         return reordered, groups, [sampled_position[i] for i in range(len(seqs)) if seqs[i].sample]
 

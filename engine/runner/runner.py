@@ -113,6 +113,11 @@ class ModelRunner:
         self.load_seconds["kv_cache"] = clock() - kv_started
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy KV blocks, (source, destination) pairs: a fork's copy of its first sample's partial block."""
+        self.kv_cache.copy_blocks(copies)
+
+    @torch.inference_mode()
     def compute_logits(self, batch: ModelInput) -> torch.Tensor:
         """Run one step: write the KV of every scheduled token into the cache and return float32 logits
         [number of sequences with sample=True, vocab_size], rows in batch order.
@@ -124,7 +129,7 @@ class ModelRunner:
         if batch.num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"batch has {batch.num_tokens} tokens; max_num_batched_tokens is "
                              f"{self.max_num_batched_tokens}")
-        self.kv_cache.copy_blocks(batch.block_copies)
+        self.copy_blocks(batch.block_copies)
         groups, sample_order = None, None
         if any(seq.adapter is not None for seq in batch.seqs):
             if self.lora is None:

@@ -54,7 +54,7 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab]; got {tuple(logits.shape)}")
-        penalized = _apply_penalties(logits, seqs)
+        penalized = _apply_bias_and_penalties(logits, seqs)
         token_ids = penalized.argmax(dim=-1)  # the answer for greedy rows; cheap for all rows at once
         sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sample_rows:
@@ -137,7 +137,7 @@ class Sampler:
         return self._shared
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+def _apply_bias_and_penalties(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
     """Logit bias, then OpenAI's penalties over the tokens generated so far (not the prompt):
     logit[t] += logit_bias[t] - presence_penalty * (count[t] > 0) - frequency_penalty * count[t].
 

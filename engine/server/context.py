@@ -115,7 +115,7 @@ class ServerContext:
         self.model_name = settings.served_model_name
         self._encode_prompt = core.encode_prompt  # text or token ids -> ids; ValueError for ids out of range
         self._token_texts: dict[int, str] = {}
-        self.vocab_size: int = core.runner.config.vocab_size
+        self.vocab_size: int = core.vocab_size
         self.max_num_seqs: int = core.config.max_num_seqs
         self._grammars = core.grammars  # compile() is safe off the engine's thread
         # How this model writes tool calls, from its own chat template; None: no tools (the fallback template has none).

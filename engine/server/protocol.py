@@ -245,6 +245,9 @@ def _logit_bias(fields: _Fields) -> tuple[tuple[int, float], ...]:
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise bad_request(f"logit_bias[{key!r}] must be a number from -100 to 100; got {bias!r}", "logit_bias")
         out.append((int(key), float(bias)))
+    ids = [token for token, _ in out]
+    if len(set(ids)) != len(ids):  # "5" and "05" name one token; their biases would add up
+        raise bad_request("logit_bias names a token id twice", "logit_bias")
     return tuple(out)
 
 

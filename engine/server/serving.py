@@ -30,9 +30,10 @@ from kvgate.engine.core import TokenDelta
 from kvgate.engine.lora import UnknownAdapter
 from kvgate.engine.sequence import SamplingParams
 from kvgate.engine.server.context import CONTEXT, ServerContext
-from kvgate.engine.server.tools import call_constraint
+from kvgate.engine.server.tools import ToolFormat, call_constraint
 from kvgate.engine.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatRequest,
     body_too_large,
     parse_chat_request,
     parse_completion_request,
@@ -114,9 +115,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     renderer = ChatRenderer(request_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(context.settings.wall()),
                             model=parsed.model, token_text=context.token_text,
                             logprobs=params.logprobs is not None, include_usage=parsed.include_usage,
-                            n=params.n, tool_format=tool_format if parsed.tool_choice.mode != "none" else None)
+                            n=params.n, tool_format=_parsed_calls(tool_format, parsed))
     job = Job(prompt_ids, params, adapter, parsed.stream, parsed.include_usage, arrival_s)
     return await _generate(request, context, job, renderer)
+
+
+def _parsed_calls(tool_format: ToolFormat | None, parsed: ChatRequest) -> ToolFormat | None:
+    """The format to read calls out of the output with: none when tools are off, or when the output is held to
+    a response_format (a JSON answer with a "name" field is an answer, not a Llama 3 call)."""
+    if parsed.tool_choice.mode == "none" or parsed.response_format is not None:
+        return None
+    return tool_format
 
 
 class _Record:
@@ -126,7 +135,8 @@ class _Record:
         self.arrival_s = arrival_s
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
-        self.num_tokens = 0
+        self.num_tokens = 0  # every choice's (usage counts them all)
+        self.choice_tokens: dict[int, int] = {}  # per choice: time per output token is per sequence
         self.cached_tokens = 0
         self.finish_reason = "abort"  # until a delta says otherwise: the client left, or a drain timed out
         self.accepted = True  # False when the engine refused the input: not a request that ran
@@ -136,6 +146,7 @@ class _Record:
             self.first_token_s = now_s
         self.last_token_s = now_s
         self.num_tokens += 1
+        self.choice_tokens[delta.index] = self.choice_tokens.get(delta.index, 0) + 1
         self.cached_tokens = delta.num_cached_tokens
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason.value
@@ -167,7 +178,7 @@ async def _generate(request: web.Request, context: ServerContext, job: Job, rend
         if record.accepted:
             context.metrics.observe_request(
                 arrival_s=record.arrival_s, first_token_s=record.first_token_s, last_token_s=record.last_token_s,
-                num_output_tokens=record.num_tokens, finish_reason=record.finish_reason)
+                num_output_tokens=max(record.choice_tokens.values(), default=0), finish_reason=record.finish_reason)
 
 
 def engine_error(exc: Exception) -> ApiError:

@@ -1,5 +1,6 @@
 """Tools and structured output on the wire: what a chat request asks for, how a model family writes a tool
-call, and reading calls back out of its text. Pure (no engine, no I/O).
+call, and reading calls back out of its text. No engine and no I/O (call ids are random, uuid4); refusals are
+ApiErrors, rendered at the HTTP edge as protocol.py's are.
 
 Request side: `tools`, `tool_choice` and `response_format` become typed values (ToolSpec, ToolChoice, a
 Constraint). A model's chat template renders the tools itself (`tools=` in the template, as transformers
@@ -26,12 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.engine.sequence import Constraint
+from kvgate.engine.structured import COMPACT_JSON
 from kvgate.openai_wire import bad_request, json_type
 
 MAX_TOOLS = 128
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
-# Compact JSON inside tool-call grammars, as engine/structured.py generates response_format JSON.
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ def call_constraint(fmt: ToolFormat, tools: tuple[ToolSpec, ...], choice: ToolCh
     except RecursionError:
         raise bad_request("a tool's parameters are nested too deeply to enforce", "tools") from None
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    schema = {**schema, "$defs": definitions, "x-guidance": _COMPACT}
+    schema = {**schema, "$defs": definitions, "x-guidance": dict(COMPACT_JSON)}  # as response_format JSON
     call = f"%json {json.dumps(schema)}"
     if fmt.name == "hermes":
         body = f'{_literal(fmt.opener_token, _HERMES_OPEN)} "\\n" call "\\n" {_literal(fmt.closer_token, _HERMES_CLOSE)}'

@@ -196,3 +196,35 @@ def test_sequences_copy_a_compiled_prototype_and_the_book_is_bounded_by_bytes(mo
         book.compile(Constraint("json_schema", json.dumps({**SCHEMA, "title": f"v{i}"})))
     book.compile(schema)
     assert len(built) == 8  # the first was evicted and compiled again
+
+
+def test_pending_forks_count_as_waiting_and_survive_their_first_sample_being_preempted() -> None:
+    # 8 blocks: a 100-token prompt (7 blocks) admitted first; the n = 2 request's prompt (3 blocks) must wait,
+    # and once running, its first sample is preempted by the older sequence's growth before it samples.
+    core = make_core(kv_cache_bytes=8 * 8192, max_model_len=120, max_num_batched_tokens=16)
+    old = core.add_request(list(range(3, 103)), dataclasses.replace(SAMPLED, max_tokens=12))
+    ids = core.add_requests(PROMPT, dataclasses.replace(SAMPLED, n=2, max_tokens=6))
+    assert core.scheduler.num_waiting == 3  # the older request, the first sample, and its fork
+    tokens = run(core, [old, *ids])
+    assert [len(tokens[s]) for s in (old, *ids)] == [12, 6, 6]
+    assert core.scheduler.num_preemptions_total >= 1 and core.block_manager.num_free_blocks == 8
+    for index, seq_id in enumerate(ids):  # a preempted or requeued sample still draws as a lone one
+        alone = make_core()
+        lone_id = alone.add_request(PROMPT, dataclasses.replace(SAMPLED, max_tokens=6, seed=SAMPLED.seed + index))
+        assert run(alone, [lone_id])[lone_id] == tokens[seq_id], f"sample {index}"
+
+
+def test_a_schema_compiled_by_two_threads_at_once_is_kept_and_counted_once() -> None:
+    import threading
+
+    from kvgate.engine.structured import GrammarBook
+
+    book = GrammarBook(make_core().tokenizer.to_json(), (1,), 290)
+    schema = Constraint("json_schema", json.dumps(SCHEMA))
+    threads = [threading.Thread(target=book.compile, args=(schema,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(book._prototypes) == 1
+    assert book._prototype_bytes == next(iter(book._prototypes.values()))[1]

@@ -140,6 +140,7 @@ BAD_COMPLETIONS = [
     ({"logit_bias": {"x": 1}}, "logit_bias", "invalid_value", "keys must be token ids"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value", "from -100 to 100"),
     ({"logit_bias": [5]}, "logit_bias", "invalid_type", "must be an object"),
+    ({"logit_bias": {"5": 1, "05": 1}}, "logit_bias", "invalid_value", "names a token id twice"),
     ({"stream": "yes"}, "stream", "invalid_type", "true or false"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value", "only allowed when stream"),
     ({"stream": True, "stream_options": []}, "stream_options", "invalid_type", "must be an object"),
