@@ -20,13 +20,20 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the caller (client went away)
 
 
+class ConstraintKind(str, enum.Enum):
+    JSON_SCHEMA = "json_schema"  # the source is a JSON schema as JSON text
+    LARK = "lark"  # the source is a Lark grammar in llguidance's dialect (%json {...} rules allowed)
+
+
 @dataclass(frozen=True)
 class Constraint:
-    """What a constrained output must match (engine/structured.py compiles it). Hashable: compiled
-    grammars are cached by it."""
+    """What a constrained output must match (engine/structured.py compiles it)."""
 
-    kind: str  # "json_schema": `source` is the schema as JSON text; "lark": a Lark grammar (llguidance's dialect)
+    kind: ConstraintKind
     source: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ConstraintKind(self.kind))  # "json_schema" reads as the enum
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from kvgate.engine.sequence import Constraint
+from kvgate.engine.sequence import Constraint, ConstraintKind
 
 if TYPE_CHECKING:  # both imported on first use: an engine that never constrains never loads llguidance
     import llguidance
@@ -88,7 +88,7 @@ class GrammarBook:
         self._prototype(constraint)
 
     def _prototype(self, constraint: Constraint) -> llguidance.LLMatcher:
-        key = hashlib.sha256(f"{constraint.kind}\0{constraint.source}".encode()).digest()
+        key = hashlib.sha256(f"{constraint.kind.value}\0{constraint.source}".encode()).digest()
         with self._lock:
             kept = self._prototypes.get(key)
             if kept is not None:
@@ -160,14 +160,12 @@ class GrammarBook:
 def _grammar_text(constraint: Constraint) -> str:
     import llguidance
 
-    if constraint.kind == "json_schema":
+    if constraint.kind is ConstraintKind.JSON_SCHEMA:
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(constraint.source, defaults=dict(COMPACT_JSON))
         except (ValueError, RecursionError) as exc:
             raise GrammarError(f"the JSON schema cannot be read: {_first_line(str(exc))}") from exc
-    if constraint.kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(constraint.source)
-    raise GrammarError(f"unknown constraint kind {constraint.kind!r}")
+    return llguidance.LLMatcher.grammar_from_lark(constraint.source)
 
 
 def _first_line(message: str) -> str:

@@ -21,7 +21,7 @@ from kvgate.engine.server.adapter_access import AdapterAccess
 from kvgate.engine.server.metrics import ServerMetrics
 from kvgate.engine.sequence import Constraint, SamplingParams
 from kvgate.engine.server.protocol import ChatMessage, model_not_found
-from kvgate.engine.server.tools import ToolChoice, ToolFormat, ToolSpec, detect_tool_format
+from kvgate.engine.server.tools import ChoiceMode, ToolChoice, ToolFormat, ToolSpec, detect_tool_format
 from kvgate.engine.structured import GrammarError
 from kvgate.openai_wire import bad_request
 from kvgate.tokenizer import ChatTemplateError
@@ -173,7 +173,7 @@ class ServerContext:
         when tools are asked for and the model's chat template has no tool support kvgate can parse."""
         if not tools:
             return None
-        if self.tool_format is None and choice.mode != "none":
+        if self.tool_format is None and choice.mode is not ChoiceMode.NONE:
             raise bad_request(f"model '{self.model_name}' has no chat template with tool support that this server can "
                               "parse (formats: hermes <tool_call>, llama3 JSON, mistral [TOOL_CALLS]); send the "
                               "request without tools", "tools")

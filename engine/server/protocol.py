@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.engine.sequence import Constraint, SamplingParams
-from kvgate.engine.server.tools import (ToolCall, ToolChoice, ToolSpec, parse_message_tool_calls,
+from kvgate.engine.server.tools import (ChoiceMode, ToolCall, ToolChoice, ToolSpec, parse_message_tool_calls,
                                         parse_response_format, parse_tools)
 from kvgate.openai_wire import ApiError, BodyWording, bad_request, json_type, parse_json_body
 
@@ -102,7 +102,7 @@ class ChatRequest:
     user: str | None = None
     response_format: Constraint | None = None  # json_object / json_schema; None: text
     tools: tuple[ToolSpec, ...] = ()
-    tool_choice: ToolChoice = ToolChoice("none")
+    tool_choice: ToolChoice = ToolChoice(ChoiceMode.NONE)
 
 
 # ------------------------------------------------------------------------------------- parsing

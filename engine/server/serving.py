@@ -30,7 +30,7 @@ from kvgate.engine.core import TokenDelta
 from kvgate.engine.lora import UnknownAdapter
 from kvgate.engine.sequence import SamplingParams
 from kvgate.engine.server.context import CONTEXT, ServerContext
-from kvgate.engine.server.tools import ToolFormat, call_constraint
+from kvgate.engine.server.tools import ChoiceMode, ToolFormat, call_constraint
 from kvgate.engine.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatRequest,
@@ -100,7 +100,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tool_format = context.tool_format_for(parsed.tools, parsed.tool_choice)
     prompt_ids = await context.chat_prompt_ids(parsed.messages, parsed.tools if tool_format is not None else ())
     constraint, param = parsed.response_format, "response_format"
-    if tool_format is not None and parsed.tool_choice.mode != "none":
+    if tool_format is not None and parsed.tool_choice.mode is not ChoiceMode.NONE:
         calls = call_constraint(tool_format, parsed.tools, parsed.tool_choice)
         if parsed.tool_choice.forces_call:
             constraint, param = calls, "tools"
@@ -123,7 +123,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 def _parsed_calls(tool_format: ToolFormat | None, parsed: ChatRequest) -> ToolFormat | None:
     """The format to read calls out of the output with: none when tools are off, or when the output is held to
     a response_format (a JSON answer with a "name" field is an answer, not a Llama 3 call)."""
-    if parsed.tool_choice.mode == "none" or parsed.response_format is not None:
+    if parsed.tool_choice.mode is ChoiceMode.NONE or parsed.response_format is not None:
         return None
     return tool_format
 

@@ -19,6 +19,7 @@ tool's parameter schema. "auto" leaves the model free and parses whatever calls 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import re
 import uuid
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.engine.sequence import Constraint
+from kvgate.engine.sequence import Constraint, ConstraintKind
 from kvgate.engine.structured import COMPACT_JSON
 from kvgate.openai_wire import bad_request, json_type
 
@@ -50,14 +51,24 @@ class ToolSpec:
         return {"type": "function", "function": function}
 
 
+class ChoiceMode(str, enum.Enum):
+    NONE = "none"  # no calls: tools (if any) are context only
+    AUTO = "auto"  # the model decides; whatever calls it writes are parsed
+    REQUIRED = "required"  # exactly one call, to one of the tools, enforced by a grammar
+    FUNCTION = "function"  # exactly one call, to the named function
+
+
 @dataclass(frozen=True)
 class ToolChoice:
-    mode: str  # "none", "auto", "required" or "function"
-    name: str | None = None  # mode "function": the one function to call
+    mode: ChoiceMode
+    name: str | None = None  # mode FUNCTION: the one function to call
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", ChoiceMode(self.mode))
 
     @property
     def forces_call(self) -> bool:
-        return self.mode in ("required", "function")
+        return self.mode in (ChoiceMode.REQUIRED, ChoiceMode.FUNCTION)
 
 
 @dataclass(frozen=True)
@@ -90,14 +101,14 @@ def parse_tools(tools: Any, tool_choice: Any) -> tuple[tuple[ToolSpec, ...], Too
     """`tools` and `tool_choice` of a chat body. Raises ApiError 400 naming the field."""
     specs = _tool_specs(tools)
     if tool_choice is None:
-        return specs, ToolChoice("auto" if specs else "none")
+        return specs, ToolChoice(ChoiceMode.AUTO if specs else ChoiceMode.NONE)
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
             raise bad_request(f"tool_choice must be \"none\", \"auto\", \"required\" or a function; got {tool_choice!r}",
                               "tool_choice")
         if tool_choice != "none" and not specs:
             raise bad_request(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
-        return specs, ToolChoice(tool_choice)
+        return specs, ToolChoice(ChoiceMode(tool_choice))
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
         raise bad_request("tool_choice must be a string or {\"type\": \"function\", \"function\": {\"name\": ...}}",
                           "tool_choice", code="invalid_type")
@@ -107,7 +118,7 @@ def parse_tools(tools: Any, tool_choice: Any) -> tuple[tuple[ToolSpec, ...], Too
         raise bad_request("tool_choice.function.name must be a non-empty string", "tool_choice.function.name")
     if name not in {spec.name for spec in specs}:
         raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice.function.name")
-    return specs, ToolChoice("function", name)
+    return specs, ToolChoice(ChoiceMode.FUNCTION, name)
 
 
 def _tool_specs(tools: Any) -> tuple[ToolSpec, ...]:
@@ -171,7 +182,7 @@ def parse_response_format(value: Any) -> Constraint | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint("json_schema", json.dumps({"type": "object"}))
+        return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps({"type": "object"}))
     if kind != "json_schema":
         raise bad_request("response_format.type must be \"text\", \"json_object\" or \"json_schema\"; "
                           f"got {kind!r}", "response_format.type")
@@ -180,17 +191,23 @@ def parse_response_format(value: Any) -> Constraint | None:
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema must be a JSON schema object",
                           "response_format.json_schema.schema", code="invalid_type")
-    return Constraint("json_schema", json.dumps(schema))
+    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
 
 
 # ------------------------------------------------------------------------------------- model families
+
+
+class ToolFamily(str, enum.Enum):
+    HERMES = "hermes"  # <tool_call>{"name", "arguments"}</tool_call>: Qwen2/2.5, Hermes, SmolLM3
+    LLAMA3_JSON = "llama3_json"  # {"name", "parameters"}: Llama 3.1-3.3
+    MISTRAL = "mistral"  # [TOOL_CALLS][{"name", "arguments"}]
 
 
 @dataclass(frozen=True)
 class ToolFormat:
     """How one model family writes a tool call."""
 
-    name: str  # "hermes", "llama3_json" or "mistral"
+    name: ToolFamily
     arguments_key: str  # "arguments", or Llama 3's "parameters"
     # The tokens that open and close a call when the vocabulary has them as single (added) tokens: a grammar
     # must name those by id (llguidance's <[id]>), as a grammar library never spells them out of pieces.
@@ -198,6 +215,9 @@ class ToolFormat:
     closer_token: int | None = None
     # The opener is a special token, which decoding drops by default: the text must keep special tokens.
     tags_special: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", ToolFamily(self.name))
 
 
 def detect_tool_format(chat_template: str, token_to_id: Callable[[str], int | None],
@@ -214,18 +234,18 @@ def _template_format(chat_template: str, token_to_id: Callable[[str], int | None
     if not re.search(r"\btools\b", chat_template):
         return None
     if "<tool_call>" in chat_template:
-        return ToolFormat("hermes", "arguments", token_to_id(_HERMES_OPEN), token_to_id(_HERMES_CLOSE))
+        return ToolFormat(ToolFamily.HERMES, "arguments", token_to_id(_HERMES_OPEN), token_to_id(_HERMES_CLOSE))
     if "[TOOL_CALLS]" in chat_template:
-        return ToolFormat("mistral", "arguments", token_to_id("[TOOL_CALLS]"))
+        return ToolFormat(ToolFamily.MISTRAL, "arguments", token_to_id("[TOOL_CALLS]"))
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
-        return ToolFormat("llama3_json", "parameters")
+        return ToolFormat(ToolFamily.LLAMA3_JSON, "parameters")
     return None
 
 
 def call_constraint(fmt: ToolFormat, tools: tuple[ToolSpec, ...], choice: ToolChoice) -> Constraint:
     """The grammar of exactly one call in `fmt`, to one of `tools` (or the named one), arguments valid.
     Raises ApiError 400 for parameter schemas nested past what can be read."""
-    offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
+    offered = [t for t in tools if choice.mode is not ChoiceMode.FUNCTION or t.name == choice.name]
     definitions: dict[str, Any] = {}
     options = []
     try:
@@ -242,13 +262,13 @@ def call_constraint(fmt: ToolFormat, tools: tuple[ToolSpec, ...], choice: ToolCh
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**schema, "$defs": definitions, "x-guidance": dict(COMPACT_JSON)}  # as response_format JSON
     call = f"%json {json.dumps(schema)}"
-    if fmt.name == "hermes":
+    if fmt.name is ToolFamily.HERMES:
         body = f'{_literal(fmt.opener_token, _HERMES_OPEN)} "\\n" call "\\n" {_literal(fmt.closer_token, _HERMES_CLOSE)}'
-    elif fmt.name == "mistral":
+    elif fmt.name is ToolFamily.MISTRAL:
         body = f'{_literal(fmt.opener_token, "[TOOL_CALLS]")} "[" call "]"'
     else:
         body = "call"
-    return Constraint("lark", f"start: {body}\ncall: {call}\n")
+    return Constraint(ConstraintKind.LARK, f"start: {body}\ncall: {call}\n")
 
 
 def _hoist_definitions(schema: Any, name: str) -> tuple[Any, dict[str, Any]]:
@@ -306,7 +326,7 @@ class ToolCallParser:
             self._held += text
             return ""
         pending = self._held + text
-        if self.fmt.name == "hermes":
+        if self.fmt.name is ToolFamily.HERMES:
             start = pending.find(_HERMES_OPEN)
             if start >= 0:
                 self._in_calls = True
@@ -328,7 +348,8 @@ class ToolCallParser:
         held, self._held = self._held, ""
         if not self._in_calls:
             return held, []
-        calls = (_hermes_calls(held) if self.fmt.name == "hermes" else _json_calls(held, self.fmt.arguments_key))
+        calls = (_hermes_calls(held) if self.fmt.name is ToolFamily.HERMES
+                 else _json_calls(held, self.fmt.arguments_key))
         if calls is None:
             return held, []
         content, found = calls
