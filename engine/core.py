@@ -239,6 +239,10 @@ class EngineCore:
         self._ids = itertools.count()
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._sample_index: dict[int, int] = {}  # seq_id -> its sample's index, for samples after the first
+        # Requests of n > 1 samples: each sample's request (its first sample's id), and the samples still open,
+        # so that the request counters count requests, not samples.
+        self._request_of: dict[int, int] = {}
+        self._open_samples: dict[int, int] = {}
         self._num_generated_tokens_total = 0
         self._num_prompt_tokens_total = 0
         self._num_requests_finished_total = 0
@@ -297,14 +301,18 @@ class EngineCore:
                                                                     params.skip_special_tokens)
             if index:
                 self._sample_index[seq.seq_id] = index
+            if len(samples) > 1:
+                self._request_of[seq.seq_id] = samples[0].seq_id
+        if len(samples) > 1:
+            self._open_samples[samples[0].seq_id] = len(samples)
         self._num_prompt_tokens_total += len(token_ids)
         return [seq.seq_id for seq in samples]
 
     def abort(self, seq_id: int) -> bool:
         """Cancel a request; its KV blocks are freed at once. False if it was unknown or finished."""
-        self._forget(seq_id)
+        request_ended = self._forget(seq_id)
         aborted = self.scheduler.abort(seq_id)
-        self._num_requests_aborted_total += aborted
+        self._num_requests_aborted_total += aborted and request_ended
         return aborted
 
     def stats(self) -> EngineStats:
@@ -430,18 +438,26 @@ class EngineCore:
             if reason is not None:
                 text += detokenizer.flush()  # "" after a stop string (the detokenizer cut the text before it)
         index = self._sample_index.get(seq_id, 0)
-        if reason is not None:
-            self._forget(seq_id)
+        if reason is not None and self._forget(seq_id):
             self._num_requests_finished_total += 1
         self._num_generated_tokens_total += 1
         return TokenDelta(seq_id, result.new_token_id, text, result.sampled, reason, result.seq.num_cached_tokens,
                           index)
 
-    def _forget(self, seq_id: int) -> None:
-        """Drop what the core keeps per sequence once it has ended (the scheduler frees its blocks)."""
+    def _forget(self, seq_id: int) -> bool:
+        """Drop what the core keeps per sequence once it has ended (the scheduler frees its blocks). Returns
+        whether that ended its request: always for one sample, for the last open one of n."""
         self._detokenizers.pop(seq_id, None)
         self.grammars.release(seq_id)
         self._sample_index.pop(seq_id, None)
+        request = self._request_of.pop(seq_id, None)
+        if request is None:
+            return True
+        self._open_samples[request] -= 1
+        if self._open_samples[request]:
+            return False
+        del self._open_samples[request]
+        return True
 
     def _load_adapters(self, batch: ModelInput) -> ModelInput:
         """Load the adapters that this step's admissions need. A failed load fails the sequences that
@@ -456,8 +472,7 @@ class EngineCore:
                 kept.append(work)
                 continue
             self.scheduler.finish(work.seq_id, FinishReason.ABORT)
-            self._forget(work.seq_id)
-            self._num_requests_aborted_total += 1
+            self._num_requests_aborted_total += self._forget(work.seq_id)
             self._request_errors.append((work.seq_id, error))
         return dataclasses.replace(batch, seqs=tuple(kept))
 

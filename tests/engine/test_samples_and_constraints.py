@@ -228,3 +228,17 @@ def test_a_schema_compiled_by_two_threads_at_once_is_kept_and_counted_once() -> 
         thread.join()
     assert len(book._prototypes) == 1
     assert book._prototype_bytes == next(iter(book._prototypes.values()))[1]
+
+
+def test_request_counters_count_requests_not_samples() -> None:
+    core = make_core()
+    run(core, core.add_requests(PROMPT, dataclasses.replace(SAMPLED, n=4)))
+    ids = core.add_requests(PROMPT, dataclasses.replace(SAMPLED, n=3))
+    core.step()
+    core.abort(ids[0])
+    assert core.stats().num_requests_aborted_total == 0  # two of its samples still run
+    for seq_id in ids[1:]:
+        core.abort(seq_id)
+    stats = core.stats()
+    assert (stats.num_requests_finished_total, stats.num_requests_aborted_total) == (1, 1)
+    assert not core._request_of and not core._open_samples
