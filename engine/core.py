@@ -235,7 +235,7 @@ class EngineCore:
         )
         self.sampler = Sampler()
         self.vocab_size = model_config.vocab_size  # rows of logits; logit_bias ids must be below it
-        self.grammars = GrammarBook(self.tokenizer.to_json(), tuple(sorted(eos)), model_config.vocab_size)
+        self.grammars = GrammarBook(self.tokenizer.to_json, tuple(sorted(eos)), model_config.vocab_size)
         self._ids = itertools.count()
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._sample_index: dict[int, int] = {}  # seq_id -> its sample's index, for samples after the first
@@ -283,8 +283,6 @@ class EngineCore:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this model takes at most "
                              f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})")
-        if params.n > self.config.max_num_seqs:  # its samples run together, so they must fit in one batch
-            raise ValueError(f"n is {params.n}; this engine runs at most {self.config.max_num_seqs} sequences at once")
         samples = [Sequence(seq_id=next(self._ids), prompt_token_ids=tuple(token_ids),
                             params=_sample_params(params, i), adapter=adapter) for i in range(params.n)]
         try:

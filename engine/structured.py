@@ -25,7 +25,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -61,9 +61,9 @@ class GrammarBook:
     thread, which owns the sequences' matchers. Prototypes are kept by a hash of their constraint, least
     recently used dropped past `max_grammars` or `max_grammar_bytes` of grammar text."""
 
-    def __init__(self, tokenizer_json: str, eos_token_ids: Sequence[int], vocab_size: int,
+    def __init__(self, tokenizer_json: Callable[[], str], eos_token_ids: Sequence[int], vocab_size: int,
                  max_grammars: int = MAX_GRAMMARS, max_grammar_bytes: int = MAX_GRAMMAR_BYTES) -> None:
-        self._tokenizer_json = tokenizer_json
+        self._tokenizer_json = tokenizer_json  # called on first use: an engine that never constrains never pays it
         self._eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size  # rows of logits are this wide (the model's vocabulary)
         self._max_grammars, self._max_grammar_bytes = max_grammars, max_grammar_bytes
@@ -78,7 +78,7 @@ class GrammarBook:
 
         with self._lock:
             if self._lltokenizer is None:
-                self._lltokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                self._lltokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
                                                            eos_token=self._eos_token_ids or None)
             return self._lltokenizer
 

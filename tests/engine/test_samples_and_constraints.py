@@ -180,7 +180,7 @@ def test_sequences_copy_a_compiled_prototype_and_the_book_is_bounded_by_bytes(mo
 
     from kvgate.engine.structured import GrammarBook
 
-    book = GrammarBook(make_core().tokenizer.to_json(), (1,), 290, max_grammar_bytes=3_000)
+    book = GrammarBook(make_core().tokenizer.to_json, (1,), 290, max_grammar_bytes=3_000)
     built = []
     real = llguidance.LLMatcher
     monkeypatch.setattr(llguidance, "LLMatcher", type("Counting", (), {
@@ -219,7 +219,7 @@ def test_a_schema_compiled_by_two_threads_at_once_is_kept_and_counted_once() -> 
 
     from kvgate.engine.structured import GrammarBook
 
-    book = GrammarBook(make_core().tokenizer.to_json(), (1,), 290)
+    book = GrammarBook(make_core().tokenizer.to_json, (1,), 290)
     schema = Constraint("json_schema", json.dumps(SCHEMA))
     threads = [threading.Thread(target=book.compile, args=(schema,)) for _ in range(4)]
     for thread in threads:
