@@ -56,6 +56,7 @@ def model_observation(model: str, totals: GatewayTotals | None, replicas: Iterab
         prompt_tokens_per_s=totals.prompt_tokens_per_s if totals else 0.0,
         prompt_tokens_sq_per_s=totals.prompt_tokens_sq_per_s if totals else 0.0,
         arrivals_var=totals.arrivals_var if totals else None,
+        completions_per_s=totals.completions_per_s if totals else None,
     )
 
 

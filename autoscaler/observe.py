@@ -39,6 +39,7 @@ class GatewayTotals:
     prompt_tokens_per_s: float = 0.0  # uncached prompt tokens routed per second (sums)
     prompt_tokens_sq_per_s: float = 0.0  # their squares (sums)
     arrivals_var: float | None = None  # variances add across gateways that split traffic independently; None: none said
+    completions_per_s: float | None = None  # forwarded requests ended per second (sums); None: some gateway did not say
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +86,18 @@ def _add(totals: GatewayTotals | None, obs: ObservationRecord) -> GatewayTotals:
     """`totals` with one more gateway's record in it: counts, rates and variances add, the p99 is the worst."""
     if totals is None:
         return GatewayTotals(obs.model, obs.queued, obs.in_flight, obs.arrivals_per_s, obs.ttft_p99_s, 1,
-                             obs.prompt_tokens_per_s, obs.prompt_tokens_sq_per_s, obs.arrivals_var)
+                             obs.prompt_tokens_per_s, obs.prompt_tokens_sq_per_s, obs.arrivals_var,
+                             obs.completions_per_s)
     p99s = [t for t in (totals.ttft_p99_s, obs.ttft_p99_s) if t is not None]
     variances = [v for v in (totals.arrivals_var, obs.arrivals_var) if v is not None]
+    # Completions pair with in_flight, which every gateway reports: summed only when every gateway counts them.
+    done = (None if totals.completions_per_s is None or obs.completions_per_s is None
+            else totals.completions_per_s + obs.completions_per_s)
     return GatewayTotals(totals.model, totals.queued + obs.queued, totals.in_flight + obs.in_flight,
                          totals.arrivals_per_s + obs.arrivals_per_s, max(p99s) if p99s else None,
                          totals.num_gateways + 1, totals.prompt_tokens_per_s + obs.prompt_tokens_per_s,
                          totals.prompt_tokens_sq_per_s + obs.prompt_tokens_sq_per_s,
-                         sum(variances) if variances else None)
+                         sum(variances) if variances else None, done)
 
 
 async def read_gateway_totals(store: StateStore, now_wall_s: float, max_age_s: float = DEFAULT_MAX_AGE_S,

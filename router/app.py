@@ -27,7 +27,7 @@ from kvgate.registry.snapshot import Snapshot
 from kvgate.router.dashboard import Dashboard, gauge_values
 from kvgate.router.flow_control import FlowGate, FlowGates
 from kvgate.router.handlers import error_middleware, install_routes
-from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_KEY, METRICS_KEY, OPENINGS_KEY, PROMPT_WORK_KEY, PROXY_KEY,
+from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, FINISHED_KEY, GATES_KEY, METRICS_KEY, OPENINGS_KEY, PROMPT_WORK_KEY, PROXY_KEY,
                          PUBLISHER_KEY, QUEUES_KEY,
                          LIMITER_KEY, METER_KEY, REGISTRY_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY, TRACKER_KEY,
                          Drain, GatewaySettings)
@@ -94,6 +94,7 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
     app[GATES_KEY] = FlowGates(clock, tracker.capacity, on_change=_fair_queue_gauges(metrics), probes=tracker.probes)
     tracker.on_change(app[GATES_KEY].dispatch_all)
     app[SEQUENCE_KEY] = collections.Counter()
+    app[FINISHED_KEY] = collections.Counter()
     app[OPENINGS_KEY] = CommonOpenings()
     app[DRAIN_KEY] = Drain()
     app[TENANTS_KEY] = TenantAccess(settings.key_secret)
@@ -112,7 +113,7 @@ def build_app(settings: GatewaySettings, tracker: ReplicaTracker, registry: Snap
         dashboard = app[DASHBOARD_KEY]
         publisher = ObservationPublisher(
             store=store, gateway_id=settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}", clock=clock,
-            model_names=lambda: registry.current.models, arrivals=app[SEQUENCE_KEY],
+            model_names=lambda: registry.current.models, arrivals=app[SEQUENCE_KEY], finished=app[FINISHED_KEY],
             queued=lambda model: app[QUEUES_KEY].depth(model) + app[GATES_KEY].depth(model),
             in_flight=lambda: gauge_values(metrics.in_flight),
             ttft_p99_s=lambda: _ttft_p99_s(dashboard), prompt_work=app[PROMPT_WORK_KEY],

@@ -29,7 +29,7 @@ from kvgate.router.membership import public_url
 from kvgate.router.memory import install_memory_routes
 from kvgate.router.dashboard import dashboard_page
 from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_KEY, METRICS_KEY, OPENINGS_KEY, PROXY_KEY, QUEUES_KEY,
-                         REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY,
+                         FINISHED_KEY, REGISTRY_KEY, REQUEST_ID_KEY, SEQUENCE_KEY, SETTINGS_KEY, TENANTS_KEY,
                          TRACKER_KEY, ADMITTED_KEY, ANSWERED_KEY, LIMITER_KEY, METER_KEY)
 from kvgate.router.policies import RoutingKnobs
 from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
@@ -332,6 +332,7 @@ async def _forward(request: web.Request, preq: ProxyRequest, tenant: TenantDoc |
         if permit is not None:
             gate.leave(permit)
         in_flight.dec()
+        app[FINISHED_KEY][model] += 1  # with in_flight, Little's law's time in service for the autoscaler
         if ADMITTED_KEY in request:  # settled with the answer's usage, where it reported one; shielded, so that a
             used = response.get(TOKENS_USED_KEY) if response is not None else None  # client leaving now leaks no place
             await asyncio.shield(app[LIMITER_KEY].release(request[ADMITTED_KEY], used))

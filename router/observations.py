@@ -3,7 +3,8 @@
 Each gateway writes one `ObservationRecord` (kvgate/state/records.py: its fields and versioning) per
 model to the state store, collection `observations`, id `<model>@<gateway_id>`, about once a second:
 requests waiting for a replica (none ready: scaling from zero), requests in flight, arrivals over the
-last `window_s` and how bursty they were (the variance of each interval's count), the prompt tokens the
+last `window_s` and how bursty they were (the variance of each interval's count), the requests that finished
+over the same window (with those in flight, Little's law gives a request's time in service), the prompt tokens the
 routed requests must still prefill (after the prefix their replica is predicted to hold) and their
 squares (the autoscaler's queueing model needs their spread), and the time to first token over the same
 window. Readers (the autoscaler) sum over
@@ -101,10 +102,12 @@ class _ModelWindows:
     spread: ArrivalSpread
     tokens: ArrivalRate
     squares: ArrivalRate
+    finished: ArrivalRate
 
     @classmethod
     def of(cls, window_s: float) -> _ModelWindows:
-        return cls(ArrivalRate(window_s), ArrivalSpread(window_s), ArrivalRate(window_s), ArrivalRate(window_s))
+        return cls(ArrivalRate(window_s), ArrivalSpread(window_s), ArrivalRate(window_s), ArrivalRate(window_s),
+                   ArrivalRate(window_s))
 
 
 class ObservationPublisher:
@@ -117,12 +120,13 @@ class ObservationPublisher:
                  model_names: Callable[[], Iterable[str]], arrivals: Mapping[str, int],
                  queued: Callable[[str], int], in_flight: Callable[[], Mapping[str, float]],
                  ttft_p99_s: Callable[[], Mapping[str, float | None]], prompt_work: PromptWork | None = None,
-                 interval_s: float = 1.0, window_s: float = 10.0) -> None:
+                 finished: Mapping[str, int] | None = None, interval_s: float = 1.0, window_s: float = 10.0) -> None:
         self._store = store
         self.gateway_id = gateway_id
         self._clock = clock
         self._model_names = model_names
         self._arrivals = arrivals
+        self._finished = finished
         self._queued = queued
         self._in_flight = in_flight
         self._ttft_p99_s = ttft_p99_s
@@ -162,6 +166,8 @@ class ObservationPublisher:
                 arrivals_var=None if var is None else round(var, 4),
                 prompt_tokens_per_s=round(windows.tokens.add(now, prompt_tokens), 2),
                 prompt_tokens_sq_per_s=round(windows.squares.add(now, prompt_squares), 1),
+                completions_per_s=(None if self._finished is None
+                                   else round(windows.finished.add(now, self._finished[model]), 4)),
                 ttft_p99_s=ttft_p99_s.get(model), updated_at=wall))
         return out
 

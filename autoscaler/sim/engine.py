@@ -105,6 +105,7 @@ class _Run:
         self.arrivals_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
         self.prompt_tokens_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
         self.prompt_squares_per_second: list[int] = [0] * (int(trace.duration_s) + 2)
+        self.completions_per_second: list[int] = [0] * (int(trace.duration_s + fleet.tail_s) + 2)
         self.gpu_seconds = self.cost_usd = 0.0
         self.cold_starts = self.actions = self.preemptions = self.peak = 0
         self.timeline: list[TimelinePoint] = []
@@ -263,6 +264,7 @@ class _Run:
         if done.next_at is not None:
             self.push(done.next_at, _STEP, replica.id, replica.batch.version)
         if done.ended:
+            self.completions_per_second[min(int(now), len(self.completions_per_second) - 1)] += len(done.ended)
             for index in done.ended:
                 replica.in_flight.discard(index)
             self.freed(now, replica)
@@ -554,12 +556,14 @@ class _Run:
         window = self.arrivals_per_second[second - span:second] if second else []
         prompts = self.prompt_tokens_per_second[second - span:second] if second else []
         squares = self.prompt_squares_per_second[second - span:second] if second else []
+        completions = self.completions_per_second[second - span:second] if second else []
         mean = sum(window) / span
         return GatewayTotals(
             model=self.fleet.model, queued=len(self.queue), in_flight=sum(len(r.in_flight) for r in self.replicas.values()),
             arrivals_per_s=mean, ttft_p99_s=None, num_gateways=1, prompt_tokens_per_s=sum(prompts) / span,
             prompt_tokens_sq_per_s=sum(squares) / span,
-            arrivals_var=sum((n - mean) ** 2 for n in window) / span if window else None)
+            arrivals_var=sum((n - mean) ** 2 for n in window) / span if window else None,
+            completions_per_s=sum(completions) / span)
 
     def observe(self, now: float) -> ModelObservation:
         """Without nodes: the observation the policy reads (with nodes, `decide` builds it from `totals`)."""
@@ -571,7 +575,7 @@ class _Run:
             ready_replicas=sum(1 for r in live if r.state == "ready"),
             starting_replicas=sum(1 for r in live if r.state == "starting"),
             prompt_tokens_per_s=t.prompt_tokens_per_s, prompt_tokens_sq_per_s=t.prompt_tokens_sq_per_s,
-            arrivals_var=t.arrivals_var)
+            arrivals_var=t.arrivals_var, completions_per_s=t.completions_per_s)
 
 
 def simulate(trace: Trace, fleet: FleetSetup, policy: Policy, scenario: Scenario = Scenario(), *,

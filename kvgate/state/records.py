@@ -53,16 +53,18 @@ class ObservationRecord:
     arrivals_per_s: float = 0.0  # over the gateway's window (10 s by default)
     ttft_p99_s: float | None = None  # time to first token over the same window; None without one
     # Added within schema 1 (a reader of an older gateway's record sees the defaults: no work, so the
-    # autoscaler scales that model on concurrency alone):
+    # autoscaler scales that model on concurrency alone; no completions, so it learns a request's time in
+    # service from arrivals while nothing is queued):
     arrivals_var: float | None = None  # Var(arrivals in one interval) / interval over the window; None: too early
     prompt_tokens_per_s: float = 0.0  # prompt tokens routed requests must still prefill, per second
     prompt_tokens_sq_per_s: float = 0.0  # the same requests' uncached tokens squared, summed, per second
+    completions_per_s: float | None = None  # forwarded requests that ended, per second over the window; None: not counted
 
     def to_json(self) -> dict[str, Any]:
         return {SCHEMA_KEY: self.SCHEMA_VERSION, "model": self.model, "gateway_id": self.gateway_id,
                 "queued": self.queued, "in_flight": self.in_flight, "arrivals_per_s": self.arrivals_per_s,
                 "arrivals_var": self.arrivals_var, "prompt_tokens_per_s": self.prompt_tokens_per_s,
-                "prompt_tokens_sq_per_s": self.prompt_tokens_sq_per_s,
+                "prompt_tokens_sq_per_s": self.prompt_tokens_sq_per_s, "completions_per_s": self.completions_per_s,
                 "ttft_p99_s": self.ttft_p99_s, "updated_at": self.updated_at}
 
     @classmethod
@@ -72,14 +74,15 @@ class ObservationRecord:
         model = raw["model"]
         if not isinstance(model, str) or not model:
             raise ValueError(f"observation record: model must be a non-empty string, got {model!r}")
-        ttft, var = raw.get("ttft_p99_s"), raw.get("arrivals_var")
+        ttft, var, done = raw.get("ttft_p99_s"), raw.get("arrivals_var"), raw.get("completions_per_s")
         return cls(model=model, gateway_id=str(raw.get("gateway_id", "")), updated_at=float(raw["updated_at"]),
                    queued=count(raw.get("queued", 0), "queued"), in_flight=count(raw.get("in_flight", 0), "in_flight"),
                    arrivals_per_s=non_negative(raw.get("arrivals_per_s", 0.0), "arrivals_per_s"),
                    ttft_p99_s=None if ttft is None else non_negative(ttft, "ttft_p99_s"),
                    arrivals_var=None if var is None else non_negative(var, "arrivals_var"),
                    prompt_tokens_per_s=non_negative(raw.get("prompt_tokens_per_s", 0.0), "prompt_tokens_per_s"),
-                   prompt_tokens_sq_per_s=non_negative(raw.get("prompt_tokens_sq_per_s", 0.0), "prompt_tokens_sq_per_s"))
+                   prompt_tokens_sq_per_s=non_negative(raw.get("prompt_tokens_sq_per_s", 0.0), "prompt_tokens_sq_per_s"),
+                   completions_per_s=None if done is None else non_negative(done, "completions_per_s"))
 
 
 # ------------------------------------------------------------------------------------ autoscaler status

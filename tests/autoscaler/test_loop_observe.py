@@ -40,6 +40,11 @@ def rec(model: str, gateway: str, age_s: float = 1.0, **fields) -> StoredRecord:
       rec("m", "g3", arrivals_per_s=1.0, arrivals_var=1.0)],
      {"m": GatewayTotals("m", 0, 0, 4.0, None, 3, prompt_tokens_per_s=2500.0, prompt_tokens_sq_per_s=4.3e6,
                          arrivals_var=3.5)}),
+    # completions add only when every gateway counts them (they pair with in_flight, which every gateway reports)
+    ([rec("m", "g1", in_flight=10, completions_per_s=2.0), rec("m", "g2", in_flight=5, completions_per_s=1.0)],
+     {"m": GatewayTotals("m", 0, 15, 0.0, None, 2, completions_per_s=3.0)}),
+    ([rec("m", "g1", in_flight=10, completions_per_s=2.0), rec("m", "g2", in_flight=5)],
+     {"m": GatewayTotals("m", 0, 15, 0.0, None, 2)}),
     # a record from slightly in the future (another host's clock runs ahead) counts
     ([rec("m", "g1", age_s=-2.0, in_flight=1)], {"m": GatewayTotals("m", 0, 1, 0.0, None, 1)}),
 ])

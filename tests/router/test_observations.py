@@ -74,3 +74,19 @@ async def test_the_publisher_reports_the_prompt_work_the_proxy_counted() -> None
     chat = (await store.list_records(OBSERVATIONS_COLLECTION))[0].data
     assert (chat["prompt_tokens_per_s"], chat["prompt_tokens_sq_per_s"]) == (400.0, 1e6)
     assert chat["arrivals_var"] is None  # one interval so far: no variance yet
+    assert chat["completions_per_s"] is None  # this publisher was given no count of finished requests
+
+
+async def test_the_publisher_reports_the_requests_that_finished() -> None:
+    clock = FakeClock(start=100.0)
+    store = MemoryStateStore(clock)
+    finished: collections.Counter[str] = collections.Counter()
+    publisher = ObservationPublisher(store=store, gateway_id="gw-1", clock=clock, model_names=lambda: ["chat"],
+                                     arrivals=collections.Counter(), queued=lambda model: 0, in_flight=dict,
+                                     ttft_p99_s=dict, finished=finished, window_s=10.0)
+    await publisher.publish_once()
+    finished["chat"] += 25  # 25 requests ended over the next 10 s
+    await clock.advance(10.0)
+    await publisher.publish_once()
+    chat = (await store.list_records(OBSERVATIONS_COLLECTION))[0].data
+    assert chat["completions_per_s"] == 2.5

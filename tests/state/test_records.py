@@ -27,7 +27,7 @@ WALL = 1_700_000_100.0
 
 OBSERVATION = ObservationRecord(model="chat", gateway_id="gw-1", updated_at=WALL, queued=3, in_flight=2,
                                 arrivals_per_s=4.0, ttft_p99_s=0.25, arrivals_var=5.5, prompt_tokens_per_s=4000.0,
-                                prompt_tokens_sq_per_s=6e6)
+                                prompt_tokens_sq_per_s=6e6, completions_per_s=3.5)
 STATUS = AutoscalerStatus(
     updated_at=WALL, holder="autoscaler-1",
     models={"chat": ModelStatus(desired=3, ready=2, starting=1, panic=True, forecast_rps=3.5, arrivals_per_s=2.25,
