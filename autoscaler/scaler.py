@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 from kvgate.autoscaler.forecast import ForecastSettings, ForecastState, forecast_rate, observe_rate
 from kvgate.autoscaler.work import (DRIFT_SIGMAS, LittleLaw, PromptLoad, PromptSpread, RateDrift, ReplicaCapacity,
-                                    SlotHold, prefill_replicas, slot_replicas)
+                                    SlotHold, miss_budget, prefill_replicas, slot_replicas, ttft_miss)
 from kvgate.registry.schema import ModelDoc, Scaling
 
 # ceil(16.000000001 / 8) must be 2, not 3: float sums over a window drift in the last bits.
@@ -341,8 +341,15 @@ class _WorkSizing:
         slack_s = max(0.0, capacity.ttft_slo_s - load.mean_tokens / capacity.prefill_tokens_per_s)
         hold = (None if self.hold_s is None
                 else SlotHold.for_load(capacity, self.hold_s, load, self.learned_prefill_per_replica_s))
-        slots = (0 if hold is None
-                 else slot_replicas(capacity, rate, hold, slack_s=slack_s, c_a2=self.c_a2, limit=self.limit))
+        if hold is None:
+            slots = 0
+        else:
+            # A request misses on the prefill queue or on a wait for a slot: the slots may use what the prefill
+            # queue leaves of the budget at the same count (nearly all of it on short prompts). A fixed tenth kept
+            # a third replica, and a second node, for 5 requests/s of Azure traffic that two served at 99.2%.
+            budget = miss_budget(capacity, load)
+            slots = slot_replicas(capacity, rate, hold, slack_s=slack_s, c_a2=self.c_a2, limit=self.limit,
+                                  allowed_at=lambda n: budget - ttft_miss(n, load, capacity, self.c_a2))
         if max(prefill, slots) == 0:
             return 0, 0, ""
         why = (f"work {rate:.1f} rps (c_a² {self.c_a2:.1f}): prefill {load.mean_tokens:.0f} tokens "
@@ -529,8 +536,8 @@ def wake_from_zero(step: Step, ongoing: int, demand: Demand) -> Step:
     """0 -> 1 (or more) at once when a request waits: no window, no delay (the gateway is holding it)."""
     if step.desired != 0 or ongoing <= 0:
         return step
-    return replace(step, desired=max(1, demand.stable_desired, demand.panic_desired, demand.work_desired), up_since=None,
-                   reason=f"scale from zero: {ongoing} request(s) waiting")
+    return replace(step, desired=max(1, demand.stable_desired, demand.panic_desired, demand.work_desired),
+                   up_since=None, reason=f"scale from zero: {ongoing} request(s) waiting")
 
 
 def within_limits(scaling: Scaling, replicas: int) -> int:

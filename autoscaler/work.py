@@ -33,13 +33,14 @@ short: llm-d's "simulate N − 1 before scaling down", in closed form.
 The batch slots are sized the same way (`slot_replicas`): a request holds a slot for its time in service h (learned
 by Little's law over the replicas, requests in flight over requests finishing: `LittleLaw`), so a rate λ keeps λ·h
 slots busy on average, and the fleet needs the fewest replicas of `max_batch` slots for which the chance that a
-request waits for a slot longer than the SLO leaves it (the SLO less its prefill) is under a tenth of the goal's
-misses (Erlang's C and the M/M/c wait's exponential tail; arrivals in batches as peaked traffic, Hayward's
-approximation), the hold taken at the count being sized: fewer replicas each prefill a larger share of their time
-and decode slower (`SlotHold`). The rate planned for is the current one plus one standard deviation of how far it
-moved over one cold start on this model's traffic, the rate estimate's own noise taken out (`RateDrift`): replicas
-ordered now serve the load of a cold start from now. One deviation was chosen against 2.33 (the 99% quantile) over
-every trace and shape of `loadtests/sim_matrix.py`: 2.33 bought 1.3-2x the GPU-hours on Azure for no attainment.
+request waits for a slot longer than the SLO leaves it (the SLO less its prefill) is under what the prefill queue
+leaves of the misses allowed at the same count (the two add up; Erlang's C and the M/M/c wait's exponential tail;
+arrivals in batches as peaked traffic, Hayward's approximation), the hold taken at the count being sized: fewer
+replicas each prefill a larger share of their time and decode slower (`SlotHold`). The rate planned for is the
+current one plus one standard deviation of how far it moved over one cold start on this model's traffic, the rate
+estimate's own noise taken out (`RateDrift`): replicas ordered now serve the load of a cold start from now. One
+deviation was chosen against 2.33 (the 99% quantile) over every trace and shape of `loadtests/sim_matrix.py`: 2.33
+bought 1.3-2x the GPU-hours on Azure for no attainment.
 
 Pure: numbers in, numbers out.
 """
@@ -47,6 +48,7 @@ Pure: numbers in, numbers out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -207,6 +209,16 @@ def prefill_alone_miss(service_s: float, c_s2: float, slo_s: float) -> float:
     return 1.0 - _UNIT.cdf((math.log(slo_s) - mu) / sigma)
 
 
+def miss_budget(capacity: ReplicaCapacity, load: PromptLoad) -> float:
+    """The share of requests the fleet may let miss the SLO: the goal's share; where prompts too long to prefill
+    within the SLO use most of it, those and half the goal's share on top (module docstring)."""
+    allowed = 1.0 - capacity.attainment
+    if load.mean_tokens <= 0:
+        return allowed
+    slow = prefill_alone_miss(load.mean_tokens / capacity.prefill_tokens_per_s, load.c_s2, capacity.ttft_slo_s)
+    return slow + max(allowed - slow, _QUEUE_SHARE_FLOOR * allowed)
+
+
 def prefill_replicas(capacity: ReplicaCapacity, load: PromptLoad, *, c_a2: float = 1.0, limit: int = 10_000) -> int:
     """The fewest replicas whose prefill keeps `load` within the SLO for the attainment goal (module
     docstring); 0 with no load, `limit` when no count below it is enough.
@@ -219,17 +231,14 @@ def prefill_replicas(capacity: ReplicaCapacity, load: PromptLoad, *, c_a2: float
     if load.rate <= 0 or load.mean_tokens <= 0:
         return 0
     service_s = load.mean_tokens / capacity.prefill_tokens_per_s
-    allowed = 1.0 - capacity.attainment
-    slow = prefill_alone_miss(service_s, load.c_s2, capacity.ttft_slo_s)
-    budget = slow + max(allowed - slow, _QUEUE_SHARE_FLOOR * allowed)
+    budget = miss_budget(capacity, load)
     servers = max(1, math.floor(load.rate * service_s) + 1)
     while servers < limit and ttft_miss(servers, load, capacity, c_a2) > budget:
         servers += 1
     return servers
 
 
-# Slots get this small share of the goal's misses: a wait for a slot comes on top of the prefill queue's, which
-# has the rest.
+# Without a share given (`slot_replicas`'s `allowed_at`), slots get this small share of the goal's misses.
 _SLOT_SHARE = 0.1
 # A replica never prefills more than this share of its time in the slowdown model (past it, the prefill term has
 # long asked for more replicas).
@@ -283,16 +292,16 @@ def decode_slowdown(prefill_load: float, replicas: int) -> float:
 
 
 def slot_replicas(capacity: ReplicaCapacity, rate: float, hold: float | SlotHold, *, slack_s: float = 0.0,
-                  c_a2: float = 1.0, limit: int = 10_000) -> int:
-    """The fewest replicas whose batch slots (`max_batch` each) keep a request waiting for one longer than
-    `slack_s` (the SLO less its prefill) to at most a tenth of the goal's misses. Each slot is held `hold` seconds
-    (on n replicas, `hold.at(n)` for a `SlotHold`; Little's law: rate x hold busy on average); in the M/M/c queue
-    over all N slots a request waits with Erlang's C probability, and longer than t with
-    C x exp(-(N - busy) t / hold): with many slots one frees often, so a wait is short. 0 with no load or no batch
-    size. The concurrency target made from the SLO instead of a fraction of the batch: 32 requests/s held 4.5 s
-    each is 144 busy slots; with no slack, 5 replicas of 32 (160) leave 13% waiting, 6 (192) 0.008%: 6, where a
-    target of 16 a replica asks for 9. With 0.5 s of slack 5 leave 13% x exp(-16 x 0.5 / 4.5) = 2.2% waiting
-    that long: still 6.
+                  c_a2: float = 1.0, limit: int = 10_000, allowed_at: Callable[[int], float] | None = None) -> int:
+    """The fewest replicas whose batch slots (`max_batch` each) keep a request waiting for one longer than `slack_s`
+    (the SLO less its prefill) to at most `allowed_at(n)` of requests on n replicas (the scaler: what the prefill
+    queue leaves of the miss budget at the same n), or a tenth of the goal's misses without it. Each slot is held
+    `hold` seconds (on n replicas, `hold.at(n)` for a `SlotHold`; Little's law: rate x hold busy on average); in the
+    M/M/c queue over all N slots a request waits with Erlang's C probability, and longer than t with C x exp(-(N -
+    busy) t / hold): with many slots one frees often, so a wait is short. 0 with no load or no batch size. The
+    concurrency target made from the SLO instead of a fraction of the batch: 32 requests/s held 4.5 s each is 144
+    busy slots; with no slack, 5 replicas of 32 (160) leave 13% waiting, 6 (192) 0.008%: 6, where a target of 16 a
+    replica asks for 9. With 0.5 s of slack 5 leave 13% x exp(-16 x 0.5 / 4.5) = 2.2% waiting that long: still 6.
 
     Burstier arrivals (`c_a2`, the index of dispersion) are peaked traffic: requests arriving in batches keep the
     busy count more spread than Poisson arrivals would, by the peakedness z = (1 + c_a^2) / 2. Hayward's
@@ -306,13 +315,14 @@ def slot_replicas(capacity: ReplicaCapacity, rate: float, hold: float | SlotHold
         hold = SlotHold(hold, 0.0)
     if rate <= 0 or capacity.max_batch <= 0 or hold.at(limit) <= 0:
         return 0
-    allowed = _SLOT_SHARE * (1.0 - capacity.attainment)
+    share = _SLOT_SHARE * (1.0 - capacity.attainment)
     peaked = max(1.0, (1.0 + c_a2) / 2.0)
     replicas = max(1, math.floor(rate * hold.at(limit) / capacity.max_batch) + 1)  # the hold is least at most
     while replicas < limit:
         hold_s = hold.at(replicas)
         busy, slots = rate * hold_s, replicas * capacity.max_batch
         tail = (slots - busy) * slack_s / hold_s / peaked
+        allowed = share if allowed_at is None else allowed_at(replicas)
         if slots > busy and erlang_c(math.floor(slots / peaked), busy / peaked) * math.exp(-tail) <= allowed:
             break
         replicas += 1

@@ -197,6 +197,15 @@ def test_slots_are_sized_by_erlang_c_not_a_fraction_of_the_batch() -> None:
     assert slot_replicas(capacity, 32.0, 4.5, slack_s=3.0) == 5
 
 
+def test_slots_may_use_what_the_prefill_queue_leaves_of_the_budget() -> None:
+    # 144 busy slots with 1 s of slack: 5 replicas leave 13% x exp(-16 x 1 / 4.5) = 0.37% waiting past it. Over a
+    # tenth of a 99% goal's misses (0.1%): 6; within the 1% the prefill queue leaves where prompts are short: 5.
+    capacity = replace(L40S, max_batch=32)
+    assert slot_replicas(capacity, 32.0, 4.5, slack_s=1.0) == 6
+    assert slot_replicas(capacity, 32.0, 4.5, slack_s=1.0, allowed_at=lambda n: 0.01) == 5
+    assert slot_replicas(capacity, 32.0, 4.5, slack_s=1.0, allowed_at=lambda n: 0.01 if n > 5 else 0.0) == 6
+
+
 def test_batched_arrivals_are_sized_as_peaked_traffic() -> None:
     # The same 144 busy slots and 3 s of slack, arriving with an index of dispersion of 9 (batches): peakedness
     # z = 5, so 5 replicas are 32 servers at a load of 28.8 (C = 0.46) with a tail 5 times slower,
