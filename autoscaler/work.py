@@ -344,8 +344,8 @@ class RateDrift:
     the part of it that is the rate estimate's own sampling noise (`noise_per_rps`): the scaler feeds the stable
     window's mean, whose variance at a rate r is about c_a^2 x r / window, so a change between two of them carries
     c_a^2 x (r_now + r_then) / window of noise on a rate that never moved. Fed the gateway's 10 s rate with nothing
-    subtracted, a steady 4 requests/s of Poisson arrivals measured a "drift" of 0.9 requests/s, and decode-heavy
-    traffic in the simulator was planned for 5.3 requests/s where 4.3 arrived: 5 replicas where 4 met the SLO.
+    subtracted, a steady 4 requests/s of Poisson arrivals carries sqrt(2 x 4 / 10) = 0.9 requests/s of such
+    "drift", and decode-heavy traffic in the simulator was planned for 5.3 requests/s where 4.3 arrived.
     """
 
     points: tuple[tuple[float, float], ...] = ()  # (t, rate), oldest first, `spacing_s` apart
@@ -386,8 +386,9 @@ class LittleLaw:
 
     A hold is trusted once requests have run for five times as long as it is (`settled_hold_s`): a fleet's first
     requests are all running and none has finished yet, so the ratio starts high and falls as h (T - h/2) / (T - h)
-    after T seconds: 1.5 x W at T = 2 W, 1.125 x W at 5 W. Trusted at once, it read 60 s for 9 on the diurnal shape
-    in the simulator, and the scale-down delay kept a fleet sized on it.
+    after T seconds: 1.5 x W at T = 2 W, 1.125 x W at 5 W. Trusted at once, it sized the diurnal shape's first
+    minute in the simulator at 60 replicas where 15 served, and the scale-down delay kept the fleet at its ceiling
+    of 30 for ten minutes.
     """
 
     running: float = 0.0
