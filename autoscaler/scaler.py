@@ -114,6 +114,7 @@ class ScalerState:
     panic_over_at: float | None = None  # last time the panic threshold was crossed; None: calm
     panic_max: int = 0  # most replicas wanted during this panic (never scale down in panic)
     up_since: float | None = None  # wanting more continuously since
+    up_last_at: float | None = None  # the last tick that wanted more (a steady tick keeps up_since a delay past it)
     wanted: tuple[tuple[float, int], ...] = ()  # (until, count): counts still kept (`remember_wanted`)
     last_busy_at: float | None = None  # last tick with a request queued, running or arriving
     forecast: ForecastState = field(default_factory=ForecastState)
@@ -401,6 +402,7 @@ class Step:
     reason: str
     panic_max: int = 0  # most replicas wanted during this panic
     up_since: float | None = None  # wanting more continuously since
+    up_last_at: float | None = None  # the last tick that wanted more (a steady tick keeps up_since a delay past it)
     wanted: tuple[tuple[float, int], ...] = ()  # (until, count): counts still kept (`remember_wanted`)
 
 
@@ -418,14 +420,15 @@ def most_wanted(wanted: tuple[tuple[float, int], ...]) -> int:
     return max((c for _, c in wanted), default=0)
 
 
-def hold_while_warming(scaling: Scaling, state: ScalerState, current: int, history_s: float, now: float) -> Step:
+def hold_while_warming(scaling: Scaling, state: ScalerState, current: int, history_s: float, now: float,
+                       keep_s: float) -> Step:
     """A fresh scaler (first start, or a restart that lost its state) has a window of one or two
     samples: hold what exists until a panic window of data is in, rather than jump on noise. What exists
     counts as wanted, so it is also kept for the scale-down delay, as a scaler that had been running would
     (remembering nothing, a restarted autoscaler shed 9 of 13 replicas of steady traffic at its seventh second)."""
     return Step(current, f"warming up: {history_s:.0f}s of data < panic window {scaling.panic_window_s:g}s; "
-                         f"hold {current}", up_since=state.up_since,
-                wanted=remember_wanted(state.wanted, current, now, now + scaling.scale_down_delay_s))
+                         f"hold {current}", up_since=state.up_since, up_last_at=state.up_last_at,
+                wanted=remember_wanted(state.wanted, current, now, now + keep_s))
 
 
 def follow_panic(spec: ScalerSpec, state: ScalerState, demand: Demand, current: int, ready_replicas: int,
@@ -490,7 +493,8 @@ def apply_delays(scaling: Scaling, state: ScalerState, proposal: int, current: i
                  keep: int | None = None, keep_proposal_s: float = 0.0, keep_s: float | None = None) -> Step:
     """Move from `current` to `proposal` only once it has been wanted long enough (Ray Serve, KPA).
 
-    Up: after scale_up_delay_s of continuously wanting more (a tick wanting what runs does not restart the clock:
+    Up: after scale_up_delay_s of continuously wanting more (a tick wanting what runs within a delay of the last one
+    wanting more does not restart the clock:
     on the Azure trace the work model's count flickered between 15 and 16-18 for minutes, every 15 restarted it, and
     the fleet stayed at 15 while 520 requests sought its 480 slots). Down: never below the most wanted over the last
     scale_down_delay_s (KPA's scale-down delay, a sliding window's maximum), so one quiet moment never sheds
@@ -511,7 +515,7 @@ def apply_delays(scaling: Scaling, state: ScalerState, proposal: int, current: i
         if now - up_since >= scaling.scale_up_delay_s:
             return Step(proposal, f"scale up: {why}", wanted=wanted)
         return Step(current, f"hold {current}: {why}; up delay {scaling.scale_up_delay_s:g}s not over",
-                    up_since=up_since, wanted=wanted)
+                    up_since=up_since, up_last_at=now, wanted=wanted)
     if proposal < current:
         floor = min(current, max(proposal, held))
         if floor < current:
@@ -519,7 +523,9 @@ def apply_delays(scaling: Scaling, state: ScalerState, proposal: int, current: i
             return Step(floor, f"scale down: {why}{since}", wanted=wanted)
         return Step(current, f"hold {current}: {why}; {held} wanted within the down delay "
                              f"{delay_s:g}s", wanted=wanted)
-    return Step(current, f"steady: {why}", up_since=state.up_since, wanted=wanted)
+    if state.up_last_at is not None and now - state.up_last_at < scaling.scale_up_delay_s:
+        return Step(current, f"steady: {why}", up_since=state.up_since, up_last_at=state.up_last_at, wanted=wanted)
+    return Step(current, f"steady: {why}", wanted=wanted)
 
 
 def guard_scale_to_zero(scaling: Scaling, step: Step, current: int, last_busy_at: float | None,
@@ -569,8 +575,11 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     # The drift is measured on the stable window's mean rate, its sampling noise taken out (`RateDrift`), over a
     # cold start plus the half window that mean lags behind the rate now.
     stable_rps = _mean([x.arrivals_per_s for x in samples])
-    noise_per_rps = arrival_dispersion(samples, stable_rps) / s.stable_window_s
-    drift = (state.drift.add(stable_rps, now, spec.cold_start_s + s.stable_window_s / 2, noise_per_rps=noise_per_rps)
+    horizon_s = spec.cold_start_s + s.stable_window_s / 2
+    # Two means a horizon apart share samples when it is shorter than the window: less noise in their difference.
+    overlap = min(1.0, horizon_s / s.stable_window_s)
+    noise_per_rps = arrival_dispersion(samples, stable_rps) / s.stable_window_s * overlap
+    drift = (state.drift.add(stable_rps, now, horizon_s, noise_per_rps=noise_per_rps)
              if spec.capacity is not None and not warming else state.drift)
     last_busy_at = now if obs.ongoing > 0 or obs.arrivals_per_s > 0 else state.last_busy_at
     current = state.desired if state.desired is not None else within_limits(
@@ -581,7 +590,8 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     panic_over_at = next_panic_over_at(s, state.panic_over_at, demand.panic_desired, obs.ready_replicas,
                                        warming, now)
     if warming:
-        step = hold_while_warming(s, state, current, history_s, now)
+        keep_s = rate_keep_s(spec) if spec.capacity is not None else s.scale_down_delay_s
+        step = hold_while_warming(s, state, current, history_s, now, keep_s)
     elif panic_over_at is not None:
         step = follow_panic(spec, state, demand, current, obs.ready_replicas, now)
     else:
@@ -592,7 +602,8 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     if clamped != step.desired:
         reason += f"; clamped to [{s.min_replicas}, {s.max_replicas}]"
     new_state = replace(state, desired=clamped, samples=samples, panic_over_at=panic_over_at,
-                        panic_max=step.panic_max, up_since=step.up_since, wanted=step.wanted,
+                        panic_max=step.panic_max, up_since=step.up_since, up_last_at=step.up_last_at,
+                        wanted=step.wanted,
                         last_busy_at=last_busy_at, forecast=fstate, prompts=prompts, hold=hold, drift=drift)
     return new_state, ReplicaDecision(desired=clamped, panic=panic_over_at is not None,
                                       forecast_rps=demand.forecast_rps, reason=reason,

@@ -395,7 +395,7 @@ class LittleLaw:
     throughput_per_s: float = 0.0
     t: float | None = None
     prompt_tokens_per_replica_s: float = 0.0  # averaged the same way: the prefill each replica did meanwhile
-    since: float | None = None  # the first tick with a request running or finishing
+    since: float | None = None  # the first tick with a request running or finishing since the averages were empty
 
     @property
     def hold_s(self) -> float | None:
@@ -418,4 +418,12 @@ class LittleLaw:
         return LittleLaw(keep * self.running + (1 - keep) * running,
                          keep * self.throughput_per_s + (1 - keep) * throughput_per_s, now,
                          keep * self.prompt_tokens_per_replica_s + (1 - keep) * prompt_tokens_per_replica_s,
-                         now if self.since is None and (running > 0 or throughput_per_s > 0) else self.since)
+                         self._since(running > 0 or throughput_per_s > 0, now, time_constant_s))
+
+    def _since(self, busy: bool, now: float, time_constant_s: float) -> float | None:
+        """When requests started running again: this tick, if busy after averages that hold less than one request
+        over their time constant (an idle hour empties them, and the first burst after it reads long again)."""
+        empty = self.running < 1.0 / time_constant_s and self.throughput_per_s < 1.0 / time_constant_s
+        if self.since is None or empty:
+            return now if busy else None
+        return self.since

@@ -69,7 +69,7 @@ PROMPT_WORK_KEY = web.AppKey("kvgate_prompt_work", PromptWork)  # what the proxy
 # The gateway's observation publisher, where it has a state store (`router.observations`).
 PUBLISHER_KEY = web.AppKey("kvgate_observation_publisher", ObservationPublisher)
 SEQUENCE_KEY = web.AppKey("kvgate_request_seq", collections.Counter)  # per model: round robin's counter
-FINISHED_KEY = web.AppKey("kvgate_requests_finished", collections.Counter)  # per model: forwarded requests that ended
+FINISHED_KEY = web.AppKey("kvgate_requests_finished", collections.Counter)  # per model: requests a replica served
 DASHBOARD_KEY = web.AppKey("kvgate_dashboard", Dashboard)
 DRAIN_KEY = web.AppKey("kvgate_drain", Drain)
 REQUEST_ID_KEY = web.RequestKey("kvgate_request_id", str)  # an inference request's REQUEST_ID_HEADER

@@ -34,7 +34,8 @@ from kvgate.router.app_keys import (CLOCK_KEY, DASHBOARD_KEY, DRAIN_KEY, GATES_K
 from kvgate.router.policies import RoutingKnobs
 from kvgate.router.prompt_tokens import PromptTokenizer, prompt_token_ids
 from kvgate.router.metrics import TOKEN_KINDS, RouterMetrics
-from kvgate.router.proxy import REQUEST_ID_HEADER, STREAM_OUTCOME_KEY, TOKENS_USED_KEY, USAGE_KEY, ProxyRequest
+from kvgate.router.proxy import (REPLICA_HEADER, REQUEST_ID_HEADER, STREAM_OUTCOME_KEY, TOKENS_USED_KEY, USAGE_KEY,
+                                ProxyRequest)
 from kvgate.router.refusals import NO_MODEL, NO_TENANT, REFUSAL_MODEL_KEY, REFUSAL_TENANT_KEY, refusal_labels
 from kvgate.router.request_caps import check_prompt_size, check_sampling_caps, completion_budget
 from kvgate.router.tenants import PRIORITY_HEADER, flow_of, visible_names
@@ -332,7 +333,8 @@ async def _forward(request: web.Request, preq: ProxyRequest, tenant: TenantDoc |
         if permit is not None:
             gate.leave(permit)
         in_flight.dec()
-        app[FINISHED_KEY][model] += 1  # with in_flight, Little's law's time in service for the autoscaler
+        if response is not None and REPLICA_HEADER in response.headers:  # a replica served it: with in_flight less
+            app[FINISHED_KEY][model] += 1  # queued, Little's law's time in service for the autoscaler
         if ADMITTED_KEY in request:  # settled with the answer's usage, where it reported one; shielded, so that a
             used = response.get(TOKENS_USED_KEY) if response is not None else None  # client leaving now leaks no place
             await asyncio.shield(app[LIMITER_KEY].release(request[ADMITTED_KEY], used))

@@ -160,9 +160,13 @@ class ObservationPublisher:
             arrived = self._arrivals[model]
             prompt_tokens, prompt_squares = self._prompt_work.totals(model)
             var = windows.spread.add(now, arrived)
+            # The gauge counts a request from its arrival; those still waiting at this gateway are `queued`, and
+            # in_flight is the rest: at replicas (Little's law pairs it with the requests that finished there).
+            queued = self._queued(model)
             out.append(ObservationRecord(
-                model=model, gateway_id=self.gateway_id, queued=self._queued(model),
-                in_flight=int(in_flight.get(model, 0)), arrivals_per_s=round(windows.arrivals.add(now, arrived), 4),
+                model=model, gateway_id=self.gateway_id, queued=queued,
+                in_flight=max(0, int(in_flight.get(model, 0)) - queued),
+                arrivals_per_s=round(windows.arrivals.add(now, arrived), 4),
                 arrivals_var=None if var is None else round(var, 4),
                 prompt_tokens_per_s=round(windows.tokens.add(now, prompt_tokens), 2),
                 prompt_tokens_sq_per_s=round(windows.squares.add(now, prompt_squares), 1),

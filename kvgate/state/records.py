@@ -58,7 +58,7 @@ class ObservationRecord:
     arrivals_var: float | None = None  # Var(arrivals in one interval) / interval over the window; None: too early
     prompt_tokens_per_s: float = 0.0  # prompt tokens routed requests must still prefill, per second
     prompt_tokens_sq_per_s: float = 0.0  # the same requests' uncached tokens squared, summed, per second
-    completions_per_s: float | None = None  # forwarded requests that ended, per second over the window; None: not counted
+    completions_per_s: float | None = None  # requests a replica served, per second over the window; None: not counted
 
     def to_json(self) -> dict[str, Any]:
         return {SCHEMA_KEY: self.SCHEMA_VERSION, "model": self.model, "gateway_id": self.gateway_id,

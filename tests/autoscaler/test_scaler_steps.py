@@ -119,9 +119,12 @@ def test_panic_starts_at_the_threshold_and_ends_a_stable_window_after_the_last_c
     (ScalerState(wanted=((90.0, 3), (95.0, 2))), 1, 1, None, "scale down: why"),
     # ... or to a count kept above the proposal: 2 wanted at 85 s.
     (ScalerState(wanted=((90.0, 3), (115.0, 2))), 1, 2, None, "scale down: why; 2 wanted within 30s"),
-    # Wanting what runs keeps the up clock (a flicker is not a change of mind); wanting less stops it.
-    (ScalerState(up_since=95.0, wanted=((110.0, 3),)), 3, 3, 95.0, "steady: why"),
-    (ScalerState(up_since=95.0, wanted=((110.0, 3),)), 2, 3, None, "hold 3: why; 3 wanted within the down delay 30s"),
+    # Wanting what runs within a delay of the last tick wanting more keeps the up clock (a flicker is not a change
+    # of mind); later, or wanting less, stops it.
+    (ScalerState(up_since=95.0, up_last_at=98.0, wanted=((110.0, 3),)), 3, 3, 95.0, "steady: why"),
+    (ScalerState(up_since=85.0, up_last_at=90.0, wanted=((110.0, 3),)), 3, 3, None, "steady: why"),
+    (ScalerState(up_since=95.0, up_last_at=98.0, wanted=((110.0, 3),)), 2, 3, None,
+     "hold 3: why; 3 wanted within the down delay 30s"),
 ])
 def test_a_change_applies_once_it_was_wanted_for_its_delay(state: ScalerState, proposal: int, desired: int,
                                                            up_since: float | None, reason: str) -> None:

@@ -146,6 +146,11 @@ def test_a_hold_is_trusted_once_requests_ran_five_times_as_long() -> None:
     assert hold.hold_s == pytest.approx(5.0)
     assert hold.settled_hold_s(34.0) is None  # 24 s of requests < 5 x 5 s
     assert hold.settled_hold_s(36.0) == pytest.approx(5.0)
+    # An idle hour empties the averages: the first burst after it reads long again, and waits to be trusted.
+    for t in range(40, 3640, 10):
+        hold = hold.add(0.0, 0.0, float(t))
+    hold = hold.add(60.0, 0.0, 3640.0)
+    assert hold.since == 3640.0 and hold.settled_hold_s(3641.0) is None
 
 
 def test_the_hold_time_is_learned_only_while_nothing_queues() -> None:

@@ -31,7 +31,7 @@ async def test_the_publisher_writes_one_record_per_model_and_withdraws_them() ->
     queued = {"chat": 3}
     publisher = ObservationPublisher(
         store=store, gateway_id="gw-1", clock=clock, model_names=lambda: ["chat", "tiny"], arrivals=arrivals,
-        queued=lambda model: queued.get(model, 0), in_flight=lambda: {"chat": 2.0},
+        queued=lambda model: queued.get(model, 0), in_flight=lambda: {"chat": 5.0},
         ttft_p99_s=lambda: {"chat": 0.25}, window_s=10.0)
     await publisher.publish_once()
     arrivals["chat"] += 40  # 40 arrivals over the next 10 s
@@ -40,6 +40,7 @@ async def test_the_publisher_writes_one_record_per_model_and_withdraws_them() ->
     records = {r.id: r.data for r in await store.list_records(OBSERVATIONS_COLLECTION)}
     assert set(records) == {"chat@gw-1", "tiny@gw-1"}
     chat = records["chat@gw-1"]
+    # The gauge's 5 include the 3 still waiting at the gateway: 2 are at replicas.
     assert (chat["queued"], chat["in_flight"], chat["arrivals_per_s"], chat["ttft_p99_s"]) == (3, 2, 4.0, 0.25)
     assert chat["updated_at"] == clock.wall() and chat["gateway_id"] == "gw-1"
     assert records["tiny@gw-1"]["arrivals_per_s"] == 0.0 and records["tiny@gw-1"]["ttft_p99_s"] is None
