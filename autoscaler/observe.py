@@ -39,7 +39,7 @@ class GatewayTotals:
     prompt_tokens_per_s: float = 0.0  # uncached prompt tokens routed per second (sums)
     prompt_tokens_sq_per_s: float = 0.0  # their squares (sums)
     arrivals_var: float | None = None  # variances add across gateways that split traffic independently; None: none said
-    completions_per_s: float | None = None  # forwarded requests ended per second (sums); None: some gateway did not say
+    completions_per_s: float | None = None  # requests replicas served per second (sums); None: some gateway did not say
 
 
 @dataclass(frozen=True, slots=True)

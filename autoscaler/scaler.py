@@ -416,6 +416,16 @@ def remember_wanted(wanted: tuple[tuple[float, int], ...], count: int, now: floa
     return kept + ((until, count),)
 
 
+def keep_wanted(wanted: tuple[tuple[float, int], ...], count: int, now: float, keep_s: float, *,
+                rate_count: int | None = None, count_s: float = 0.0) -> tuple[tuple[float, int], ...]:
+    """`wanted` with this tick's count kept for `keep_s`; with the work model, `rate_count` (the count for the
+    arrival rate alone) kept for `keep_s` instead and `count`, where a backlog raises it above that, for `count_s`."""
+    wanted = remember_wanted(wanted, count if rate_count is None else rate_count, now, now + keep_s)
+    if rate_count is not None and count > rate_count:
+        wanted = remember_wanted(wanted, count, now, now + count_s)
+    return wanted
+
+
 def most_wanted(wanted: tuple[tuple[float, int], ...]) -> int:
     return max((c for _, c in wanted), default=0)
 
@@ -443,12 +453,11 @@ def follow_panic(spec: ScalerSpec, state: ScalerState, demand: Demand, current: 
     panic_max = max(held, demand.panic_desired, demand.work_desired, current)
     yardstick = (f"max_batch {spec.capacity.max_batch}" if demand.work_sizes_slots and spec.capacity is not None
                  else f"target {s.target_ongoing_requests:g}")
-    wanted = state.wanted
     if demand.work_sizes_slots:
-        wanted = remember_wanted(wanted, demand.work_keep, now, now + rate_keep_s(spec))
-        wanted = remember_wanted(wanted, panic_max, now, now + backlog_keep_s(spec))
+        wanted = keep_wanted(state.wanted, panic_max, now, rate_keep_s(spec), rate_count=demand.work_keep,
+                             count_s=backlog_keep_s(spec))
     else:
-        wanted = remember_wanted(wanted, panic_max, now, now + s.scale_down_delay_s)
+        wanted = keep_wanted(state.wanted, panic_max, now, s.scale_down_delay_s)
     return Step(panic_max, f"panic: {demand.panic_conc:.1f} ongoing over {s.panic_window_s:g}s / {yardstick} -> "
                            f"{demand.panic_desired}, ready {ready_replicas}; never down in panic",
                 panic_max=panic_max, wanted=wanted)
@@ -494,9 +503,8 @@ def apply_delays(scaling: Scaling, state: ScalerState, proposal: int, current: i
     """Move from `current` to `proposal` only once it has been wanted long enough (Ray Serve, KPA).
 
     Up: after scale_up_delay_s of continuously wanting more (a tick wanting what runs within a delay of the last one
-    wanting more does not restart the clock:
-    on the Azure trace the work model's count flickered between 15 and 16-18 for minutes, every 15 restarted it, and
-    the fleet stayed at 15 while 520 requests sought its 480 slots). Down: never below the most wanted over the last
+    wanting more does not restart the clock: on the Azure trace the work model's count flickered between 15 and
+    16-18 for minutes, every 15 restarted it, and the fleet stayed at 15 while 520 requests sought its 480 slots). Down: never below the most wanted over the last
     scale_down_delay_s (KPA's scale-down delay, a sliding window's maximum), so one quiet moment never sheds
     replicas and a fleet follows a falling load one delay behind. What the window remembers is `keep`
     (default: the proposal); a proposal above it is kept for `keep_proposal_s`.
@@ -506,9 +514,7 @@ def apply_delays(scaling: Scaling, state: ScalerState, proposal: int, current: i
     ten minutes after the load had fallen to what 3 served, and 4 for ten more.
     """
     delay_s = scaling.scale_down_delay_s if keep_s is None else keep_s
-    wanted = remember_wanted(state.wanted, proposal if keep is None else keep, now, now + delay_s)
-    if keep is not None and proposal > keep:
-        wanted = remember_wanted(wanted, proposal, now, now + keep_proposal_s)
+    wanted = keep_wanted(state.wanted, proposal, now, delay_s, rate_count=keep, count_s=keep_proposal_s)
     held = most_wanted(wanted)
     if proposal > current:
         up_since = now if state.up_since is None else state.up_since
