@@ -506,8 +506,9 @@ def apply_delays(scaling: Scaling, state: ScalerState, proposal: int, current: i
     wanting more does not restart the clock: on the Azure trace the work model's count flickered between 15 and
     16-18 for minutes, every 15 restarted it, and the fleet stayed at 15 while 520 requests sought its 480 slots).
     Down: never below the most wanted over the last scale_down_delay_s (KPA's scale-down delay, a sliding window's
-    maximum), so one quiet moment never sheds replicas and a fleet follows a falling load one delay behind. What the window remembers is `keep`
-    (default: the proposal); a proposal above it is kept for `keep_proposal_s`.
+    maximum), so one quiet moment never sheds replicas and a fleet follows a falling load one delay behind. What the
+    window remembers for `keep_s` (default: the delay) is `keep` (default: the proposal); a proposal above it is kept
+    for `keep_proposal_s`.
 
     The window used to start when the count first fell and then drop to the most wanted since: after a long
     fall, every step down waited a whole delay again, and on the diurnal shape the fleet held its peak of 5 for
