@@ -13,7 +13,7 @@ import pytest
 from kvgate.autoscaler.forecast import ForecastState
 from kvgate.autoscaler.scaler import (ModelObservation, RateBounds, Sample, ScalerSpec, ScalerState, arrival_dispersion,
                                       backlog_concurrency, backlog_drain_rps, decide_replicas, learn_hold,
-                                      measure_demand)
+                                      measure_demand, window_noise_peak_rps)
 from kvgate.autoscaler.sim.baselines import StaticPolicy
 from kvgate.autoscaler.sim.compare import build_fleet
 from kvgate.autoscaler.sim.engine import simulate
@@ -124,6 +124,48 @@ def test_a_backlog_counts_as_work_to_finish_within_a_cold_start() -> None:
     demand = measure_demand(spec, tuple(steady), ForecastState(), RateBounds(0, 100), now=59.0, hold_s=5.0)
     assert demand.stable_conc == pytest.approx(60.0 + 50.0)  # not 560: 35 replicas at 16 each
     assert "work 22.0 rps" in demand.work_why  # 12 arriving + 500 queued over 50 s
+
+
+def test_the_window_keeps_a_burst_but_not_the_noise_peak() -> None:
+    # 20 rps of Poisson arrivals over 60 s: the 600 s window would keep the highest of ten such means, 1.55
+    # deviations of sqrt(20 / 60) above the rate, so it keeps the count for 20 - 0.89 = 19.1 rps; 30 over the last
+    # 6 s (past the bar of 2 x sqrt(20 / 6) = 3.7) is a burst: kept as it is, less the same noise peak. Held 5 s
+    # each on replicas of 12 slots: 10 replicas for 20 rps, 9 kept.
+    assert window_noise_peak_rps(20.0, 1.0, 60.0, 600.0) == pytest.approx(0.893, abs=0.002)
+    assert window_noise_peak_rps(20.0, 1.0, 60.0, 60.0) == 0.0  # one window kept: its own mean, no maximum
+    spec = ScalerSpec(Scaling(max_replicas=40, target_ongoing_requests=16.0, scale_down_delay_s=600.0),
+                      cold_start_s=50.0, capacity=replace(L40S, max_batch=12))
+    slack_s = 2.0 - 200.0 / 9000.0
+
+    def slots_for(rps: float) -> int:
+        return slot_replicas(spec.capacity, rps, 5.0, slack_s=slack_s, allowed_at=lambda n: 0.01)
+
+    def demand_at(burst_rps: float):
+        samples = tuple(Sample(float(t), 100.0, burst_rps if t >= 54 else 20.0,
+                               (burst_rps if t >= 54 else 20.0) * 200.0, 20.0) for t in range(60))
+        return measure_demand(spec, samples, ForecastState(), RateBounds(0, 100), now=59.0, hold_s=5.0)
+
+    steady = demand_at(20.0)
+    assert steady.work_desired == slots_for(20.0) and steady.work_keep == slots_for(20.0 - 0.893) < slots_for(20.0)
+    burst = demand_at(30.0)
+    assert "work 30.0 rps" in burst.work_why and burst.work_desired == slots_for(30.0)
+    assert burst.work_keep == slots_for(30.0 - window_noise_peak_rps(21.0, 20.0 / 21.0, 60.0, 600.0))
+
+
+def test_counts_guessed_before_the_hold_is_learned_are_kept_two_cold_starts() -> None:
+    # A fresh scaler finds 28 replicas and keeps them (the window remembers them for the 600 s delay); 20 rps
+    # held 5 s each fill 100 of their slots. Once requests have run five holds (25 s) the work model sizes the
+    # slots (4 replicas of 32, at t = 26), and the guess is kept two 50 s cold starts more, not the delay: down at
+    # t = 126, to 14 (KPA's scale-down rate halves the ready replicas at most).
+    spec = ScalerSpec(Scaling(max_replicas=40, target_ongoing_requests=16.0, scale_down_delay_s=600.0,
+                              scale_up_delay_s=0.0), cold_start_s=50.0, capacity=replace(L40S, max_batch=32))
+    state = ScalerState(desired=28)
+    desired = {}
+    for t in range(0, 130, 2):
+        obs = replace(_obs(20.0, 200.0, running=100, ready=28), completions_per_s=20.0)
+        state, decision = decide_replicas(spec, state, obs, float(t))
+        desired[t] = decision.desired
+    assert desired[124] == 28 and desired[126] == 14
 
 
 def test_with_completions_the_hold_time_is_learned_under_a_backlog_too() -> None:
