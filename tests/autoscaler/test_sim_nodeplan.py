@@ -65,6 +65,19 @@ def test_a_stockout_stops_purchases_but_not_the_nodes_held(setting) -> None:
     assert stocked_out.usd == pytest.approx((GPUCLOUD + SPOT) * 1200 / 3600 + GPUCLOUD * (600 + 90) / 3600)
 
 
+def test_a_stocked_out_spot_node_lasts_as_long_as_it_is_expected_to_survive(setting) -> None:
+    # 4 replicas: the gpucloud base node and one p5 spot node. p5 spot sells nothing from 600 s, and spot nodes
+    # are interrupted once an hour: the one held is expected to survive while e^(-t / 1 h) rounds to 1, ln 2 hours
+    # (2,495 s) into the stockout, checked every minute: gone at 600 + 2,520 = 3,120 s, replaced by a second
+    # gpucloud node (boot 90 s) for the last 480 s. Spot pays $33.60 an hour for its expected re-boots.
+    out = (Stockout("aws-us-east-1/p5.48xlarge/spot", 600.0, 1e9),)
+    thinned = plan(setting, [(0.0, 4)], 3600.0, outages=out, spot_interruptions_per_hour=1.0)
+    spot = SPOT * (1 + 240 / 3600)
+    assert thinned.usd == pytest.approx(GPUCLOUD + spot * 3120 / 3600 + GPUCLOUD * (480 + 90) / 3600)
+    # Without interruptions the node held runs through the stockout.
+    assert plan(setting, [(0.0, 4)], 3600.0, outages=out).usd == pytest.approx(GPUCLOUD + SPOT)
+
+
 def test_frequent_interruptions_make_on_demand_the_cheaper_spare(setting) -> None:
     # Each interruption pays a spot node's 240 s boot again: at 10 an hour, $31.50 x (1 + 10 x 240 / 3600) = $52.50,
     # dearer than gpucloud's $49.24; at 1 an hour, $33.60, still spot.
