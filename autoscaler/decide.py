@@ -36,7 +36,8 @@ from kvgate.autoscaler.observe import GatewayTotals
 from kvgate.autoscaler.planner import (CreateNode, DeleteNode, NodeAction, PlannerInputs, PlannerSettings, PlannerState,
                                        StartReplica, StopReplica, Unschedulable, note_insufficient_capacity, plan_nodes)
 from kvgate.autoscaler.reconciler import Fleet
-from kvgate.autoscaler.scaler import ModelObservation, ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
+from kvgate.autoscaler.demand import ModelObservation, ScalerSpec
+from kvgate.autoscaler.scaler import ReplicaDecision, ScalerState, decide_replicas
 from kvgate.autoscaler.status import Event, EventKind
 from kvgate.providers.base import NodeState, Offering, OfferingKey, ReplicaHandle, ReplicaState
 from kvgate.registry.snapshot import Snapshot

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kvgate.autoscaler.claims import ClaimRecord
 from kvgate.autoscaler.observe import GatewayTotals
 from kvgate.autoscaler.planner import planned_replicas
-from kvgate.autoscaler.scaler import ModelObservation
+from kvgate.autoscaler.demand import ModelObservation
 from kvgate.autoscaler.status import NodeStatus
 from kvgate.state import MemberRecord
 from kvgate.state import ReplicaState as MemberState

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from kvgate.autoscaler.scaler import ModelObservation, ScalerSpec, ScalerState, decide_replicas
+from kvgate.autoscaler.demand import ModelObservation, ScalerSpec
+from kvgate.autoscaler.scaler import ScalerState, decide_replicas
 from kvgate.autoscaler.sim.records import SimDecision
 from kvgate.autoscaler.sim.service import ServiceModel
 from kvgate.autoscaler.sim.traces import Trace, least_prefill_tokens

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from kvgate.autoscaler.fleet import cold_start_s
-from kvgate.autoscaler.scaler import ScalerSpec
+from kvgate.autoscaler.demand import ScalerSpec
 from kvgate.autoscaler.work import ReplicaCapacity
 from kvgate.autoscaler.sim.baselines import (DynamoPlannerPolicy, KpaPolicy, KvgatePolicy, LlmdSaturationPolicy,
                                              RayServePolicy, StaticPolicy)

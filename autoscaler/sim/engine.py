@@ -48,7 +48,7 @@ from kvgate.autoscaler.observe import GatewayTotals
 from kvgate.autoscaler.planner import (CreateNode, DeleteNode, PlannerInputs, PlannerState, StartReplica,
                                        plan_nodes)
 from kvgate.autoscaler.reconciler import Fleet
-from kvgate.autoscaler.scaler import ModelObservation
+from kvgate.autoscaler.demand import ModelObservation
 from kvgate.autoscaler.sim.batching import ReplicaBatch
 from kvgate.autoscaler.sim.nodes import SimNode
 from kvgate.autoscaler.sim.records import FleetSetup, Policy, PolicyStep, RunResult, Scenario, TimelinePoint

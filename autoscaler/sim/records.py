@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvgate.autoscaler.scaler import ModelObservation, ReplicaDecision
+from kvgate.autoscaler.demand import ModelObservation
+from kvgate.autoscaler.scaler import ReplicaDecision
 from kvgate.autoscaler.sim.nodes import NodePlanning
 from kvgate.autoscaler.sim.service import Placement
 from kvgate.autoscaler.sim.training import ClusterSpec, ClusterUse

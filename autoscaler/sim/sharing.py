@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvgate.autoscaler.scaler import ScalerSpec
+from kvgate.autoscaler.demand import ScalerSpec
 from kvgate.autoscaler.sim.baselines import KvgatePolicy, oracle_need
 from kvgate.autoscaler.sim.compare import summarize, with_overrides
 from kvgate.autoscaler.sim.engine import simulate

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvgate.autoscaler.scaler import ModelObservation, ReplicaDecision, ScalerSpec, ScalerState, decide_replicas
+from kvgate.autoscaler.demand import ModelObservation, ScalerSpec
+from kvgate.autoscaler.scaler import ReplicaDecision, ScalerState, decide_replicas
 from kvgate.registry.schema import Scaling
 
 

@@ -10,17 +10,12 @@ from dataclasses import replace
 import pytest
 
 from kvgate.autoscaler.forecast import ForecastState
+from kvgate.autoscaler.demand import Demand, RateBounds, Sample, ScalerSpec, forecast_concurrency, measure_demand
 from kvgate.autoscaler.scaler import (
-    Demand,
-    RateBounds,
-    Sample,
-    ScalerSpec,
     ScalerState,
     Step,
     apply_delays,
-    forecast_concurrency,
     guard_scale_to_zero,
-    measure_demand,
     most_wanted,
     next_panic_over_at,
     remember_wanted,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.autoscaler.scaler import ModelObservation
+from kvgate.autoscaler.demand import ModelObservation
 from kvgate.autoscaler.sim.baselines import (DynamoPlannerPolicy, KpaPolicy, LlmdSaturationPolicy, OraclePolicy,
                                              RayServePolicy, StaticPolicy, oracle_need)
 from kvgate.autoscaler.sim.engine import simulate

@@ -11,9 +11,10 @@ from dataclasses import replace
 import pytest
 
 from kvgate.autoscaler.forecast import ForecastState
-from kvgate.autoscaler.scaler import (ModelObservation, RateBounds, Sample, ScalerSpec, ScalerState, arrival_dispersion,
-                                      backlog_concurrency, backlog_drain_rps, decide_replicas, learn_hold,
-                                      measure_demand, window_noise_peak_rps)
+from kvgate.autoscaler.demand import (ModelObservation, RateBounds, Sample, ScalerSpec, arrival_dispersion,
+                                      backlog_concurrency, backlog_drain_rps, learn_hold, measure_demand,
+                                      window_noise_peak_rps)
+from kvgate.autoscaler.scaler import ScalerState, decide_replicas
 from kvgate.autoscaler.sim.baselines import StaticPolicy
 from kvgate.autoscaler.sim.compare import build_fleet
 from kvgate.autoscaler.sim.engine import simulate
