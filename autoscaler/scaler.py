@@ -41,8 +41,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from kvgate.autoscaler.demand import (Demand, ModelObservation, RateBounds, Sample, ScalerSpec, arrival_dispersion,
-                                      learn_hold, measure_demand, rate_keep_s, window_samples)
+from kvgate.autoscaler.demand import (HOLD_WINDOWS, Demand, ModelObservation, RateBounds, Sample, ScalerSpec,
+                                      arrival_dispersion, learn_hold, measure_demand, rate_keep_s, window_samples)
 from kvgate.autoscaler.forecast import ForecastState, observe_rate
 from kvgate.autoscaler.work import LittleLaw, PromptSpread, RateDrift
 from kvgate.registry.schema import Scaling
@@ -273,7 +273,7 @@ def decide_replicas(spec: ScalerSpec, state: ScalerState, obs: ModelObservation,
     samples = window_samples(state.samples, obs, now, s.stable_window_s)
     fstate = observe_rate(state.forecast, obs.arrivals_per_s, now, spec.forecast)
     prompts = state.prompts.add(obs.arrivals_per_s, obs.prompt_tokens_per_s, obs.prompt_tokens_sq_per_s, now)
-    hold = learn_hold(state.hold, obs, samples, now)
+    hold = learn_hold(state.hold, obs, samples, now, HOLD_WINDOWS * s.stable_window_s)
     hold_s = hold.settled_hold_s(now)
     history_s = now - samples[0].t
     warming = history_s < s.panic_window_s

@@ -377,8 +377,8 @@ class RateDrift:
 @dataclass(frozen=True, slots=True)
 class LittleLaw:
     """A request's time in service by Little's law, W = L / lambda, as a ratio of averages: requests running and
-    finishing (or arriving, where gateways do not report completions), each averaged over minutes (time constant
-    300 s) at the ticks that qualify (`learn_hold`).
+    finishing (or arriving, where gateways do not report completions), each averaged over a time constant (the
+    scaler's: two stable windows, `autoscaler.demand.HOLD_WINDOWS`) at the ticks that qualify (`learn_hold`).
 
     The ratio of averages, not the average of per-tick ratios: where the rate jumps (an on/off burst), running
     lags arrivals by a request's time in service, and per-tick ratios at the edges swing from near 0 to many

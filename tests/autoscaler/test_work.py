@@ -205,12 +205,13 @@ def test_the_hold_time_is_learned_only_while_nothing_queues() -> None:
     assert learn_hold(first, queued, clean, 1.0) == first  # a backlog teaches nothing
     # Nor the minute after one (its requests are still in service), while a queued sample is in the window.
     assert learn_hold(first, replace(obs, running=120), [Sample(0.5, 70.0, 12.0, queued=10.0)], 1.0) == first
-    # Ratio of averages, from nothing: a time constant (300 s) at 60 running / 12 rps, then one at 120 / 12. Each
-    # average is (1 - e^-1) x (the second stretch + e^-1 x the first): W = (120 + 60 e^-1) / (12 (1 + e^-1)) = 8.66 s.
+    # Ratio of averages, from nothing: a time constant (two 60 s windows) at 60 running / 12 rps, then one at 120 /
+    # 12. Each average is (1 - e^-1) x (the second stretch + e^-1 x the first): W = (120 + 60 e^-1) / (12 (1 + e^-1))
+    # = 8.66 s.
     hold = LittleLaw()
-    for t in range(300):
+    for t in range(120):
         hold = learn_hold(hold, obs, clean, float(t))
-    for t in range(300, 600):
+    for t in range(120, 240):
         hold = learn_hold(hold, replace(obs, running=120), clean, float(t))
     e = math.exp(-1)
     assert hold.hold_s == pytest.approx((120 + 60 * e) / (12 * (1 + e)), rel=0.01)
