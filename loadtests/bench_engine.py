@@ -242,6 +242,8 @@ def main() -> int:
     parser.add_argument("--attention", choices=["wait", "off"], default="wait",
                         help="kvgate's CPU decode attention: wait = the compiled kernel (built first if not cached), "
                         "off = gather the KV blocks and run SDPA (default: wait)")
+    parser.add_argument("--cells", nargs="+", choices=["throughput", "prefix", "burst"],
+                        default=["throughput", "prefix", "burst"], help="which parts to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="1 repeat, 32 new tokens")
     parser.add_argument("--json", default=str(WORK / "bench_engine.json"))
     args = parser.parse_args()
@@ -261,7 +263,7 @@ def main() -> int:
           f"{'kernel' if args.attention == 'wait' else 'gather'}; torch threads {__import__('torch').get_num_threads()}", flush=True)
 
     rows = []
-    for dtype in args.dtypes:
+    for dtype in args.dtypes if "throughput" in args.cells else ():
         vllm = bench_vllm(model_dir, dtype, args.batches, prompts, args.new_tokens, args.repeats, caching) \
             if args.with_vllm else {}
         if args.with_vllm:
@@ -282,16 +284,17 @@ def main() -> int:
             print(f"{dtype:9} batch {batch:3}: ours {row['ours_tok_s']:8.1f} tok/s   HF {row['hf_tok_s']:8.1f}   "
                   f"vLLM {vl}   ours/HF {row['ours_tok_s'] / row['hf_tok_s']:.2f}   ours/vLLM {ratio}", flush=True)
 
-    prefix = {}
-    for dtype in args.dtypes:
+    prefix, burst = {}, {}
+    for dtype in args.dtypes if "prefix" in args.cells else ():
         prefix[dtype] = cell = bench_ours_prefix(model_dir, dtype, vocab, args.repeats, args.attention)
         print(f"prefix cache ({dtype}): 1,024-token prompt, 90% shared: cold TTFT {cell['cold_ttft_s'] * 1000:.0f} ms,"
               f" warm {cell['warm_ttft_s'] * 1000:.0f} ms, ratio {cell['ratio']:.3f} "
               f"({cell['cached_tokens']} tokens cached)", flush=True)
-    burst = bench_ours_burst(model_dir, args.dtypes[0], vocab, args.repeats, args.attention)
-    print(f"burst ({args.dtypes[0]}): {burst['num_requests']} prompts sharing {burst['shared_tokens']} tokens, "
-          f"{burst['own_tokens']} own each, queued at once: TTFT mean {burst['ttft_mean_s'] * 1000:.0f} ms, "
-          f"max {burst['ttft_max_s'] * 1000:.0f} ms, {burst['steps']} steps, {burst['prefix_waits']} prefix waits")
+    if "burst" in args.cells:
+        burst = bench_ours_burst(model_dir, args.dtypes[0], vocab, args.repeats, args.attention)
+        print(f"burst ({args.dtypes[0]}): {burst['num_requests']} prompts sharing {burst['shared_tokens']} tokens, "
+              f"{burst['own_tokens']} own each, queued at once: TTFT mean {burst['ttft_mean_s'] * 1000:.0f} ms, "
+              f"max {burst['ttft_max_s'] * 1000:.0f} ms, {burst['steps']} steps, {burst['prefix_waits']} prefix waits")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "prefix": prefix, "burst": burst},
                                           indent=2))

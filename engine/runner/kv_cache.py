@@ -46,7 +46,8 @@ class PagedKVCache:
                        for layer in range(num_layers)]
         # On CPU, half-precision SDPA is several times slower than float32 over the same data (3.7 ms
         # against 0.7 ms for 16 sequences of 272 keys, 12 heads of 64), so attention upcasts the gathered
-        # blocks into a float32 twin of the workspace.
+        # blocks into a float32 twin of the workspace (a bfloat16 prefill chunk reads them as they are:
+        # `attention._grouped_chunk_attention`).
         self.attention_dtype = torch.float32 if device.type == "cpu" else dtype
         # How many blocks (K and V counted apart) one decode chunk gathers; None gathers all at once. On CPU
         # a chunk's workspace (~8 MiB) stays in the last-level cache between the gather and the attention.
@@ -77,9 +78,11 @@ class PagedKVCache:
         dests = torch.tensor([d for _, d in copies], device=self.kv.device)
         self.kv.index_copy_(2, dests, self.kv.index_select(2, sources))
 
-    def gather(self, layer: int, kv_block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, kv_block_ids: torch.Tensor,
+               upcast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy blocks into the workspace and return (keys, values), each [n, block_size, heads, dim] in
-        `attention_dtype`. `kv_block_ids` is (block ids, block ids + num_blocks) concatenated, n each.
+        `attention_dtype` (in the cache's own dtype with `upcast` false). `kv_block_ids` is (block ids, block
+        ids + num_blocks) concatenated, n each.
 
         The result aliases the workspace: it is valid until the next gather."""
         count = kv_block_ids.numel()
@@ -88,7 +91,7 @@ class PagedKVCache:
             self._workspace = self._new_workspace(max(count, 2 * self._workspace.shape[0]))
         out = self._workspace[:count]
         torch.index_select(self._blocks[layer], 0, kv_block_ids, out=out)
-        if out.dtype != self.attention_dtype:
+        if upcast and out.dtype != self.attention_dtype:
             if self._workspace_f32 is None or self._workspace_f32.shape[0] < self._workspace.shape[0]:
                 self._workspace_f32 = torch.empty(self._workspace.shape, dtype=self.attention_dtype,
                                                   device=out.device)

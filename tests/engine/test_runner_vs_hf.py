@@ -216,6 +216,21 @@ def test_bfloat16_runner_stays_close_to_float32(tiny) -> None:
     assert (results["bfloat16"] - results["float32"]).abs().max() < 0.05 * scale
 
 
+def test_a_bfloat16_chunk_after_cached_tokens_stays_close_to_float32(tiny) -> None:
+    # The last 5 tokens of each prompt as one chunk over the cached blocks before it: on CPU in bfloat16 that is
+    # `_grouped_chunk_attention` (grouped query rows, an additive mask), in float32 SDPA with a mask.
+    model_dir, _ = tiny("gqa_tied")
+    batch = [p for p in prompts() if len(p) > 6]
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        driver = NaiveDriver(make_runner(model_dir, dtype=dtype, block_size=4), blocks_per_seq=16)
+        driver.step([driver.chunk(i, p[:-5], 0, sample=False) for i, p in enumerate(batch)])
+        results[dtype] = driver.step([driver.chunk(i, p[-5:], len(p) - 5) for i, p in enumerate(batch)])
+
+    scale = results["float32"].abs().max()
+    assert (results["bfloat16"] - results["float32"]).abs().max() < 0.05 * scale
+
+
 # ---- configuration and loading errors ----
 
 
