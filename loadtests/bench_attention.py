@@ -4,7 +4,8 @@ against gathering each sequence's blocks and running SDPA (the path it replaces 
 SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, blocks of 16 tokens) and a 30-layer cache, every
 layer attended in turn, so that keys and values come from memory as in a real step rather than from a cache
 that one layer's few megabytes would fit in. Cells: decodes of 1, 16 and 64 sequences, a long decode, and
-two prompt chunks (which the runner keeps on the gather path: the last column says why). Each cell is the
+two prompt chunks (which the runner keeps on the gather path: the last column says why; in bfloat16 that path
+attends a chunk with grouped batched products, not SDPA: `_grouped_chunk_attention`). Each cell is the
 median of --repeats passes over the 30 layers; per layer in ms. Prints a table and writes JSON.
 
     .venv/bin/python loadtests/bench_attention.py

@@ -57,14 +57,14 @@ def cheapest_node_plan(demand: Sequence[tuple[float, int]], end_s: float, model:
     short_s = 0.0
     held = tuple(0 for _ in mixer.offerings)
     stocked_out: dict[int, tuple[float, int]] = {}  # offering index -> (outage start, nodes held then)
+    # Stretches are split where an outage begins or ends inside them, and every minute of an outage while spot is
+    # interrupted (the nodes it holds thin out: `_Mixer.survivors`).
+    bounds = sorted({float(b) for o in outages for b in (o.start_s, o.end_s)})
+    if spot_interruptions_per_hour > 0:
+        bounds = sorted({*bounds, *(float(b) for o in outages for b in np.arange(o.start_s, o.end_s, _THIN_STEP_S))})
     for i, (t, replicas) in enumerate(points):
         t_next = points[i + 1][0] if i + 1 < len(points) else end_s
-        # Split the stretch where an outage begins or ends inside it, and every minute of an outage while spot is
-        # interrupted (the nodes it holds thin out: `_Mixer.survivors`).
-        bounds = [b for o in outages for b in (o.start_s, o.end_s)]
-        if spot_interruptions_per_hour > 0:
-            bounds += [b for o in outages for b in np.arange(o.start_s, o.end_s, _THIN_STEP_S)]
-        cuts = sorted({t, t_next, *(float(b) for b in bounds if t < b < t_next)})
+        cuts = sorted({t, t_next, *(b for b in bounds if t < b < t_next)})
         for start, stop in zip(cuts, cuts[1:]):
             out = {j for j, key in enumerate(mixer.keys)
                    if any(o.start_s <= start < o.end_s and key.startswith(o.key_prefix) for o in outages)}

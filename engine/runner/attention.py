@@ -276,17 +276,15 @@ def _chunk_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: 
         k, v = key[rows].transpose(0, 1).unsqueeze(0), value[rows].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return out[0].transpose(0, 1)
-    if cache.kv.dtype == torch.bfloat16 and cache.kv.device.type == "cpu":
-        keys, values = cache.gather(layer, chunk.kv_block_ids, upcast=False)
-        num_kv_heads, head_dim = keys.shape[2], keys.shape[3]
-        k = keys.reshape(-1, num_kv_heads, head_dim)[:chunk.num_keys]
-        v = values.reshape(-1, num_kv_heads, head_dim)[:chunk.num_keys]
-        return _grouped_chunk_attention(query[rows].to(k.dtype), k, v, chunk).to(query.dtype)
-    keys, values = cache.gather(layer, chunk.kv_block_ids)
+    grouped = cache.kv.dtype == torch.bfloat16 and cache.kv.device.type == "cpu"
+    keys, values = cache.gather(layer, chunk.kv_block_ids, upcast=not grouped)
     num_kv_heads, head_dim = keys.shape[2], keys.shape[3]
-    k = keys.reshape(-1, num_kv_heads, head_dim)[:chunk.num_keys].transpose(0, 1).unsqueeze(0)
-    v = values.reshape(-1, num_kv_heads, head_dim)[:chunk.num_keys].transpose(0, 1).unsqueeze(0)
-    out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=chunk.mask, enable_gqa=gqa)
+    k = keys.reshape(-1, num_kv_heads, head_dim)[:chunk.num_keys]
+    v = values.reshape(-1, num_kv_heads, head_dim)[:chunk.num_keys]
+    if grouped:
+        return _grouped_chunk_attention(query[rows].to(k.dtype), k, v, chunk).to(query.dtype)
+    out = F.scaled_dot_product_attention(q.to(k.dtype), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                         attn_mask=chunk.mask, enable_gqa=gqa)
     return out[0].transpose(0, 1).to(query.dtype)
 
 
@@ -296,8 +294,8 @@ def _grouped_chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     that share a KV head ride as rows of one matrix, so each KV head is one [group x chunk, keys] product, the
     mask an additive bias, the softmax over bfloat16 scores (computed in float32 inside, as HF's eager path does
     after its bfloat16 product). query [n, heads, dim]; keys, values [num_keys, kv_heads, dim]. For a 112-token
-    chunk over 1,024 keys (SmolLM2, 9 heads on 3), 1.2 ms a layer against 3.4-3.6 ms for SDPA with a mask in
-    float32 or bfloat16 (one thread, `loadtests/bench_engine.py`'s prefix-hit cell)."""
+    chunk over 1,024 keys (SmolLM2, 9 heads on 3) it beat SDPA with a mask over the upcast blocks about 1.4x
+    (`loadtests/bench_attention.py`); in float32 it was no faster than SDPA, which float32 keeps."""
     n, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
